@@ -1,0 +1,37 @@
+# Two commands a fresh machine needs: `make serve` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; an unpinned torch pulls a CUDA build of several GB.
+TORCH_CPU := torch==2.13.0
+TRANSFORMERS := transformers>=5.19,<5.20
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-all serve models clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_CPU)" "$(TRANSFORMERS)"
+	$(PY) -m pip install --quiet -e ".[dev,bench]" "$(TORCH_CPU)" "$(TRANSFORMERS)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Everything, the long soak/load scenarios included.
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+serve: $(STAMP)
+	$(VENV)/bin/serve run serve_config.yaml
+
+# Retrain the default model pair from scratch (seeded): tokenizer + target, then the distilled drafter.
+models: $(STAMP)
+	$(PY) -m drafter.pretrain
+	$(PY) -m drafter.distill
+
+clean:
+	rm -rf $(VENV) build

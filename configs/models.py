@@ -1,0 +1,103 @@
+"""Configs for the drafter, the verifier and sampling. Every number is bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Config):
+    """How one request samples. The verifier applies these to its logits to get p; the
+    drafter applies the same to its own logits to get q, so that q approximates p."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 means greedy (argmax) decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to at least top_p.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep only the top_k most likely tokens; 0 disables the cut.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of the request's random numbers; the same seed, prompt and parameters give the same output whatever else is batched with it.")
+    max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate (the context limit may end generation earlier).")
+    stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end generation; the returned text excludes them.")
+    ignore_eos: bool = Field(False, description="Keep generating after an end-of-sequence token.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self):
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class DraftModelConfig(_Config):
+    """A small causal LM that shares the target's tokenizer proposes the draft tokens."""
+
+    method: Literal["draft_model"] = Field("draft_model", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM with the target's vocabulary.")
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
+    draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The drafter samples from its own top draft_top_k tokens, so q is exactly sparse and only these entries travel to the verifier.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype (float32 recommended on CPU).")
+    device: str = Field("cpu", description="torch device of the drafter model.")
+    cache_budget_mb: int = Field(256, ge=1, le=1_000_000, description="Memory for the drafter's per-sequence KV cache slots; the least recently used sequence is evicted when full.")
+    max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+
+
+class NgramConfig(_Config):
+    """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens. No model, no q (treated as one-hot, which stays lossless)."""
+
+    method: Literal["ngram"] = Field("ngram", description="Selects this drafter type.")
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step.")
+    min_n: int = Field(1, ge=1, le=64, description="Shortest suffix n-gram to match.")
+    max_n: int = Field(4, ge=1, le=64, description="Longest suffix n-gram to match (tried first).")
+
+    @model_validator(mode="after")
+    def _n_range(self):
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
+
+
+DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig], Field(discriminator="method")]
+
+
+class VerifierConfig(_Config):
+    """The target model that verifies drafts."""
+
+    model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM (config, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype; weights stored in 16 bits are upcast (float32 on CPU).")
+    device: str = Field("cpu", description="torch device of the target model.")
+    cache_budget_mb: int = Field(1024, ge=1, le=10_000_000, description="Memory for per-sequence KV cache slots; the least recently used sequence is evicted when full.")
+    max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
+    max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+
+
+_C = TypeVar("_C", bound=BaseModel)
+
+
+def to_yaml(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def from_yaml(cls: type[_C], text_or_path: str | Path) -> _C:
+    """Parse a config from YAML text or a YAML file path."""
+    text = text_or_path
+    if isinstance(text_or_path, Path) or (isinstance(text_or_path, str) and "\n" not in text_or_path
+                                          and text_or_path.endswith((".yaml", ".yml"))):
+        text = Path(text_or_path).read_text()
+    data = yaml.safe_load(text) or {}
+    if hasattr(cls, "model_validate"):
+        return cls.model_validate(data)
+    from pydantic import TypeAdapter
+    return TypeAdapter(cls).validate_python(data)

@@ -1,0 +1,1 @@
+"""Draft proposers (model drafter, n-gram lookup) and drafter training."""

@@ -1,0 +1,47 @@
+"""The drafter interface: propose k tokens for each of many sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from configs import SamplingParams
+from verifier.engine import DraftProbs
+from verifier.kv_cache import prefix_hash
+
+
+@dataclass
+class DraftRequest:
+    """Propose k tokens after a sequence. Same cache protocol as ``VerifyRequest``: the
+    replica should hold tokens[:start] (hash ``prefix``), ``new_tokens`` follow them;
+    ``full=True`` means new_tokens are the whole sequence."""
+
+    seq_id: str
+    start: int
+    prefix: str | None
+    new_tokens: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+    full: bool = False
+
+    @classmethod
+    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw) -> "DraftRequest":
+        cached = min(cached, len(tokens) - 1)
+        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
+
+
+@dataclass
+class Proposal:
+    seq_id: str
+    tokens: list[int]  # the k draft tokens (fewer when the drafter found nothing to propose)
+    probs: DraftProbs | None = None  # q at each draft position; None means one-hot
+    cached: int = 0  # tokens the drafter replica now holds for the sequence
+    cache_miss: bool = False  # resend with full=True
+    draft_s: float = 0.0  # time spent drafting the batch this proposal was part of
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def release(self, seq_id: str) -> bool: ...

@@ -1,0 +1,97 @@
+"""Model drafter: a small causal LM with its own per-sequence KV cache slots.
+
+Drafting k tokens for a batch of sequences takes k batched forward passes: the first
+feeds each sequence's new tokens, each later one feeds the previous draft token. The
+drafter samples from the top ``draft_top_k`` entries of its processed distribution, so
+its q is exactly sparse and only those entries travel to the verifier.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from configs import DraftModelConfig
+from drafter.base import DraftRequest, Proposal
+from verifier.engine import DTYPES, DraftProbs
+from verifier.kv_cache import CacheMiss, SlotKVCache, batched_forward
+from verifier.sampling import Stream, processed_probs, sample_inverse_cdf, uniform
+
+
+class ModelDrafter:
+    def __init__(self, config: DraftModelConfig, model=None):
+        from transformers import AutoModelForCausalLM
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self.model = model or AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=self.dtype, attn_implementation="sdpa")
+        self.model.to(device=config.device, dtype=self.dtype).eval()
+        mc = self.model.config.get_text_config()
+        self.max_len = config.max_model_len or mc.max_position_embeddings
+        self.cache = SlotKVCache(self.model.config, self.max_len, config.cache_budget_mb * 2**20,
+                                 self.dtype, config.device)
+
+    def release(self, seq_id: str) -> bool:
+        return self.cache.release(seq_id)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out: dict[str, Proposal] = {}
+        pinned = {r.seq_id for r in requests}
+        if len(pinned) != len(requests):
+            raise ValueError("a sequence appears twice in one batch")
+        active = []  # (request, slot, feed, k)
+        for r in requests:
+            try:
+                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+            except CacheMiss:
+                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+                continue
+            feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
+            # feeding context + k-1 drafts must fit in the drafter's context
+            k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
+            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if not r.sampling.greedy else None)
+            if k > 0:
+                active.append((r, slot, feed, k))
+            else:
+                out[r.seq_id].cached = len(slot.tokens)
+
+        step = 0
+        while active:
+            logits = batched_forward(self.model, self.cache, [a[1] for a in active], [a[2] for a in active],
+                                     [1] * len(active), self.dtype)
+            still = []
+            for (r, slot, _, k), lg in zip(active, logits):
+                prop = out[r.seq_id]
+                token = self._draw(r, lg, len(slot.tokens), prop)
+                prop.tokens.append(token)
+                if step + 1 < k:
+                    still.append((r, slot, [token], k))
+                else:
+                    prop.cached = len(slot.tokens)  # the context and the first k-1 drafts
+            active = still
+            step += 1
+        dt = time.perf_counter() - t0
+        for p in out.values():
+            p.draft_s = dt
+        return [out[r.seq_id] for r in requests]
+
+    def _draw(self, r: DraftRequest, logits: torch.Tensor, position: int, prop: Proposal) -> int:
+        """Draw the draft token at absolute ``position`` from q (logits [1, V])."""
+        if r.sampling.greedy:
+            return int(logits[0].argmax())
+        q = processed_probs(logits, r.sampling)[0]  # [V]
+        K = min(self.config.draft_top_k, q.shape[0])
+        vals, ids = q.topk(K)  # [K]
+        keep = vals > 0
+        vals, ids = vals[keep], ids[keep]
+        vals = vals / vals.sum()
+        u = torch.tensor([uniform(r.seed, position, Stream.DRAFT)])
+        token = int(ids[sample_inverse_cdf(vals.unsqueeze(0), u)[0]])
+        prop.probs.ids.append(ids.tolist())
+        prop.probs.probs.append(vals.tolist())
+        return token

@@ -1,0 +1,202 @@
+"""Build the default target model from nothing: tokenizer, then LM pretraining.
+
+The default pair serves Python code. ``python -m drafter.pretrain`` trains a
+byte-level BPE tokenizer on the train split of the standard library
+(``drafter.corpus``) and pretrains a standard ``LlamaForCausalLM`` on it, so
+transformers and vLLM load the result unchanged. It is seeded, checkpoints every
+``--ckpt-every`` steps and resumes from the last checkpoint when restarted. The
+drafter is then distilled from the result by ``drafter.distill``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from drafter.corpus import load_split
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
+    """Byte-level BPE that round-trips any text exactly (no normalisation, no prefix space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        clean_up_tokenization_spaces=False, add_bos_token=True,
+    )
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+def encode_documents(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All documents as one stream: <bos> text <eos> <bos> text <eos> ..."""
+    ids: list[int] = []
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.append(bos)
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def tokenized_corpus(tokenizer, cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train_ids, held_out_ids), cached next to the checkpoints."""
+    cache = cache_dir / "corpus_ids.pt"
+    if cache.exists():
+        d = torch.load(cache)
+        return d["train"], d["held_out"]
+    train, held_out = load_split()
+    d = {
+        "train": encode_documents(tokenizer, [s.text for s in train]),
+        "held_out": encode_documents(tokenizer, [s.text for s in held_out]),
+    }
+    torch.save(d, cache)
+    return d["train"], d["held_out"]
+
+
+def batch_at(ids: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # [batch, seq_len + 1]: inputs and shifted labels come from one window
+    return torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()]).long()
+
+
+@torch.no_grad()
+def held_out_loss(model, ids: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
+    """Mean next-token cross-entropy (nats/token) on non-overlapping held-out windows."""
+    model.eval()
+    n = min(max_windows, (len(ids) - 1) // seq_len)
+    starts = torch.arange(n) * seq_len
+    losses = []
+    for chunk in starts.split(8):
+        x = batch_at(ids, chunk, seq_len)
+        logits = model(input_ids=x[:, :-1]).logits.float()
+        losses.append(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum").item())
+    model.train()
+    return sum(losses) / (n * seq_len)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("models/tiny-code-target"))
+    ap.add_argument("--work", type=Path, default=Path("build/pretrain"), help="checkpoints and token cache")
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--context", type=int, default=1024, help="max_position_embeddings")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                    help="bf16 autocast for matmuls (fp32 master weights)")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    if (args.out / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(args.out)
+    else:
+        train_files, _ = load_split()
+        tokenizer = train_tokenizer([s.text for s in train_files], args.vocab_size, args.out)
+    train_ids, held_ids = tokenized_corpus(tokenizer, args.work)
+    print(f"corpus: {len(train_ids):,} train tokens, {len(held_ids):,} held-out tokens")
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=args.context, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    step, history = 0, []
+    ckpt = args.work / "last.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        step, history = state["step"], state["history"]
+        print(f"resumed from step {step}")
+
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16)
+    t0 = time.time()
+    bar = tqdm(total=args.steps, initial=step, desc="pretrain")
+    while step < args.steps:
+        starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch,), generator=gen)
+        x = batch_at(train_ids, starts, args.seq_len).to(device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        with autocast:
+            logits = model(input_ids=x[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{args.batch * args.seq_len * (bar.n - bar.initial) / (time.time() - t0):.0f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            history.append({"step": step, "train_loss": loss.item(),
+                            "held_out_loss": held_out_loss(model, held_ids, args.seq_len)})
+            tqdm.write(json.dumps(history[-1]))
+        if step % args.ckpt_every == 0 or step == args.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                        "step": step, "history": history}, tmp)
+            tmp.replace(ckpt)
+    bar.close()
+
+    model.to(torch.bfloat16).save_pretrained(args.out)
+    (args.work / "history.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                         "history": history}, indent=1))
+    print(f"saved {args.out}; held-out loss {history[-1]['held_out_loss']:.3f} nats/token")
+
+
+if __name__ == "__main__":
+    main()

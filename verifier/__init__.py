@@ -1,0 +1,1 @@
+"""Target-model engine, per-sequence KV caches and lossless rejection sampling."""
