@@ -25,6 +25,10 @@ class DraftRequest:
     seed: int
     full: bool = False
 
+    def __post_init__(self):
+        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
+            self.full = True
+
     @classmethod
     def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw) -> "DraftRequest":
         cached = min(cached, len(tokens) - 1)

@@ -32,13 +32,16 @@ class ModelDrafter:
         self.model.to(device=config.device, dtype=self.dtype).eval()
         mc = self.model.config.get_text_config()
         self.max_len = config.max_model_len or mc.max_position_embeddings
-        self.cache = SlotKVCache(self.model.config, self.max_len, config.cache_budget_mb * 2**20,
+        self.cache = SlotKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20),
                                  self.dtype, config.device)
 
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        n = self.cache.num_slots  # a batch larger than the cache goes in parts
+        if len(requests) > n:
+            return [p for i in range(0, len(requests), n) for p in self.propose(requests[i:i + n])]
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
         pinned = {r.seq_id for r in requests}

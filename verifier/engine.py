@@ -55,6 +55,10 @@ class VerifyRequest:
     draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
     full: bool = False
 
+    def __post_init__(self):
+        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
+            self.full = True
+
     @classmethod
     def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw) -> "VerifyRequest":
         """The step for a sequence whose replica is believed to hold tokens[:cached]."""
@@ -98,7 +102,7 @@ class VerifierEngine:
         mc = self.model.config
         self.vocab_size = mc.get_text_config().vocab_size
         self.max_len = config.max_model_len or mc.get_text_config().max_position_embeddings
-        self.cache = SlotKVCache(mc, self.max_len, config.cache_budget_mb * 2**20, self.dtype, self.device)
+        self.cache = SlotKVCache(mc, self.max_len, int(config.cache_budget_mb * 2**20), self.dtype, self.device)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
 
     def release(self, seq_id: str) -> bool:
@@ -106,6 +110,9 @@ class VerifierEngine:
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         """Verify the drafts of many sequences in (normally) one batched forward pass."""
+        n = self.cache.num_slots  # a batch larger than the cache goes in parts
+        if len(requests) > n:
+            return [res for i in range(0, len(requests), n) for res in self.verify(requests[i:i + n])]
         results: dict[str, VerifyResult] = {}
         live: list[tuple[VerifyRequest, object]] = []
         pinned = {r.seq_id for r in requests}

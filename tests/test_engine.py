@@ -1,0 +1,158 @@
+"""Engine behaviour: determinism, batching, stopping, context limit, cache protocol."""
+
+import pytest
+import torch
+
+from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
+from drafter.model_drafter import ModelDrafter
+from drafter.ngram import NgramDrafter, ngram_propose
+from tests.helpers import tiny_llama
+from tests.test_greedy_equivalence import prompts, reference
+from verifier.engine import VerifierEngine, VerifyRequest
+from verifier.generate import Sequence, generate, step
+from verifier.kv_cache import prefix_hash
+
+
+def make(tiny_pair, budget_mb=64, drafter_budget_mb=64, target=None, draft=None):
+    tok, t, d = tiny_pair
+    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=budget_mb), model=target or t, tokenizer=tok)
+    dr = ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=drafter_budget_mb), model=draft or d)
+    return tok, ver, dr
+
+
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_pair):
+    tok, ver, dr = make(tiny_pair)
+    ps = prompts(tok, 5)
+    alone = generate([ps[0]], SAMPLED, 4, dr, ver)[0].output_ids
+    again = generate([ps[0]], SAMPLED, 4, dr, ver)[0].output_ids
+    batched = generate(ps, [SAMPLED] + [SAMPLED.model_copy(update={"seed": i}) for i in range(4)], 4, dr, ver)
+    assert alone == again == batched[0].output_ids
+    other_seed = generate([ps[0]], SAMPLED.model_copy(update={"seed": 99}), 4, dr, ver)[0].output_ids
+    assert other_seed != alone
+    # and with the n-gram drafter in the mix of a batch
+    ng = NgramDrafter(NgramConfig())
+    assert generate([ps[0]], SAMPLED, 4, ng, ver)[0].output_ids == generate(ps[:3], SAMPLED, 4, ng, ver)[0].output_ids
+
+
+def test_unseeded_requests_differ(tiny_pair):
+    tok, ver, dr = make(tiny_pair)
+    p = prompts(tok, 1)
+    params = SAMPLED.model_copy(update={"seed": None, "temperature": 1.5, "top_p": 1.0})
+    outs = {tuple(generate(p, params, 3, dr, ver)[0].output_ids) for _ in range(3)}
+    assert len(outs) > 1
+
+
+@pytest.mark.parametrize("k", [0, 8])
+def test_eos_inside_a_draft_ends_generation(tiny_pair, k):
+    tok, t, d = tiny_pair
+    p = prompts(tok, 1)[0]
+    free = reference(t, p, 20)
+    eos = free[6]  # make a token the target emits at step 6 its end-of-sequence token
+    first = free.index(eos)
+    t.generation_config.eos_token_id = eos
+    try:
+        _, ver, dr = make(tiny_pair)
+        (s,) = generate([p], SamplingParams(temperature=0, max_tokens=20), k, dr, ver)
+    finally:
+        t.generation_config.eos_token_id = None
+    assert s.output_ids == free[: first + 1] and s.finish_reason == "stop"
+    assert eos not in tok(s.text)["input_ids"] or tok.decode([eos]) in s.text  # EOS id is in ids, not text
+
+
+def test_max_tokens_inside_a_draft(tiny_pair):
+    tok, ver, dr = make(tiny_pair)
+    p = prompts(tok, 1)[0]
+    want = reference(tiny_pair[1], p, 7)
+    for k in (3, 8):
+        seq = Sequence(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), k, tok, ver.eos_ids, ver.max_len)
+        while not seq.done:
+            step([seq], dr, ver)
+        assert seq.output_ids == want and seq.finish_reason == "length"
+
+
+def test_stop_string(tiny_pair):
+    tok, ver, dr = make(tiny_pair)
+    p = prompts(tok, 3)[2]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (free,) = generate([p], params, 4, dr, ver)
+    text = free.text
+    stop = text[9:13]
+    assert stop and len(text) > 14
+    (s,) = generate([p], params.model_copy(update={"stop": (stop, "NEVER-APPEARS")}), 4, dr, ver)
+    assert s.text == text[: text.index(stop)] and s.finish_reason == "stop"
+    assert len(s.output_ids) < len(free.output_ids)
+    assert tok.decode(s.output_ids).find(stop) >= 0  # the ids run through the stop string, the text stops before it
+
+
+def test_sequence_at_the_context_limit(tiny_pair):
+    tok, _, _ = tiny_pair
+    t = tiny_llama(len(tok), peak=30.0, eos_token_id=None, max_len=48)
+    d = tiny_llama(len(tok), peak=30.0, eos_token_id=None, max_len=48, layers=1, seed=3)
+    _, ver, dr = make(tiny_pair, target=t, draft=d)
+    assert ver.max_len == 48
+    p = prompts(tok, 2)[1]
+    (s,) = generate([p], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), 8, dr, ver)
+    assert len(s.tokens) == 48 and s.finish_reason == "length"
+    ids = torch.tensor([p])
+    want = t.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_length=48, pad_token_id=2)
+    assert s.output_ids == want[0, len(p):].tolist()
+    with pytest.raises(ValueError, match="context"):
+        Sequence(list(range(3, 51)), SamplingParams(), 4, tok, set(), 48)
+
+
+def test_eviction_and_recompute_give_the_same_output(tiny_pair):
+    tok, big_ver, big_dr = make(tiny_pair)
+    slot_mb = big_ver.cache.slot_bytes / 2**20
+    _, ver, dr = make(tiny_pair, budget_mb=2.5 * slot_mb, drafter_budget_mb=2.5 * slot_mb)
+    assert ver.cache.num_slots == dr.cache.num_slots == 2
+    ps = prompts(tok, 3)
+    want = [s.output_ids for s in generate(ps, SAMPLED, 3, big_dr, big_ver)]
+    seqs = [Sequence(p, SAMPLED, 3, tok, ver.eos_ids, ver.max_len) for p in ps]
+    while not all(s.done for s in seqs):
+        for s in seqs:  # round robin: each step evicts another sequence's slot
+            if not s.done:
+                step([s], dr, ver)
+    assert [s.output_ids for s in seqs] == want
+    assert ver.cache.stats["evictions"] > 0 and ver.cache.stats["misses"] > 0
+    # a batch larger than the cache is split, not refused
+    assert [s.output_ids for s in generate(ps, SAMPLED, 3, dr, ver)] == want
+
+
+def test_any_replica_can_serve_any_step(tiny_pair):
+    """Alternating two replicas: each step on the other replica misses, resends, and the output is unchanged."""
+    tok, ver_a, dr_a = make(tiny_pair)
+    _, ver_b, dr_b = make(tiny_pair)
+    p = prompts(tok, 1)[0]
+    want = generate([p], SAMPLED, 3, dr_a, ver_a)[0].output_ids
+    s = Sequence(p, SAMPLED, 3, tok, ver_a.eos_ids, ver_a.max_len)
+    i = 0
+    while not s.done:
+        step([s], [dr_a, dr_b][i % 2], [ver_a, ver_b][(i // 2) % 2])
+        i += 1
+    assert s.output_ids == want
+    assert ver_b.cache.stats["misses"] > 0
+
+
+def test_cache_protocol_miss_and_rollback(tiny_pair):
+    tok, ver, _ = make(tiny_pair)
+    toks = prompts(tok, 1)[0] + [7, 8, 9]
+    g = SamplingParams(temperature=0)
+    r = ver.verify([VerifyRequest.for_tokens("s", toks, 0, draft_tokens=[], sampling=g, seed=0)])[0]
+    assert not r.cache_miss and r.cached == len(toks)
+    # a wrong prefix hash is a miss, not a wrong answer
+    bad = VerifyRequest("s", len(toks), prefix_hash(toks[:-1] + [0]), [r.tokens[0]], [], g, 0)
+    assert ver.verify([bad])[0].cache_miss
+    # rolling back to an earlier prefix only moves the length pointer
+    ok = VerifyRequest.for_tokens("s", toks[:4] + [11], 4, draft_tokens=[], sampling=g, seed=0)
+    r2 = ver.verify([ok])[0]
+    assert not r2.cache_miss and r2.cached == 5
+    assert ver.release("s") and not ver.release("s")
+
+
+def test_ngram_propose():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert ngram_propose([1, 2, 3, 9, 2, 3, 5, 2, 3], 2, 1, 2) == [5, 2]  # latest match wins
+    assert ngram_propose([1, 2, 3], 3, 1, 3) == []
