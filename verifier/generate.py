@@ -52,6 +52,14 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def merge(self, other: "SpecStats"):
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos))
+        for i, a in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += a
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": self.accepted_per_pos,
