@@ -15,3 +15,56 @@ def tiny_pair():
     tok = tiny_tokenizer()
     target = tiny_llama(len(tok), peak=30.0, eos_token_id=None)
     return tok, target, noisy_copy(target, 0.15)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (starting one takes seconds)."""
+    import ray
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_pair):
+    tok, target, draft = tiny_pair
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("target", target), ("drafter", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root / "target", root / "drafter"
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
+    """The splitspec app on tiny models, served over real HTTP on a free port.
+    Yields (base_url, tokenizer, target_model, drafter_model)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    target_dir, drafter_dir = tiny_model_dirs
+    app = build_app({
+        "model_name": "tiny",
+        "verifier": {"model": str(target_dir), "cache_budget_mb": 64, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
+                    "cache_budget_mb": 32, "num_threads": 1},
+        "max_tokens_limit": 512,
+    })
+    serve.run(app, name="splitspec", route_prefix="/")
+    tok, target, draft = tiny_pair
+    yield f"http://127.0.0.1:{port}", tok, target, draft
+    serve.delete("splitspec")

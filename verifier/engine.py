@@ -54,6 +54,7 @@ class VerifyRequest:
     seed: int  # the request's seed (the caller draws one when the client gave none)
     draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
     full: bool = False
+    logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
 
     def __post_init__(self):
         if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
@@ -79,6 +80,10 @@ class VerifyResult:
     cache_miss: bool = False  # the replica lacked the assumed prefix: resend with full=True
     num_drafts: int = 0  # k of this step
     forward_s: float = 0.0  # time in the batched forward pass this step was part of
+    batch_size: int = 1  # sequences in the batch this step was verified with
+    # per emitted token: (its log-probability, [(token, log-probability)] of the top alternatives),
+    # from the target's raw distribution (before temperature/top-k/top-p), as OpenAI and vLLM report them
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def accepted(self) -> list[bool]:
@@ -159,7 +164,13 @@ class VerifierEngine:
                 uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
                 uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))
         out = [t for t in tokens[0].tolist() if t != PAD]
-        return VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
+        res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
+        if r.logprobs is not None:
+            lp = logits[: len(out)].float().log_softmax(-1)  # [emitted, V]
+            top = lp.topk(r.logprobs, -1) if r.logprobs > 0 else None
+            res.logprobs = [(float(lp[i, t]), list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
+                            for i, t in enumerate(out)]
+        return res
 
     def _groups(self, live):
         """Split a batch so that left-padding never more than doubles the tokens computed,

@@ -71,7 +71,7 @@ class Sequence:
     """One request: prompt, sampling, and everything needed to take its next step."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, k: int, tokenizer,
-                 eos_ids: set[int], max_len: int, seq_id: str | None = None):
+                 eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None):
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= max_len:
@@ -90,6 +90,8 @@ class Sequence:
         self.drafter_cached = 0  # tokens the drafter is believed to hold for this sequence
         self.verifier_cached = 0
         self.text = ""
+        self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
 
     @property
     def output_ids(self) -> list[int]:
@@ -113,7 +115,7 @@ class Sequence:
 
     def verify_request(self, proposal: Proposal | None, full: bool = False) -> VerifyRequest:
         drafts = proposal.tokens if proposal else []
-        kw = dict(draft_tokens=drafts, sampling=self.params, seed=self.seed,
+        kw = dict(draft_tokens=drafts, sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
                   draft_probs=proposal.probs if proposal and proposal.probs and drafts else None)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
@@ -139,14 +141,17 @@ class Sequence:
                 self.finish_reason = "stop"
                 break
         self.tokens.extend(new)
+        if result.logprobs is not None:
+            self.logprobs.extend(result.logprobs[: len(new)])
         # the drafter's cache stays valid up to the first token where it differs from the sequence
         self.drafter_cached = _common(held_by_drafter, self.tokens)
         self._drafts = []
         delta = self.detok.add([t for t in new if t not in self.eos_ids])
         if self.detok.stopped_at is not None:
             self.finish_reason = "stop"
-            keep = self.num_prompt + self.detok.tokens_through_stop()
-            del self.tokens[keep:]
+            keep = self.detok.tokens_through_stop()
+            del self.tokens[self.num_prompt + keep:]
+            del self.logprobs[keep:]
         elif self.finish_reason is None and (len(self.output_ids) >= self.params.max_tokens
                                              or len(self.tokens) >= self.max_len):
             self.finish_reason = "length"

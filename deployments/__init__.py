@@ -1,0 +1,1 @@
+"""Ray Serve deployments: drafter pool, verifier pool, router with the OpenAI-compatible HTTP API."""

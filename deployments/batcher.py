@@ -1,0 +1,78 @@
+"""Continuous batching for a replica: whatever queued while the previous batch ran goes
+into the next one. No timer: an idle replica starts a batch the moment a call arrives.
+
+The engine runs on a single worker thread, off the replica's event loop, so health
+checks, streaming and cancellation stay responsive during a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Overloaded(Exception):
+    """The replica's queue is full; the caller should back off or go elsewhere."""
+
+
+class ContinuousBatcher(Generic[T, R]):
+    def __init__(self, run: Callable[[list[T]], list[R]], max_batch: int, max_queue: int,
+                 on_batch: Callable[[int, float], None] | None = None):
+        self.run = run
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.on_batch = on_batch
+        self.pending: list[tuple[T, asyncio.Future]] = []
+        self.wakeup = asyncio.Event()
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.worker: asyncio.Task | None = None
+        self.busy_s = 0.0  # time spent in the engine, for utilisation metrics
+        self.max_seen = 0  # largest batch so far
+
+    @property
+    def queued(self) -> int:
+        return len(self.pending)
+
+    async def submit(self, items: list[T]) -> list[R]:
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.get_running_loop().create_task(self._loop())
+        if len(self.pending) + len(items) > self.max_queue:
+            raise Overloaded(f"queue full ({len(self.pending)} waiting)")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+        self.pending.extend(zip(items, futures))
+        self.wakeup.set()
+        return list(await asyncio.gather(*futures))
+
+    async def _loop(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.pending:
+                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch:]
+                live = [(item, fut) for item, fut in batch if not fut.cancelled()]
+                if not live:
+                    continue
+                self.max_seen = max(self.max_seen, len(live))
+                t0 = time.perf_counter()
+                try:
+                    results = await loop.run_in_executor(self.executor, self.run, [i for i, _ in live])
+                except Exception as e:  # noqa: BLE001 - every caller in the batch gets the error
+                    for _, fut in live:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                finally:
+                    dt = time.perf_counter() - t0
+                    self.busy_s += dt
+                    if self.on_batch:
+                        self.on_batch(len(live), dt)
+                for (_, fut), res in zip(live, results):
+                    if not fut.done():
+                        fut.set_result(res)

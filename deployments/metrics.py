@@ -1,0 +1,44 @@
+"""Prometheus metrics through Ray's metrics export (Ray prefixes every name with ``ray_``).
+
+Speculation counters mirror vLLM's ``spec_decode`` names.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
+LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+@lru_cache(maxsize=None)
+def metrics():
+    from ray.serve import metrics as m
+
+    return {
+        "batch_size": m.Histogram("splitspec_batch_size", description="Sequences per batched forward pass.",
+                                  boundaries=BATCH_BOUNDARIES, tag_keys=("role",)),
+        "batch_latency": m.Histogram("splitspec_batch_latency_s", description="Seconds per batched engine call.",
+                                     boundaries=LATENCY_BOUNDARIES_S, tag_keys=("role",)),
+        "queue": m.Gauge("splitspec_queue_length", description="Sequence steps waiting for the engine.",
+                         tag_keys=("role",)),
+        "cache_hits": m.Counter("splitspec_cache_affinity_hits", description="Calls whose sequence prefix was cached on the replica.",
+                                tag_keys=("role",)),
+        "cache_misses": m.Counter("splitspec_cache_recomputes", description="Calls that missed the replica's cache and were resent in full (recomputed).",
+                                  tag_keys=("role",)),
+        "cached_seqs": m.Gauge("splitspec_cached_sequences", description="Sequences holding a KV cache slot.",
+                               tag_keys=("role",)),
+        "requests": m.Counter("splitspec_requests", description="HTTP requests by endpoint and status.",
+                              tag_keys=("endpoint", "status")),
+        "request_latency": m.Histogram("splitspec_request_latency_s", description="End-to-end request seconds.",
+                                       boundaries=LATENCY_BOUNDARIES_S, tag_keys=("endpoint",)),
+        "exposed_rpc": m.Histogram("splitspec_exposed_rpc_s", description="Per speculative step: seconds on the router's critical path outside drafter and verifier engine time (network, queueing, serialisation).",
+                                   boundaries=LATENCY_BOUNDARIES_S),
+        "num_drafts": m.Counter("spec_decode_num_drafts", description="Speculative steps that proposed tokens."),
+        "num_draft_tokens": m.Counter("spec_decode_num_draft_tokens", description="Draft tokens proposed."),
+        "num_accepted_tokens": m.Counter("spec_decode_num_accepted_tokens", description="Draft tokens accepted."),
+        "num_accepted_tokens_per_pos": m.Counter("spec_decode_num_accepted_tokens_per_pos",
+                                                 description="Draft tokens accepted, by position in the draft.",
+                                                 tag_keys=("position",)),
+        "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
+    }

@@ -1,0 +1,59 @@
+"""How many tokens to speculate, step by step.
+
+A request's ``num_speculative_tokens`` is an upper bound. Each step the policy picks the
+k in [0, bound] that maximises expected tokens per second of verifier time:
+
+    tokens(k) = (1 - a^(k+1)) / (1 - a)            (Leviathan et al., per-token acceptance a)
+    cost(k)   = 1 + k * (c_draft + c_verify * load)  (in units of one plain verify step)
+
+a is the request's own acceptance so far (smoothed, starting from a neutral prior);
+c_draft is the drafter's cost per token relative to a verify step and c_verify the
+extra verification cost per extra token (both measured from the step timings the
+engines report). ``load`` grows with the verifier's batch size: when the verifier is
+saturated, every extra token it verifies is throughput taken from other requests, so
+speculation is cut back, down to k = 0 when it would cost throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptiveK:
+    bound: int
+    prior: float = 0.6  # per-token acceptance assumed before any evidence
+    c_draft: float = 0.05  # drafter cost per token / plain verify step (measured as steps come in)
+    c_verify: float = 0.12  # extra verify cost per extra token (0.12 measured on CPU; ~0.01 on a GPU)
+    decay: float = 0.9  # weight of older steps in the acceptance estimate
+    saturation_batch: int = 16  # verifier batch size at which extra verified tokens cost throughput
+    accepted_w: float = 0.0
+    tested_w: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance: accepted / tested draft positions (a position is tested when
+        all before it were accepted), smoothed towards the prior with two pseudo-observations."""
+        return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
+
+    def next_k(self, batch_size: int = 1) -> int:
+        if self.bound == 0:
+            return 0
+        a = min(max(self.acceptance, 1e-3), 0.999)
+        load = max(1.0, 4.0 * batch_size / self.saturation_batch)
+        best_k, best = 0, 1.0
+        for k in range(1, self.bound + 1):
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (self.c_draft + self.c_verify * load))
+            if value > best * 1.0001:
+                best_k, best = k, value
+        return best_k
+
+    def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0):
+        if k <= 0:
+            return
+        tested = num_accepted + (1 if num_accepted < k else 0)
+        self.accepted_w = self.decay * self.accepted_w + num_accepted
+        self.tested_w = self.decay * self.tested_w + tested
+        if draft_s > 0 and verify_s > 0:
+            plain = verify_s / (1 + self.c_verify * k)
+            self.c_draft += 0.3 * (draft_s / k / plain - self.c_draft)

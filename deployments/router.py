@@ -1,0 +1,334 @@
+"""Router deployment and HTTP ingress: runs each request's speculative loop over RPC.
+
+Per step: propose k tokens on a drafter replica, verify them on a verifier replica,
+stream what was accepted. The router holds each request's state (``Sequence``); the
+replicas hold only caches, named by the stateless protocol, so any replica can serve
+any step. With k = 0 the verifier decodes the request by itself and streams it back.
+"""
+
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from configs import SamplingParams
+from deployments.metrics import metrics
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from deployments.policy import AdaptiveK
+from deployments.verifier import StepOutput
+from verifier.generate import Sequence
+
+log = logging.getLogger("ray.serve")
+app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
+
+PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, e: OpenAIError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, e: Exception):
+    log.exception("internal error")
+    return JSONResponse(OpenAIError(500, f"internal error: {type(e).__name__}", type_="internal_error").body(),
+                        status_code=500)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError):
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":
+        msg = f"unsupported parameter: {param}"
+    else:
+        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+    return JSONResponse(OpenAIError(400, msg, param=param, code=first.get("type")).body(), status_code=400)
+
+
+@serve.ingress(app)
+class Router:
+    """The HTTP ingress and per-request loop. Receives its drafter and verifier as handles
+    (or, in tests without a cluster, as anything with the same async methods)."""
+
+    def __init__(self, config: dict, drafter, verifier):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from deployments.app import AppConfig
+        from verifier.engine import eos_token_ids
+
+        self.config = AppConfig.model_validate(config)
+        self.drafter = drafter
+        self.verifier = verifier
+        vpath = self.config.verifier.model
+        self.tokenizer = AutoTokenizer.from_pretrained(vpath)
+        mc = AutoConfig.from_pretrained(vpath).get_text_config()
+        self.max_len = self.config.verifier.max_model_len or mc.max_position_embeddings
+        d = self.config.drafter
+        if d.method == "draft_model":
+            self.max_len = min(self.max_len, d.max_model_len or
+                               AutoConfig.from_pretrained(d.model).get_text_config().max_position_embeddings)
+        try:
+            from transformers import GenerationConfig
+            gen = GenerationConfig.from_pretrained(vpath)
+        except OSError:
+            gen = None
+        self.eos_ids = eos_token_ids(type("M", (), {"generation_config": gen, "config": mc})(), self.tokenizer)
+        self.model_name = self.config.model_name
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- HTTP
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "splitspec", "max_model_len": self.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        prompt_ids = (list(body.prompt) if isinstance(body.prompt, list)
+                      else self.tokenizer(body.prompt)["input_ids"])
+        if isinstance(body.prompt, list) and any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
+            raise OpenAIError(400, "prompt token ids out of the vocabulary", param="prompt")
+        return await self._serve("completions", body, prompt_ids, request, body.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        prompt_ids = self._chat_prompt(messages, body.add_generation_prompt)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._serve("chat", body, prompt_ids, request, top)
+
+    # ---------------------------------------------------------------- internals
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if tok.chat_template:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        else:
+            text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages)
+            if add_generation_prompt:
+                text += "assistant:"
+        # a template that writes BOS itself must not get a second one from the tokenizer
+        has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
+        return tok(text, add_special_tokens=not has_bos)["input_ids"]
+
+    def _params(self, body, prompt_len: int) -> SamplingParams:
+        if body.model is not None and body.model != self.model_name:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+        if prompt_len >= self.max_len:
+            raise OpenAIError(400, f"prompt has {prompt_len} tokens; the context limit is {self.max_len}",
+                              param="prompt" if isinstance(body, CompletionRequest) else "messages",
+                              code="context_length_exceeded")
+        max_new = (body.max_new() if isinstance(body, ChatCompletionRequest) else body.max_tokens)
+        limit = self.config.max_tokens_limit
+        if max_new is not None and max_new > limit:
+            raise OpenAIError(400, f"max_tokens {max_new} exceeds the server limit {limit}", param="max_tokens")
+        if max_new is None:
+            max_new = 16 if isinstance(body, CompletionRequest) else limit
+        max_new = min(max_new, self.max_len - prompt_len)
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                              max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos)
+
+    async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
+        params = self._params(body, len(prompt_ids))
+        k = self.config.drafter.num_speculative_tokens
+        if body.num_speculative_tokens is not None:
+            k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
+        rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
+        steps = self._generate(rid, prompt_ids, params, k, logprobs)
+        meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body)
+        if body.stream:
+            return StreamingResponse(self._sse(steps, meta, request), media_type="text/event-stream")
+        out = await self._collect(steps, request)
+        return JSONResponse(self._final_body(meta, out))
+
+    async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
+        if k == 0:
+            gen = self.verifier.options(stream=True).generate_plain.remote(
+                prompt_ids, params, rid, self.max_len, logprobs)
+            async for step in gen:
+                yield step
+            return
+        seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
+                       logprobs=logprobs)
+        policy = AdaptiveK(k)
+        m = metrics()
+        batch = 1
+        try:
+            while not seq.done:
+                t_step = time.perf_counter()
+                step_k = seq.step_k(policy.next_k(batch))
+                proposal, draft_s = None, 0.0
+                if step_k > 0:
+                    proposal = await self._propose(seq, step_k)
+                    draft_s = proposal.draft_s if proposal else 0.0
+                    if proposal is None:
+                        m["degraded"].inc()
+                res = await self._verify(seq, proposal)
+                batch = res.batch_size
+                n_lp = len(seq.logprobs)
+                new, delta = seq.apply(res)
+                drafted = res.num_drafts
+                if drafted:
+                    policy.observe(drafted, res.num_accepted, draft_s, res.forward_s)
+                    m["num_drafts"].inc()
+                    m["num_draft_tokens"].inc(drafted)
+                    if res.num_accepted:
+                        m["num_accepted_tokens"].inc(res.num_accepted)
+                    for pos in range(res.num_accepted):
+                        m["num_accepted_tokens_per_pos"].inc(tags={"position": str(pos)})
+                    m["exposed_rpc"].observe(max(0.0, time.perf_counter() - t_step - draft_s - res.forward_s))
+                yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:],
+                                 seq.stats.as_dict() if seq.done else None)
+        finally:
+            self._release(rid)
+
+    async def _propose(self, seq: Sequence, k: int):
+        """Draft on a drafter replica; None if the drafter pool cannot answer (plain step)."""
+        try:
+            (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k)]),
+                                          self.config.drafter_timeout_s)
+            if p.cache_miss:
+                (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k, full=True)]),
+                                              self.config.drafter_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed drafter degrades speculation, never the request
+            log.warning("drafter call failed, decoding this step without speculation: %r", e)
+            seq.drafter_cached = 0
+            return None
+        seq.note_proposal(p)
+        return p
+
+    async def _verify(self, seq: Sequence, proposal):
+        for attempt in range(self.config.verifier_retries + 1):
+            try:
+                (res,) = await self.verifier.verify.remote([seq.verify_request(proposal)])
+                if res.cache_miss:
+                    (res,) = await self.verifier.verify.remote([seq.verify_request(proposal, full=True)])
+                return res
+            except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
+                if attempt == self.config.verifier_retries:
+                    raise
+                log.warning("verifier call failed (attempt %d), retrying: %r", attempt + 1, e)
+                seq.verifier_cached = 0
+                await asyncio.sleep(min(2.0, 0.2 * 2 ** attempt))
+
+    def _release(self, rid: str):
+        # fire and forget: the request is done, its caches on both pools can go
+        for handle in (self.drafter, self.verifier):
+            try:
+                handle.release.remote([rid])
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _collect(self, steps, request: Request) -> dict:
+        ids, text, lps, finish, stats = [], [], [], None, None
+        async for s in steps:
+            ids += s.token_ids
+            text.append(s.text)
+            lps += s.logprobs
+            finish = s.finish_reason or finish
+            stats = s.stats or stats
+            if await request.is_disconnected():
+                await steps.aclose()
+                raise OpenAIError(499, "client disconnected")
+        return {"ids": ids, "text": "".join(text), "logprobs": lps, "finish_reason": finish, "stats": stats}
+
+    async def _sse(self, steps, meta: dict, request: Request):
+        body = meta["body"]
+        chat = meta["endpoint"] == "chat"
+        n_out, finish, stats, first = 0, None, None, True
+        try:
+            async for s in steps:
+                n_out += len(s.token_ids)
+                finish = s.finish_reason or finish
+                stats = s.stats or stats
+                if s.text or s.finish_reason or first or (body.return_token_ids and s.token_ids):
+                    chunk = self._chunk(meta, s, first)
+                    first = False
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except OpenAIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        if body.stream_options and body.stream_options.include_usage:
+            usage = self._usage(meta, n_out, stats)
+            yield f"data: {json.dumps({**self._envelope(meta), 'choices': [], **usage})}\n\n"
+        yield "data: [DONE]\n\n"
+        metrics()["requests"].inc(tags={"endpoint": meta["endpoint"], "status": "200"})
+        metrics()["request_latency"].observe(time.perf_counter() - meta["t0"], tags={"endpoint": meta["endpoint"]})
+
+    def _envelope(self, meta: dict) -> dict:
+        chat = meta["endpoint"] == "chat"
+        obj = ("chat.completion.chunk" if meta["body"].stream else "chat.completion") if chat else "text_completion"
+        return {"id": meta["rid"], "object": obj, "created": int(time.time()), "model": self.model_name}
+
+    def _logprobs_body(self, meta: dict, ids: list[int], lps: list) -> dict | None:
+        body = meta["body"]
+        if not lps:
+            return None
+        if meta["endpoint"] == "chat":
+            return {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp,
+                                 "bytes": list(self.tokenizer.decode([t]).encode()),
+                                 "top_logprobs": [{"token": self.tokenizer.decode([a]), "logprob": alp,
+                                                   "bytes": list(self.tokenizer.decode([a]).encode())} for a, alp in top]}
+                                for t, (lp, top) in zip(ids, lps)]}
+        return {"tokens": [self.tokenizer.decode([t]) for t in ids], "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self.tokenizer.decode([a]): alp for a, alp in top} for _, top in lps],
+                "text_offset": None}
+
+    def _chunk(self, meta: dict, s: StepOutput, first: bool) -> dict:
+        body = meta["body"]
+        if meta["endpoint"] == "chat":
+            delta = {"content": s.text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": s.finish_reason,
+                      "logprobs": self._logprobs_body(meta, s.token_ids, s.logprobs)}
+        else:
+            choice = {"index": 0, "text": s.text, "finish_reason": s.finish_reason,
+                      "logprobs": self._logprobs_body(meta, s.token_ids, s.logprobs)}
+        if body.return_token_ids:
+            choice["token_ids"] = s.token_ids
+            if first:
+                choice["prompt_token_ids"] = meta["prompt_ids"]
+        out = {**self._envelope(meta), "choices": [choice]}
+        if s.stats is not None:
+            out["speculation"] = s.stats
+        return out
+
+    def _usage(self, meta: dict, n_out: int, stats: dict | None) -> dict:
+        n_in = len(meta["prompt_ids"])
+        return {"usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+
+    def _final_body(self, meta: dict, out: dict) -> dict:
+        body = meta["body"]
+        lp = self._logprobs_body(meta, out["ids"], out["logprobs"])
+        if meta["endpoint"] == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                      "finish_reason": out["finish_reason"], "logprobs": lp}
+        else:
+            choice = {"index": 0, "text": out["text"], "finish_reason": out["finish_reason"], "logprobs": lp}
+        if body.return_token_ids:
+            choice["token_ids"] = out["ids"]
+            choice["prompt_token_ids"] = meta["prompt_ids"]
+        metrics()["requests"].inc(tags={"endpoint": meta["endpoint"], "status": "200"})
+        metrics()["request_latency"].observe(time.perf_counter() - meta["t0"], tags={"endpoint": meta["endpoint"]})
+        return {**self._envelope(meta), "choices": [choice], **self._usage(meta, len(out["ids"]), out["stats"]),
+                "speculation": out["stats"]}
