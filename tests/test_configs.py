@@ -1,0 +1,70 @@
+"""Configs: bounds, the method tag, YAML round trip, and the serve config's app args."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from configs import (DraftModelConfig, DrafterConfig, NgramConfig, SamplingParams, VerifierConfig, from_yaml,
+                     to_yaml)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("config", [
+    DraftModelConfig(model="models/tiny-code-drafter", num_speculative_tokens=6, draft_top_k=32),
+    NgramConfig(num_speculative_tokens=3, min_n=2, max_n=5),
+    VerifierConfig(model="models/tiny-code-target", cache_budget_mb=512.5),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=3, stop=("\n\n",)),
+])
+def test_yaml_round_trip(config):
+    text = to_yaml(config)
+    assert from_yaml(type(config), text) == config
+
+
+def test_drafter_selected_by_method_tag(tmp_path):
+    adapter = TypeAdapter(DrafterConfig)
+    assert isinstance(adapter.validate_python({"method": "ngram"}), NgramConfig)
+    assert isinstance(adapter.validate_python({"method": "draft_model", "model": "m"}), DraftModelConfig)
+    p = tmp_path / "d.yaml"
+    p.write_text(to_yaml(NgramConfig(max_n=7)))
+    assert from_yaml(DrafterConfig, p) == NgramConfig(max_n=7)
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"method": "medusa"})
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (SamplingParams, {"temperature": -0.1}),
+    (SamplingParams, {"top_p": 0.0}),
+    (SamplingParams, {"top_p": 1.1}),
+    (SamplingParams, {"top_k": -1}),
+    (SamplingParams, {"max_tokens": 0}),
+    (SamplingParams, {"stop": ("",)}),
+    (DraftModelConfig, {"model": "m", "num_speculative_tokens": 17}),
+    (DraftModelConfig, {"model": "m", "num_speculative_tokens": -1}),
+    (DraftModelConfig, {"model": ""}),
+    (NgramConfig, {"min_n": 4, "max_n": 2}),
+    (VerifierConfig, {"model": "m", "cache_budget_mb": 0}),
+    (VerifierConfig, {"model": "m", "unknown_field": 1}),
+])
+def test_bounds(cls, kwargs):
+    with pytest.raises(ValidationError):
+        cls(**kwargs)
+
+
+def test_every_field_is_described():
+    from deployments.app import AppConfig
+    for cls in (SamplingParams, DraftModelConfig, NgramConfig, VerifierConfig, AppConfig):
+        missing = [n for n, f in cls.model_fields.items() if not f.description]
+        assert not missing, f"{cls.__name__}: {missing}"
+
+
+def test_serve_config_args_validate():
+    from deployments.app import AppConfig
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    (application,) = cfg["applications"]
+    assert application["import_path"] == "deployments.app:build_app"
+    config = AppConfig.model_validate(application["args"])
+    assert {d["name"] for d in application["deployments"]} == {"Router", "Drafter", "Verifier"}
+    assert config.drafter.method == "draft_model"
