@@ -22,8 +22,9 @@ class Overloaded(Exception):
 
 class ContinuousBatcher(Generic[T, R]):
     def __init__(self, run: Callable[[list[T]], list[R]], max_batch: int, max_queue: int,
-                 on_batch: Callable[[int, float], None] | None = None):
+                 on_batch: Callable[[int, float], None] | None = None, key: Callable[[T], object] | None = None):
         self.run = run
+        self.key = key  # items with the same key never share a batch; they run in arrival order
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.on_batch = on_batch
@@ -55,8 +56,17 @@ class ContinuousBatcher(Generic[T, R]):
             await self.wakeup.wait()
             self.wakeup.clear()
             while self.pending:
-                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch:]
-                live = [(item, fut) for item, fut in batch if not fut.cancelled()]
+                live, rest, keys = [], [], set()
+                for item, fut in self.pending:
+                    if fut.cancelled():
+                        continue
+                    k = self.key(item) if self.key else None
+                    if len(live) >= self.max_batch or (k is not None and k in keys):
+                        rest.append((item, fut))
+                    else:
+                        live.append((item, fut))
+                        keys.add(k)
+                self.pending = rest
                 if not live:
                     continue
                 self.max_seen = max(self.max_seen, len(live))

@@ -29,7 +29,8 @@ class DrafterServer:
 
             from configs import DrafterConfig
             self.engine = build_drafter(TypeAdapter(DrafterConfig).validate_python(config))
-        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch)
+        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch,
+                                         key=lambda r: r.seq_id)
 
     def _run(self, requests: list[DraftRequest]) -> list[Proposal]:
         out = self.engine.propose(requests)

@@ -40,5 +40,7 @@ def metrics():
         "num_accepted_tokens_per_pos": m.Counter("spec_decode_num_accepted_tokens_per_pos",
                                                  description="Draft tokens accepted, by position in the draft.",
                                                  tag_keys=("position",)),
+        "pre_draft": m.Counter("splitspec_pre_drafts", description="Blocks drafted while the previous one was verified, by outcome (hit: used; miss: discarded).",
+                               tag_keys=("outcome",)),
         "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
     }

@@ -173,62 +173,113 @@ class Router:
         policy = AdaptiveK(k)
         m = metrics()
         batch = 1
+        # The pre-draft: while a block is verified, the drafter already drafts the next block
+        # assuming the whole block and the drafter's own guess of the bonus token are accepted.
+        # It is used only if that is exactly what happened; otherwise discarded.
+        pre_ctx, pre_task = None, None
+        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0}
         try:
             while not seq.done:
                 t_step = time.perf_counter()
                 step_k = seq.step_k(policy.next_k(batch))
-                proposal, draft_s = None, 0.0
+                proposal, draft_on_path = None, 0.0
                 if step_k > 0:
-                    proposal = await self._propose(seq, step_k)
-                    draft_s = proposal.draft_s if proposal else 0.0
+                    # one extra draft token: the guess of the bonus token the next block starts from
+                    want = step_k + 1 if self.config.pipeline_drafts else step_k
+                    if pre_task is not None and pre_ctx == seq.tokens:
+                        proposal = await pre_task
+                        timing["pre_draft_hits"] += 1
+                        m["pre_draft"].inc(tags={"outcome": "hit"})
+                    else:
+                        if pre_task is not None:
+                            pre_task.cancel()  # drafted for a continuation that did not happen
+                            timing["pre_draft_misses"] += 1
+                            m["pre_draft"].inc(tags={"outcome": "miss"})
+                        t_d = time.perf_counter()
+                        proposal = await self._propose(seq, want, seq.tokens)
+                        draft_on_path = time.perf_counter() - t_d
                     if proposal is None:
                         m["degraded"].inc()
-                res = await self._verify(seq, proposal)
+                elif pre_task is not None:
+                    pre_task.cancel()
+                    timing["pre_draft_misses"] += 1
+                    m["pre_draft"].inc(tags={"outcome": "miss"})
+                pre_ctx, pre_task = None, None
+                drafts = proposal.tokens[:step_k] if proposal else []
+                probs = proposal.probs.head(step_k) if proposal and proposal.probs else None
+                verify = asyncio.ensure_future(self._verify(seq, drafts, probs))
+                left = seq.params.max_tokens - len(seq.output_ids)
+                if (proposal and self.config.pipeline_drafts and len(proposal.tokens) > len(drafts)
+                        and left > len(drafts) + 1):
+                    pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
+                    next_k = max(1, policy.next_k(batch))
+                    pre_task = asyncio.ensure_future(self._propose(seq, next_k + 1, pre_ctx))
+                res = await verify
+                t_verify_done = time.perf_counter()
                 batch = res.batch_size
                 n_lp = len(seq.logprobs)
                 new, delta = seq.apply(res)
-                drafted = res.num_drafts
-                if drafted:
-                    policy.observe(drafted, res.num_accepted, draft_s, res.forward_s)
+                if res.num_drafts:
+                    policy.observe(res.num_drafts, res.num_accepted, proposal.draft_s if proposal else 0.0,
+                                   res.forward_s)
                     m["num_drafts"].inc()
-                    m["num_draft_tokens"].inc(drafted)
+                    m["num_draft_tokens"].inc(res.num_drafts)
                     if res.num_accepted:
                         m["num_accepted_tokens"].inc(res.num_accepted)
                     for pos in range(res.num_accepted):
                         m["num_accepted_tokens_per_pos"].inc(tags={"position": str(pos)})
-                    m["exposed_rpc"].observe(max(0.0, time.perf_counter() - t_step - draft_s - res.forward_s))
-                yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:],
-                                 seq.stats.as_dict() if seq.done else None)
+                    # critical-path time outside the engines' compute: network, queueing, (de)serialisation
+                    engine = res.forward_s + (proposal.draft_s if draft_on_path else 0.0)
+                    exposed = max(0.0, t_verify_done - t_step - engine)
+                    m["exposed_rpc"].observe(exposed)
+                    timing["exposed_s"] += exposed
+                    timing["step_s"] += t_verify_done - t_step
+                    timing["spec_steps"] += 1
+                stats = None
+                if seq.done:
+                    n = max(1, timing["spec_steps"])
+                    stats = {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
+                             "pre_draft_misses": timing["pre_draft_misses"],
+                             "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
+                             "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3)}
+                yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
         finally:
+            if pre_task is not None:
+                pre_task.cancel()
             self._release(rid)
 
-    async def _propose(self, seq: Sequence, k: int):
-        """Draft on a drafter replica; None if the drafter pool cannot answer (plain step)."""
+    async def _propose(self, seq: Sequence, k: int, context: list[int]):
+        """Draft k tokens after context on a drafter replica; None if the drafter pool cannot
+        answer in time (the step is then decoded without speculation)."""
+        context = list(context)
         try:
-            (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k)]),
+            (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k, context=context)]),
                                           self.config.drafter_timeout_s)
             if p.cache_miss:
-                (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k, full=True)]),
-                                              self.config.drafter_timeout_s)
+                (p,) = await asyncio.wait_for(
+                    self.drafter.propose.remote([seq.draft_request(k, full=True, context=context)]),
+                    self.config.drafter_timeout_s)
+        except asyncio.CancelledError:
+            raise
         except Exception as e:  # noqa: BLE001 - a failed drafter degrades speculation, never the request
             log.warning("drafter call failed, decoding this step without speculation: %r", e)
-            seq.drafter_cached = 0
+            seq.drafter_held = []
             return None
-        seq.note_proposal(p)
+        seq.note_proposal(p, context)
         return p
 
-    async def _verify(self, seq: Sequence, proposal):
+    async def _verify(self, seq: Sequence, drafts: list[int], probs):
         for attempt in range(self.config.verifier_retries + 1):
             try:
-                (res,) = await self.verifier.verify.remote([seq.verify_request(proposal)])
+                (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs)])
                 if res.cache_miss:
-                    (res,) = await self.verifier.verify.remote([seq.verify_request(proposal, full=True)])
+                    (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs, full=True)])
                 return res
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
                 if attempt == self.config.verifier_retries:
                     raise
                 log.warning("verifier call failed (attempt %d), retrying: %r", attempt + 1, e)
-                seq.verifier_cached = 0
+                seq.verifier_held = []
                 await asyncio.sleep(min(2.0, 0.2 * 2 ** attempt))
 
     def _release(self, rid: str):

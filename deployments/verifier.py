@@ -31,7 +31,8 @@ class VerifierServer:
                  max_queue: int = 1024):
         self.config = VerifierConfig.model_validate(config)
         self.engine = engine or VerifierEngine(self.config)
-        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch)
+        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch,
+                                         key=lambda r: r.seq_id)
 
     def _run(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         out = self.engine.verify(requests)
@@ -65,9 +66,9 @@ class VerifierServer:
                        seq_id=seq_id, logprobs=logprobs)
         try:
             while not seq.done:
-                (res,) = await self.batcher.submit([seq.verify_request(None)])
+                (res,) = await self.batcher.submit([seq.verify_request()])
                 if res.cache_miss:  # evicted under memory pressure: recompute
-                    (res,) = await self.batcher.submit([seq.verify_request(None, full=True)])
+                    (res,) = await self.batcher.submit([seq.verify_request(full=True)])
                 n_before = len(seq.logprobs)
                 new, delta = seq.apply(res)
                 yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_before:],

@@ -32,6 +32,7 @@ def test_models_and_health(serve_app):
 @pytest.mark.parametrize("k", [0, 4])
 def test_greedy_completions_match_target_generate(serve_app, k):
     base, tok, target, _ = serve_app
+    pre_drafts = []
     for text in PROMPTS:
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
@@ -44,6 +45,11 @@ def test_greedy_completions_match_target_generate(serve_app, k):
         assert body["usage"]["completion_tokens"] == 24
         spec = body["speculation"]
         assert (spec["num_draft_tokens"] > 0) == (k > 0)
+        if k:
+            pre_drafts.append((spec["pre_draft_hits"], spec["pre_draft_misses"]))
+            assert 0 <= spec["mean_exposed_ms"] <= spec["mean_step_ms"]
+    if k:  # the next block was drafted during verification, and used when the guess held
+        assert sum(h for h, _ in pre_drafts) > 0 and sum(m for _, m in pre_drafts) > 0, pre_drafts
 
 
 def test_openai_client_completions_chat_and_streaming(serve_app):

@@ -29,6 +29,10 @@ class DraftProbs:
     ids: list[list[int]]  # [k][K] token ids
     probs: list[list[float]]  # [k][K] their probabilities; each row sums to 1
 
+    def head(self, k: int) -> "DraftProbs":
+        """q of the first k draft positions."""
+        return DraftProbs(self.ids[:k], self.probs[:k])
+
     def dense(self, vocab_size: int) -> torch.Tensor:
         q = torch.zeros(len(self.ids), vocab_size)  # [k, V]
         for row, (ids, probs) in enumerate(zip(self.ids, self.probs)):  # rows may differ in length

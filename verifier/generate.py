@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from configs import SamplingParams
 from drafter.base import DraftRequest, Drafter, Proposal
 from verifier.detok import IncrementalDetokenizer
-from verifier.engine import VerifierEngine, VerifyRequest, VerifyResult
+from verifier.engine import DraftProbs, VerifierEngine, VerifyRequest, VerifyResult
+from verifier.kv_cache import common_prefix_len
 
 
 @dataclass
@@ -87,8 +88,11 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, params.stop)
         self.stats = SpecStats()
         self.finish_reason: str | None = None
-        self.drafter_cached = 0  # tokens the drafter is believed to hold for this sequence
-        self.verifier_cached = 0
+        # what each pool's replica is believed to hold for this sequence; a wrong belief costs a
+        # cache miss and a resend, never a wrong token
+        self.drafter_held: list[int] = []
+        self.verifier_held: list[int] = []
+        self._verifying: list[int] = []  # drafts of the step in flight
         self.text = ""
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
@@ -107,31 +111,32 @@ class Sequence:
         left = self.params.max_tokens - len(self.output_ids)
         return max(0, min(k, left - 1, self.max_len - len(self.tokens) - 1))
 
-    def draft_request(self, k: int, full: bool = False) -> DraftRequest:
+    def draft_request(self, k: int, full: bool = False, context: list[int] | None = None) -> DraftRequest:
+        """Ask for k drafts after ``context`` (default: the sequence so far)."""
+        ctx = self.tokens if context is None else context
         kw = dict(k=k, sampling=self.params, seed=self.seed)
         if full:
-            return DraftRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
-        return DraftRequest.for_tokens(self.seq_id, self.tokens, self.drafter_cached, **kw)
+            return DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw)
+        return DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx), **kw)
 
-    def verify_request(self, proposal: Proposal | None, full: bool = False) -> VerifyRequest:
-        drafts = proposal.tokens if proposal else []
-        kw = dict(draft_tokens=drafts, sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
-                  draft_probs=proposal.probs if proposal and proposal.probs and drafts else None)
+    def note_proposal(self, proposal: Proposal, context: list[int] | None = None):
+        """Record what the drafter now holds: the context and the drafts it fed back in."""
+        ctx = self.tokens if context is None else context
+        self.drafter_held = (list(ctx) + proposal.tokens)[: proposal.cached]
+
+    def verify_request(self, drafts: list[int] = (), probs: DraftProbs | None = None,
+                       full: bool = False) -> VerifyRequest:
+        self._verifying = list(drafts)
+        kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
+                  draft_probs=probs if drafts else None)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
-        return VerifyRequest.for_tokens(self.seq_id, self.tokens, self.verifier_cached, **kw)
-
-    def note_proposal(self, proposal: Proposal):
-        # what the drafter holds: the context and the drafts it fed back in
-        self.drafter_cached = proposal.cached
-        self._drafts = list(proposal.tokens)
+        return VerifyRequest.for_tokens(self.seq_id, self.tokens, common_prefix_len(self.verifier_held, self.tokens), **kw)
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
         """Emit a verified step. Returns (new token ids, newly final text)."""
-        drafts = getattr(self, "_drafts", [])[: result.num_drafts]
-        held_by_drafter = (self.tokens + drafts)[: self.drafter_cached]
         self.stats.record(result.num_drafts, result.num_accepted)
-        self.verifier_cached = result.cached
+        self.verifier_held = (self.tokens + self._verifying)[: result.cached]
         new = list(result.tokens)
         left = self.params.max_tokens - len(self.output_ids)
         new = new[:left]
@@ -143,9 +148,6 @@ class Sequence:
         self.tokens.extend(new)
         if result.logprobs is not None:
             self.logprobs.extend(result.logprobs[: len(new)])
-        # the drafter's cache stays valid up to the first token where it differs from the sequence
-        self.drafter_cached = _common(held_by_drafter, self.tokens)
-        self._drafts = []
         delta = self.detok.add([t for t in new if t not in self.eos_ids])
         if self.detok.stopped_at is not None:
             self.finish_reason = "stop"
@@ -159,11 +161,6 @@ class Sequence:
             delta += self.detok.finish()
         self.text += delta
         return new, delta
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    from verifier.kv_cache import common_prefix_len
-    return common_prefix_len(a, b)
 
 
 def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine) -> None:
@@ -181,11 +178,14 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine
         for p in props:
             proposals[p.seq_id] = p
             next(s for s in drafting if s.seq_id == p.seq_id).note_proposal(p)
-    results = verifier.verify([s.verify_request(proposals[s.seq_id]) for s in live])
+    def vreq(s, full=False):
+        p = proposals[s.seq_id]
+        return s.verify_request(p.tokens, p.probs, full) if p else s.verify_request(full=full)
+
+    results = verifier.verify([vreq(s) for s in live])
     missed = [s for s, r in zip(live, results) if r.cache_miss]
     if missed:
-        results = [r for r in results if not r.cache_miss] + verifier.verify(
-            [s.verify_request(proposals[s.seq_id], full=True) for s in missed])
+        results = [r for r in results if not r.cache_miss] + verifier.verify([vreq(s, True) for s in missed])
     by_id = {s.seq_id: s for s in live}
     for r in results:
         by_id[r.seq_id].apply(r)
