@@ -27,10 +27,16 @@ class AppConfig(BaseModel):
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
 
 
-def build_app(args: dict):
-    """Validate ``args`` and return the bound Serve application (router -> drafter, verifier)."""
-    from ray import serve
+def build_app(args: dict, overrides: dict[str, dict] | None = None):
+    """Validate ``args`` and return the bound Serve application (router -> drafter, verifier).
 
+    ``overrides`` maps a deployment name to ``.options()`` for programmatic use (tests);
+    serve config files put the same settings in their ``deployments:`` section.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.affinity import ROUTER_PATH
     from deployments.drafter import DrafterServer
     from deployments.router import Router
     from deployments.verifier import VerifierServer
@@ -38,18 +44,21 @@ def build_app(args: dict):
     config = resolve_model_paths(AppConfig.model_validate(args))
     check_models(config)
     cfg = config.model_dump(mode="json")
+    overrides = overrides or {}
     # Defaults for this workload (Serve's are 5 ongoing requests and 1 CPU per replica): each
     # request keeps one step in flight on each pool, and replicas batch them, so replicas
     # take many concurrent calls. The serve config's `deployments:` section overrides these.
+    affinity = RequestRouterConfig(request_router_class=ROUTER_PATH)
     drafter = serve.deployment(DrafterServer, name="Drafter", max_ongoing_requests=128,
-                               ray_actor_options={"num_cpus": 0.5}).bind(
-        cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue)
+                               ray_actor_options={"num_cpus": 0.5}, request_router_config=affinity)
     verifier = serve.deployment(VerifierServer, name="Verifier", max_ongoing_requests=128,
-                                ray_actor_options={"num_cpus": 1}).bind(
+                                ray_actor_options={"num_cpus": 1}, request_router_config=affinity)
+    router = serve.deployment(Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
+    drafter = drafter.options(**overrides.get("Drafter", {})).bind(
+        cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue)
+    verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue)
-    router = serve.deployment(Router, name="Router", max_ongoing_requests=256,
-                              ray_actor_options={"num_cpus": 0.1})
-    return router.bind(cfg, drafter, verifier)
+    return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 
 PROJECT_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

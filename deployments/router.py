@@ -240,6 +240,8 @@ class Router:
                     n = max(1, timing["spec_steps"])
                     stats = {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
                              "pre_draft_misses": timing["pre_draft_misses"],
+                             "drafter_recomputes": seq.cache_misses["drafter"],
+                             "verifier_recomputes": seq.cache_misses["verifier"],
                              "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
                              "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3)}
                 yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
@@ -256,6 +258,7 @@ class Router:
             (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k, context=context)]),
                                           self.config.drafter_timeout_s)
             if p.cache_miss:
+                seq.cache_misses["drafter"] += 1
                 (p,) = await asyncio.wait_for(
                     self.drafter.propose.remote([seq.draft_request(k, full=True, context=context)]),
                     self.config.drafter_timeout_s)
@@ -273,6 +276,7 @@ class Router:
             try:
                 (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs)])
                 if res.cache_miss:
+                    seq.cache_misses["verifier"] += 1
                     (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs, full=True)])
                 return res
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens

@@ -63,7 +63,7 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 512,
-    })
+    }, overrides={"Verifier": {"num_replicas": 2}})  # two verifier replicas: affinity matters
     serve.run(app, name="splitspec", route_prefix="/")
     tok, target, draft = tiny_pair
     yield f"http://127.0.0.1:{port}", tok, target, draft

@@ -159,3 +159,16 @@ def test_malformed_json(serve_app):
     r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_cache_affinity_keeps_sequences_on_their_replica(serve_app):
+    """Two verifier replicas: with the affinity router every step after the first finds its
+    cache (no recompute). Random routing would miss about every other step."""
+    base, *_ = serve_app
+    for text in PROMPTS[:6]:
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": text, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "num_speculative_tokens": 3})
+        spec = r.json()["speculation"]
+        assert spec["steps"] >= 10
+        assert spec["verifier_recomputes"] == 0 and spec["drafter_recomputes"] == 0, spec

@@ -93,6 +93,7 @@ class Sequence:
         self.drafter_held: list[int] = []
         self.verifier_held: list[int] = []
         self._verifying: list[int] = []  # drafts of the step in flight
+        self.cache_misses = {"drafter": 0, "verifier": 0}  # calls resent in full (recomputes)
         self.text = ""
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
@@ -172,6 +173,8 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine
     if drafting:
         props = drafter.propose([s.draft_request(ks[s.seq_id]) for s in drafting])
         missed = [s for s, p in zip(drafting, props) if p.cache_miss]
+        for s in missed:
+            s.cache_misses["drafter"] += 1
         if missed:
             props = [p for p in props if not p.cache_miss] + drafter.propose(
                 [s.draft_request(ks[s.seq_id], full=True) for s in missed])
@@ -184,6 +187,8 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine
 
     results = verifier.verify([vreq(s) for s in live])
     missed = [s for s, r in zip(live, results) if r.cache_miss]
+    for s in missed:
+        s.cache_misses["verifier"] += 1
     if missed:
         results = [r for r in results if not r.cache_miss] + verifier.verify([vreq(s, True) for s in missed])
     by_id = {s.seq_id: s for s in live}
