@@ -7,6 +7,8 @@ them. The defaults below are chosen for this workload, not Serve's generic ones.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from configs import DrafterConfig, VerifierConfig
@@ -21,6 +23,7 @@ class AppConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     clamp_speculative_tokens: bool = Field(False, description="Clamp a request's num_speculative_tokens to the drafter's k instead of letting it raise it (up to the global maximum).")
     drafter_timeout_s: float = Field(2.0, gt=0, le=600, description="A drafter call slower than this is abandoned and the step decoded without speculation.")
+    k_policy: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive: pick k per step from measured acceptance, drafter cost and verifier load (a request's num_speculative_tokens is the upper bound); fixed: always speculate the request's k.")
     pipeline_drafts: bool = Field(True, description="Draft the next block while the current one is verified (assuming it is fully accepted), so the drafter round trip is hidden when the guess holds.")
     verifier_retries: int = Field(3, ge=0, le=20, description="Retries of a failed verify call (another replica recomputes from the tokens).")
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")

@@ -57,3 +57,16 @@ class AdaptiveK:
         if draft_s > 0 and verify_s > 0:
             plain = verify_s / (1 + self.c_verify * k)
             self.c_draft += 0.3 * (draft_s / k / plain - self.c_draft)
+
+
+@dataclass
+class FixedK:
+    """Always the request's k (vLLM's behaviour)."""
+
+    bound: int
+
+    def next_k(self, batch_size: int = 1) -> int:
+        return self.bound
+
+    def observe(self, *args, **kwargs):
+        pass

@@ -21,7 +21,7 @@ from ray import serve
 from configs import SamplingParams
 from deployments.metrics import metrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
-from deployments.policy import AdaptiveK
+from deployments.policy import AdaptiveK, FixedK
 from deployments.verifier import StepOutput
 from verifier.generate import Sequence
 
@@ -170,7 +170,7 @@ class Router:
             return
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        policy = AdaptiveK(k)
+        policy = AdaptiveK(k) if self.config.k_policy == "adaptive" else FixedK(k)
         m = metrics()
         batch = 1
         # The pre-draft: while a block is verified, the drafter already drafts the next block

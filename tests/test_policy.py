@@ -1,0 +1,33 @@
+"""The adaptive speculation policy picks k from acceptance, drafter cost and load."""
+
+from deployments.policy import AdaptiveK
+
+
+def test_high_acceptance_speculates_more():
+    good, bad = AdaptiveK(8), AdaptiveK(8)
+    for _ in range(20):
+        good.observe(4, 4, draft_s=0.002, verify_s=0.03)
+        bad.observe(4, 0, draft_s=0.002, verify_s=0.03)
+    assert good.acceptance > 0.9 and bad.acceptance < 0.2
+    assert good.next_k() >= 4 and bad.next_k() == 0
+
+
+def test_expensive_drafter_turns_speculation_off():
+    p = AdaptiveK(8)
+    for _ in range(20):
+        p.observe(2, 1, draft_s=0.05, verify_s=0.05)  # drafting a token costs a whole verify step
+    assert p.next_k() == 0
+
+
+def test_saturated_verifier_speculates_less():
+    p = AdaptiveK(8)
+    for _ in range(20):
+        p.observe(4, 3, draft_s=0.001, verify_s=0.02)
+    assert p.next_k(batch_size=1) > p.next_k(batch_size=64)
+
+
+def test_bound_is_respected():
+    p = AdaptiveK(2)
+    for _ in range(20):
+        p.observe(2, 2, draft_s=0.0001, verify_s=0.02)
+    assert p.next_k() == 2 and AdaptiveK(0).next_k() == 0
