@@ -68,3 +68,15 @@ def test_serve_config_args_validate():
     config = AppConfig.model_validate(application["args"])
     assert {d["name"] for d in application["deployments"]} == {"Router", "Drafter", "Verifier"}
     assert config.drafter.method == "draft_model"
+
+
+def test_gpu_cluster_config_places_pools_apart():
+    from deployments.app import AppConfig
+    cfg = yaml.safe_load((ROOT / "configs" / "serve_gpu_cluster.yaml").read_text())
+    (application,) = cfg["applications"]
+    config = AppConfig.model_validate(application["args"])
+    assert config.verifier.device == "cuda" and config.drafter.device == "cuda"
+    deps = {d["name"]: d for d in application["deployments"]}
+    assert deps["Verifier"]["ray_actor_options"]["resources"] == {"verifier_pool": 1}
+    assert deps["Drafter"]["ray_actor_options"]["resources"] == {"drafter_pool": 1}
+    assert deps["Verifier"]["ray_actor_options"]["accelerator_type"] != deps["Drafter"]["ray_actor_options"]["accelerator_type"]
