@@ -88,6 +88,7 @@ class Router:
         self.eos_ids = eos_token_ids(type("M", (), {"generation_config": gen, "config": mc})(), self.tokenizer)
         self.model_name = self.config.model_name
         self.created = int(time.time())
+        self.active = 0  # requests running on this router replica
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -150,15 +151,30 @@ class Router:
 
     async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
         params = self._params(body, len(prompt_ids))
+        if self.active >= self.config.max_active_requests:
+            metrics()["requests"].inc(tags={"endpoint": endpoint, "status": "429"})
+            raise OpenAIError(429, f"server busy: {self.active} requests running; retry shortly",
+                              type_="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+        self.active += 1
+        try:
+            return await self._serve_admitted(endpoint, body, prompt_ids, request, logprobs, params)
+        except BaseException:
+            self.active -= 1
+            raise
+
+    async def _serve_admitted(self, endpoint, body, prompt_ids, request, logprobs, params):
         k = self.config.drafter.num_speculative_tokens
         if body.num_speculative_tokens is not None:
             k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
         steps = self._generate(rid, prompt_ids, params, k, logprobs)
         meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body)
-        if body.stream:
+        if body.stream:  # the stream's generator gives the admission slot back when it ends
             return StreamingResponse(self._sse(steps, meta, request), media_type="text/event-stream")
-        out = await self._collect(steps, request)
+        try:
+            out = await self._collect(steps, request)
+        finally:
+            self.active -= 1
         return JSONResponse(self._final_body(meta, out))
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
@@ -308,8 +324,13 @@ class Router:
         return {"ids": ids, "text": "".join(text), "logprobs": lps, "finish_reason": finish, "stats": stats}
 
     async def _sse(self, steps, meta: dict, request: Request):
-        body = meta["body"]
-        chat = meta["endpoint"] == "chat"
+        try:
+            async for chunk in self._sse_chunks(steps, meta, meta["body"]):
+                yield chunk
+        finally:
+            self.active -= 1
+
+    async def _sse_chunks(self, steps, meta: dict, body):
         n_out, finish, stats, first = 0, None, None, True
         try:
             async for s in steps:
@@ -322,6 +343,9 @@ class Router:
                     yield f"data: {json.dumps(chunk)}\n\n"
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
+            log.exception("stream failed")
+            yield f"data: {json.dumps(OpenAIError(500, f'generation failed: {type(e).__name__}', type_='internal_error').body())}\n\n"
         if body.stream_options and body.stream_options.include_usage:
             usage = self._usage(meta, n_out, stats)
             yield f"data: {json.dumps({**self._envelope(meta), 'choices': [], **usage})}\n\n"

@@ -63,6 +63,7 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 512,
+        "max_active_requests": 24,  # small, so a burst test can exceed it
         "k_policy": "fixed",  # the tiny drafter costs as much as the target: adaptive k would switch it off
     }, overrides={"Verifier": {"num_replicas": 2}})  # two verifier replicas: affinity matters
     serve.run(app, name="splitspec", route_prefix="/")

@@ -172,3 +172,27 @@ def test_cache_affinity_keeps_sequences_on_their_replica(serve_app):
         spec = r.json()["speculation"]
         assert spec["steps"] >= 10
         assert spec["verifier_recomputes"] == 0 and spec["drafter_recomputes"] == 0, spec
+
+
+def test_burst_beyond_capacity_gets_quick_429_then_serves_normally(serve_app):
+    base, *_ = serve_app
+
+    async def one(client):
+        t0 = asyncio.get_running_loop().time()
+        r = await client.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "def add", "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        return r.status_code, r.headers.get("retry-after"), asyncio.get_running_loop().time() - t0, r.json()
+
+    async def main():
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*(one(client) for _ in range(60)))
+
+    results = asyncio.run(main())
+    codes = [c for c, *_ in results]
+    assert codes.count(200) >= 24 and codes.count(429) > 0, codes
+    assert set(codes) <= {200, 429}
+    for code, retry, dt, body in results:
+        if code == 429:
+            assert retry == "1" and body["error"]["type"] == "rate_limit_error" and dt < 10
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
