@@ -88,7 +88,7 @@ def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, 
     ver = VerifierEngine(VerifierConfig(model=str(target_dir), cache_budget_mb=2048), model=target)
     dr = ModelDrafter(DraftModelConfig(model=str(drafter_dir), cache_budget_mb=512), model=drafter)
     ids = [ver.tokenizer(p)["input_ids"] for p in prompts]
-    report = {"k": k, "num_prompts": len(prompts), "max_tokens": max_tokens}
+    report = {"k": k, "num_prompts": len(prompts), "max_tokens": max_tokens, "seed": seed}
     for temp in temperatures:
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed, ignore_eos=True)
         total = SpecStats()
