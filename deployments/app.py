@@ -25,7 +25,7 @@ class AppConfig(BaseModel):
     drafter_timeout_s: float = Field(2.0, gt=0, le=600, description="A drafter call slower than this is abandoned and the step decoded without speculation.")
     k_policy: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive: pick k per step from measured acceptance, drafter cost and verifier load (a request's num_speculative_tokens is the upper bound); fixed: always speculate the request's k.")
     pipeline_drafts: bool = Field(True, description="Draft the next block while the current one is verified (assuming it is fully accepted), so the drafter round trip is hidden when the guess holds.")
-    verifier_retries: int = Field(3, ge=0, le=20, description="Retries of a failed verify call (another replica recomputes from the tokens).")
+    verifier_retry_s: float = Field(120.0, ge=0, le=3600, description="How long a request keeps retrying failed verify calls (a replica died: another one, or its replacement, recomputes from the tokens) before it fails.")
     max_active_requests: int = Field(192, ge=1, le=1_000_000, description="Requests a router replica runs at once; beyond it new requests get 429 with Retry-After at once instead of queueing.")
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")

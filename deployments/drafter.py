@@ -6,7 +6,7 @@ import asyncio
 
 from configs import DraftModelConfig, NgramConfig
 from deployments.batcher import ContinuousBatcher
-from deployments.metrics import metrics
+from deployments.metrics import metrics, where as _where
 from drafter.base import DraftRequest, Proposal
 
 
@@ -64,6 +64,7 @@ class DrafterServer:
     async def stats(self) -> dict:
         cache = getattr(self.engine, "cache", None)
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
+                **_where(),
                 "cached_sequences": len(cache) if cache is not None else len(getattr(self.engine, "tokens", {})),
                 **({"cache": dict(cache.stats)} if cache is not None else {})}
 

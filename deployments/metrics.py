@@ -44,3 +44,14 @@ def metrics():
                                tag_keys=("outcome",)),
         "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
     }
+
+
+def where() -> dict:
+    """This replica's node and id, for placement checks (empty outside a Ray actor)."""
+    try:
+        import ray
+        from ray import serve
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "replica_id": serve.get_replica_context().replica_id.unique_id}
+    except Exception:  # noqa: BLE001 - not running inside a Serve replica
+        return {}

@@ -288,19 +288,24 @@ class Router:
         return p
 
     async def _verify(self, seq: Sequence, drafts: list[int], probs):
-        for attempt in range(self.config.verifier_retries + 1):
+        deadline = time.monotonic() + self.config.verifier_retry_s
+        attempt = 0
+        while True:
             try:
                 (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs)])
                 if res.cache_miss:
                     seq.cache_misses["verifier"] += 1
                     (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs, full=True)])
                 return res
+            except asyncio.CancelledError:
+                raise
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
-                if attempt == self.config.verifier_retries:
+                attempt += 1
+                if time.monotonic() >= deadline:
                     raise
-                log.warning("verifier call failed (attempt %d), retrying: %r", attempt + 1, e)
+                log.warning("verifier call failed (attempt %d), retrying on another replica: %r", attempt, e)
                 seq.verifier_held = []
-                await asyncio.sleep(min(2.0, 0.2 * 2 ** attempt))
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
 
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go

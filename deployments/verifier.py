@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from configs import SamplingParams, VerifierConfig
 from deployments.batcher import ContinuousBatcher
-from deployments.metrics import metrics
+from deployments.metrics import metrics, where as _where
 from verifier.engine import VerifierEngine, VerifyRequest, VerifyResult
 from verifier.generate import Sequence
 
@@ -83,6 +83,7 @@ class VerifierServer:
 
     async def stats(self) -> dict:
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
+                **_where(),
                 "cached_sequences": len(self.engine.cache), "cache": dict(self.engine.cache.stats)}
 
     def check_health(self):

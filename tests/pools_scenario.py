@@ -1,0 +1,138 @@
+"""A multi-node Ray cluster on one machine (ray.cluster_utils.Cluster) whose nodes advertise
+pool resources: drafter replicas must land on the drafter-pool node, verifier replicas on the
+verifier-pool node; the verifier deployment autoscales under load on its own; killing a
+verifier replica mid-request costs a recompute, not a failure.
+
+Run by tests/test_pools.py in a subprocess (a process can join only one Ray cluster).
+Prints one JSON line of observations.
+"""
+
+import asyncio
+import json
+import socket
+import sys
+import time
+
+import httpx
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(target_dir: str, drafter_dir: str):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import build_app
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    drafter_node = cluster.add_node(num_cpus=1, resources={"drafter_pool": 2})
+    verifier_node = cluster.add_node(num_cpus=2, resources={"verifier_pool": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    fast = {"upscale_delay_s": 0.5, "downscale_delay_s": 4, "metrics_interval_s": 0.2, "look_back_period_s": 1}
+    app = build_app({
+        "model_name": "tiny",
+        "verifier": {"model": target_dir, "cache_budget_mb": 32, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": drafter_dir, "num_speculative_tokens": 3,
+                    "cache_budget_mb": 16, "num_threads": 1},
+        "k_policy": "fixed",
+    }, overrides={
+        "Router": {"ray_actor_options": {"num_cpus": 0.1}},
+        "Drafter": {"ray_actor_options": {"num_cpus": 0.1, "resources": {"drafter_pool": 1}},
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, **fast}},
+        "Verifier": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"verifier_pool": 1}},
+                     "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 0.5,
+                                            **fast}},
+    })
+    serve.run(app, name="splitspec", route_prefix="/")
+    out = {"drafter_node": drafter_node.node_id, "verifier_node": verifier_node.node_id}
+
+    def completion(prompt, n, **kw):
+        r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw})
+        return r.status_code, r.json()
+
+    def placements(name, tries=12):
+        h = serve.get_deployment_handle(name, app_name="splitspec")
+        return sorted({h.stats.remote().result()["node_id"] for _ in range(tries)})
+
+    def running(name):
+        st = serve.status().applications["splitspec"].deployments[name]
+        return st.replica_states.get("RUNNING", 0)
+
+    code, body = completion("def add(a, b):", 16)
+    out["first_request"] = code
+    out["drafter_placements"] = placements("Drafter")
+    out["verifier_placements_before"] = placements("Verifier")
+
+    # 1. kill the only verifier replica while a long request is in flight
+    reference = completion("class Point:", 120)[1]["choices"][0]["token_ids"]
+
+    async def killed_mid_request():
+        async with httpx.AsyncClient() as client:
+            task = asyncio.ensure_future(client.post(f"{base}/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": "class Point:", "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}))
+            await asyncio.sleep(0.8)
+            names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if "Verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+            for a in names:
+                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+            out["killed"] = len(names)
+            r = await task
+            return r.status_code, r.json()
+
+    code, body = asyncio.run(killed_mid_request())
+    out["kill_status"] = code
+    out["kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
+    out["kill_recomputes"] = body.get("speculation", {}).get("verifier_recomputes") if code == 200 else None
+
+    # 2. load: the verifier deployment scales up on its own; the drafter stays as configured
+    async def load(n, seconds):
+        stop = time.monotonic() + seconds
+        codes = []
+
+        async def client_loop(client, i):
+            while time.monotonic() < stop:
+                r = await client.post(f"{base}/v1/completions", timeout=300, json={
+                    "model": "tiny", "prompt": f"x{i}", "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+                codes.append(r.status_code)
+
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(*(client_loop(client, i) for i in range(n)))
+        return codes
+
+    async def load_and_watch():
+        peak = {"Verifier": 0, "Drafter": 0}
+        load_task = asyncio.ensure_future(load(10, 25))
+        while not load_task.done():
+            for name in peak:
+                peak[name] = max(peak[name], running(name))
+            await asyncio.sleep(0.5)
+        return peak, load_task.result()
+
+    peak, codes = asyncio.run(load_and_watch())
+    out["peak_replicas"] = peak
+    out["load_requests"] = len(codes)
+    out["load_failures"] = sum(c != 200 for c in codes)
+    out["verifier_placements_scaled"] = placements("Verifier", 20)
+    deadline = time.monotonic() + 60
+    while running("Verifier") > 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    out["verifier_replicas_after"] = running("Verifier")
+    print(json.dumps(out), flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

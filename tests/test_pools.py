@@ -1,0 +1,42 @@
+"""Separate pools, independent autoscaling and replica death on a multi-node Ray cluster."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.serve
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_model_dirs):
+    target, drafter = tiny_model_dirs
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "pools_scenario.py"), str(target), str(drafter)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1])
+
+
+def test_replicas_sit_on_their_own_pool(scenario):
+    assert scenario["first_request"] == 200
+    assert scenario["drafter_placements"] == [scenario["drafter_node"]]
+    assert scenario["verifier_placements_before"] == [scenario["verifier_node"]]
+    assert scenario["verifier_placements_scaled"] == [scenario["verifier_node"]]
+
+
+def test_verifier_death_mid_request_costs_a_recompute_not_a_failure(scenario):
+    assert scenario["killed"] >= 1
+    assert scenario["kill_status"] == 200 and scenario["kill_output_identical"]
+    assert scenario["kill_recomputes"] >= 1
+
+
+def test_verifier_scales_independently_under_load(scenario):
+    assert scenario["peak_replicas"] == {"Verifier": 2, "Drafter": 1}
+    assert scenario["load_requests"] > 10 and scenario["load_failures"] == 0
+    assert scenario["verifier_replicas_after"] == 1
