@@ -58,8 +58,15 @@ class DrafterServer:
     async def release(self, seq_ids: list[str]) -> int:
         # run on the engine thread: the cache is not shared with a running batch
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.batcher.executor,
-                                          lambda: sum(self.engine.release(s) for s in seq_ids))
+        released = await loop.run_in_executor(self.batcher.executor,
+                                              lambda: sum(self.engine.release(s) for s in seq_ids))
+        self._on_release()
+        return released
+
+    def _on_release(self):
+        cache = getattr(self.engine, "cache", None)
+        metrics()["cached_seqs"].set(len(cache) if cache is not None else len(getattr(self.engine, "tokens", {})),
+                                     tags={"role": "drafter"})
 
     async def stats(self) -> dict:
         cache = getattr(self.engine, "cache", None)

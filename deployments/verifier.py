@@ -78,8 +78,10 @@ class VerifierServer:
 
     async def release(self, seq_ids: list[str]) -> int:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.batcher.executor,
-                                          lambda: sum(self.engine.release(s) for s in seq_ids))
+        released = await loop.run_in_executor(self.batcher.executor,
+                                              lambda: sum(self.engine.release(s) for s in seq_ids))
+        metrics()["cached_seqs"].set(len(self.engine.cache), tags={"role": "verifier"})
+        return released
 
     async def stats(self) -> dict:
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
