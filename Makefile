@@ -29,7 +29,9 @@ serve: $(STAMP)
 	$(VENV)/bin/serve run serve_config.yaml
 
 # Retrain the default model pair from scratch (seeded): tokenizer + target, then the distilled drafter.
+# About 1.5 hours on 2 CPU cores (uses a GPU when present). Checkpoints go to build/; rerunning resumes.
 models: $(STAMP)
+	rm -rf build/pretrain build/distill models/tiny-code-target models/tiny-code-drafter
 	$(PY) -m drafter.pretrain
 	$(PY) -m drafter.distill
 

@@ -296,7 +296,11 @@ class Router:
                 if res.cache_miss:
                     seq.cache_misses["verifier"] += 1
                     (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs, full=True)])
+                if res.error:
+                    raise OpenAIError(400, res.error, code="context_length_exceeded")
                 return res
+            except OpenAIError:
+                raise
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens

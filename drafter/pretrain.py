@@ -114,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=1024, help="max_position_embeddings")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--ckpt-every", type=int, default=50)

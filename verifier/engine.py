@@ -82,6 +82,7 @@ class VerifyResult:
     num_accepted: int = 0
     cached: int = 0  # tokens the replica now holds for the sequence (the next call's `start`)
     cache_miss: bool = False  # the replica lacked the assumed prefix: resend with full=True
+    error: str | None = None  # this sequence could not be verified (the rest of the batch was)
     num_drafts: int = 0  # k of this step
     forward_s: float = 0.0  # time in the batched forward pass this step was part of
     batch_size: int = 1  # sequences in the batch this step was verified with
@@ -128,9 +129,14 @@ class VerifierEngine:
         if len(pinned) != len(requests):
             raise ValueError("a sequence appears twice in one batch")
         for r in requests:
-            total = (0 if r.full else r.start) + len(r.new_tokens) + r.k
-            if total > self.max_len:
-                raise ValueError(f"sequence {r.seq_id}: {total} tokens exceed the context limit {self.max_len}")
+            room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
+            if room < 0:  # the router never sends this; fail this sequence only, not the batch
+                results[r.seq_id] = VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
+                continue
+            if r.k > room:  # verifying fewer drafts is still lossless
+                r.draft_tokens = r.draft_tokens[:room]
+                if r.draft_probs is not None:
+                    r.draft_probs = r.draft_probs.head(room)
             try:
                 slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
             except CacheMiss:

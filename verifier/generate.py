@@ -193,6 +193,8 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine
         results = [r for r in results if not r.cache_miss] + verifier.verify([vreq(s, True) for s in missed])
     by_id = {s.seq_id: s for s in live}
     for r in results:
+        if r.error:
+            raise ValueError(r.error)
         by_id[r.seq_id].apply(r)
 
 
