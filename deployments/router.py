@@ -23,6 +23,7 @@ from deployments.metrics import metrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from deployments.policy import AdaptiveK, FixedK
 from deployments.verifier import StepOutput
+from verifier.engine import VerifyResult
 from verifier.generate import Sequence
 
 log = logging.getLogger("ray.serve")
@@ -179,9 +180,7 @@ class Router:
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
         if k == 0:
-            gen = self.verifier.options(stream=True).generate_plain.remote(
-                prompt_ids, params, rid, self.max_len, logprobs)
-            async for step in gen:
+            async for step in self._generate_plain(rid, prompt_ids, params, logprobs):
                 yield step
             return
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
@@ -265,6 +264,40 @@ class Router:
             if pre_task is not None:
                 pre_task.cancel()
             self._release(rid)
+
+    async def _generate_plain(self, rid: str, prompt_ids, params: SamplingParams, logprobs: int | None):
+        """Speculation off: the verifier decodes by itself and streams token ids; the router
+        keeps the text (detokenisation, stop strings). If the verifier replica dies, the
+        sequence resumes on another one from the tokens so far: no token is lost or repeated,
+        and a seeded request continues exactly as it would have (randomness is keyed by position)."""
+        seq = Sequence(prompt_ids, params, 0, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
+                       logprobs=logprobs)
+        deadline = time.monotonic() + self.config.verifier_retry_s
+        attempt = 0
+        while not seq.done:
+            resume = params.model_copy(update={"seed": seq.seed, "max_tokens": params.max_tokens - len(seq.output_ids)})
+            stream = self.verifier.options(stream=True).generate_plain.remote(
+                list(seq.tokens), resume, rid, self.max_len, logprobs)
+            try:
+                async for ids, lps in stream:
+                    n_lp = len(seq.logprobs)
+                    new, delta = seq.apply(VerifyResult(rid, tokens=ids, logprobs=lps if logprobs is not None else None))
+                    yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:],
+                                     seq.stats.as_dict() if seq.done else None)
+                    if seq.done:
+                        break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - replica died: resume elsewhere from the tokens
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise
+                seq.cache_misses["verifier"] += 1
+                log.warning("plain decoding stream failed (attempt %d), resuming: %r", attempt, e)
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+            finally:
+                stream.cancel()
+        self._release(rid)
 
     async def _propose(self, seq: Sequence, k: int, context: list[int]):
         """Draft k tokens after context on a drafter replica; None if the drafter pool cannot

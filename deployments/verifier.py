@@ -59,20 +59,22 @@ class VerifierServer:
 
     async def generate_plain(self, prompt_ids: list[int], params: SamplingParams, seq_id: str,
                              max_len: int | None = None, logprobs: int | None = None):
-        """Plain decoding on this replica, streaming each step: no router round trip per token.
-        Its steps share the batched forward passes with every other request here."""
+        """Plain decoding on this replica, streaming each step's new token ids (and logprobs):
+        no router round trip per token. Its steps share the batched forward passes with every
+        other request here. It stops at EOS, max_tokens or the context limit; stop strings and
+        detokenisation stay with the caller, which closes the stream when it is done, and which
+        can resume the sequence anywhere from its tokens (randomness is keyed by position)."""
         eng = self.engine
-        seq = Sequence(prompt_ids, params, 0, eng.tokenizer, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
-                       seq_id=seq_id, logprobs=logprobs)
+        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), 0, eng.tokenizer, eng.eos_ids,
+                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs)
         try:
             while not seq.done:
                 (res,) = await self.batcher.submit([seq.verify_request()])
                 if res.cache_miss:  # evicted under memory pressure: recompute
                     (res,) = await self.batcher.submit([seq.verify_request(full=True)])
                 n_before = len(seq.logprobs)
-                new, delta = seq.apply(res)
-                yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_before:],
-                                 seq.stats.as_dict() if seq.done else None)
+                new, _ = seq.apply(res)
+                yield new, seq.logprobs[n_before:]
         finally:
             await self.release([seq_id])
 

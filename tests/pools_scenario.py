@@ -73,29 +73,7 @@ def main(target_dir: str, drafter_dir: str):
     out["drafter_placements"] = placements("Drafter")
     out["verifier_placements_before"] = placements("Verifier")
 
-    # 1. kill the only verifier replica while a long request is in flight
-    reference = completion("class Point:", 120)[1]["choices"][0]["token_ids"]
-
-    async def killed_mid_request():
-        async with httpx.AsyncClient() as client:
-            task = asyncio.ensure_future(client.post(f"{base}/v1/completions", timeout=300, json={
-                "model": "tiny", "prompt": "class Point:", "max_tokens": 120, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}))
-            await asyncio.sleep(0.8)
-            names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                     if "Verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
-            for a in names:
-                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-            out["killed"] = len(names)
-            r = await task
-            return r.status_code, r.json()
-
-    code, body = asyncio.run(killed_mid_request())
-    out["kill_status"] = code
-    out["kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
-    out["kill_recomputes"] = body.get("speculation", {}).get("verifier_recomputes") if code == 200 else None
-
-    # 2. load: the verifier deployment scales up on its own; the drafter stays as configured
+    # 1. load: the verifier deployment scales up on its own; the drafter stays as configured
     async def load(n, seconds):
         stop = time.monotonic() + seconds
         codes = []
@@ -112,7 +90,7 @@ def main(target_dir: str, drafter_dir: str):
 
     async def load_and_watch():
         peak = {"Verifier": 0, "Drafter": 0}
-        load_task = asyncio.ensure_future(load(10, 25))
+        load_task = asyncio.ensure_future(load(12, 40))
         while not load_task.done():
             for name in peak:
                 peak[name] = max(peak[name], running(name))
@@ -128,6 +106,46 @@ def main(target_dir: str, drafter_dir: str):
     while running("Verifier") > 1 and time.monotonic() < deadline:
         time.sleep(1)
     out["verifier_replicas_after"] = running("Verifier")
+    # 2. kill every verifier replica while a long request is in flight
+    reference = completion("class Point:", 200)[1]["choices"][0]["token_ids"]
+
+    def kill_verifiers():
+        names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "Verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+        for a in names:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+        return len(names)
+
+    async def killed_mid_request(**extra):
+        """Stream a long request; kill every verifier replica once its first tokens arrived."""
+        ids, stats, killed = [], {}, False
+        async with httpx.AsyncClient() as client:
+            async with client.stream("POST", f"{base}/v1/completions", timeout=300, json={
+                    "model": "tiny", "prompt": "class Point:", "max_tokens": 200, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True, **extra}) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return 500, chunk
+                    ids += chunk["choices"][0].get("token_ids", [])
+                    stats = chunk.get("speculation") or stats
+                    if not killed and ids:
+                        out.setdefault("killed", []).append(kill_verifiers())
+                        out.setdefault("killed_after_tokens", []).append(len(ids))
+                        killed = True
+                return r.status_code, {"choices": [{"token_ids": ids}], "speculation": stats}
+
+    code, body = asyncio.run(killed_mid_request())
+    out["kill_status"] = code
+    out["kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
+    out["kill_recomputes"] = body.get("speculation", {}).get("verifier_recomputes") if code == 200 else None
+    # the same with speculation off: the verifier's own decoding stream dies and resumes elsewhere
+    code, body = asyncio.run(killed_mid_request(num_speculative_tokens=0))
+    out["plain_kill_status"] = code
+    out["plain_kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
+
     print(json.dumps(out), flush=True)
     serve.shutdown()
     ray.shutdown()
