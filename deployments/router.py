@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,11 +23,22 @@ from configs import SamplingParams
 from deployments.metrics import metrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from deployments.policy import AdaptiveK, FixedK
-from deployments.verifier import StepOutput
 from verifier.engine import VerifyResult
 from verifier.generate import Sequence
 
 log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class StepOutput:
+    """What one step adds to a response."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+    stats: dict | None = None  # the request's speculation statistics, on the last step
+
 app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
 
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template

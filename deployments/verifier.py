@@ -3,56 +3,21 @@ requests, and decode by themselves when speculation is off (the no-round-trip fa
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-
 from configs import SamplingParams, VerifierConfig
-from deployments.batcher import ContinuousBatcher
-from deployments.metrics import metrics, where as _where
+from deployments.server import EngineServer
 from verifier.engine import VerifierEngine, VerifyRequest, VerifyResult
 from verifier.generate import Sequence
 
 
-@dataclass
-class StepOutput:
-    """What one step adds to a response."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)
-    stats: dict | None = None  # the request's speculation statistics, on the last step
-
-
-class VerifierServer:
+class VerifierServer(EngineServer):
     """Receives its engine as a constructor argument, so it can be tested without a cluster."""
+
+    role = "verifier"
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
                  max_queue: int = 1024):
-        self.config = VerifierConfig.model_validate(config)
-        self.engine = engine or VerifierEngine(self.config)
-        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch,
-                                         key=lambda r: r.seq_id)
-
-    def _run(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        out = self.engine.verify(requests)
-        m = metrics()
-        hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
-        misses = sum(1 for res in out if res.cache_miss)
-        if hits:
-            m["cache_hits"].inc(hits, tags={"role": "verifier"})
-        if misses:
-            m["cache_misses"].inc(misses, tags={"role": "verifier"})
-        for res in out:
-            res.batch_size = len(requests)
-        return out
-
-    def _on_batch(self, size: int, seconds: float):
-        m = metrics()
-        m["batch_size"].observe(size, tags={"role": "verifier"})
-        m["batch_latency"].observe(seconds, tags={"role": "verifier"})
-        m["queue"].set(self.batcher.queued, tags={"role": "verifier"})
-        m["cached_seqs"].set(len(self.engine.cache), tags={"role": "verifier"})
+        engine = engine or VerifierEngine(VerifierConfig.model_validate(config))
+        super().__init__(engine, engine.verify, max_batch, max_queue)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         return await self.batcher.submit(requests)
@@ -77,19 +42,3 @@ class VerifierServer:
                 yield new, seq.logprobs[n_before:]
         finally:
             await self.release([seq_id])
-
-    async def release(self, seq_ids: list[str]) -> int:
-        loop = asyncio.get_running_loop()
-        released = await loop.run_in_executor(self.batcher.executor,
-                                              lambda: sum(self.engine.release(s) for s in seq_ids))
-        metrics()["cached_seqs"].set(len(self.engine.cache), tags={"role": "verifier"})
-        return released
-
-    async def stats(self) -> dict:
-        return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
-                **_where(),
-                "cached_sequences": len(self.engine.cache), "cache": dict(self.engine.cache.stats)}
-
-    def check_health(self):
-        if self.batcher.worker is not None and self.batcher.worker.done() and self.batcher.worker.exception():
-            raise RuntimeError(f"batch loop died: {self.batcher.worker.exception()!r}")

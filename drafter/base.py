@@ -43,9 +43,12 @@ class Proposal:
     cached: int = 0  # tokens the drafter replica now holds for the sequence
     cache_miss: bool = False  # resend with full=True
     draft_s: float = 0.0  # time spent drafting the batch this proposal was part of
+    batch_size: int = 1  # sequences in that batch
 
 
 class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
 
     def release(self, seq_id: str) -> bool: ...
+
+    def num_cached(self) -> int: ...

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.corpus import held_out_prompts, load_split
-from drafter.pretrain import batch_at, encode_documents, lr_at
+from drafter.pretrain import batch_at, encode_documents, load_checkpoint, lr_at, save_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -188,15 +188,8 @@ def main(argv=None):
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     train_ids, held_ids = corpus_ids(tokenizer, args.work, args.corpus_files)
-    step, history = 0, []
     ckpt = args.work / "last.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step, history = state["step"], state["history"]
-        print(f"resumed from step {step}")
+    step, history = load_checkpoint(ckpt, drafter, opt, gen)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16_target)
     if not history:
         history.append({"step": 0, "held_out_kl": held_out_kl(target, drafter, held_ids, args.seq_len,
@@ -228,10 +221,7 @@ def main(argv=None):
                             "held_out_kl": held_out_kl(target, drafter, held_ids, seq_len, args.eval_windows, autocast)})
             tqdm.write(json.dumps(history[-1]))
         if step % args.ckpt_every == 0 or step == args.steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step, "history": history}, tmp)
-            tmp.replace(ckpt)
+            save_checkpoint(ckpt, drafter, opt, gen, step, history)
     bar.close()
 
     drafter.to(torch.bfloat16).save_pretrained(args.out)  # 16-bit storage; engines compute in float32

@@ -38,6 +38,9 @@ class ModelDrafter:
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
 
+    def num_cached(self) -> int:
+        return len(self.cache)
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         n = self.cache.num_slots  # a batch larger than the cache goes in parts
         if len(requests) > n:

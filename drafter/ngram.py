@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from configs import NgramConfig
 from drafter.base import DraftRequest, Proposal
 
@@ -22,9 +24,10 @@ class NgramDrafter:
     """Needs the whole sequence, so it asks for it: it keeps each sequence's tokens
     between calls (cheap), and a call whose prefix it does not hold is a miss."""
 
-    def __init__(self, config: NgramConfig):
+    def __init__(self, config: NgramConfig, max_sequences: int = 100_000):
         self.config = config
-        self.tokens: dict[str, list[int]] = {}
+        self.tokens: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
+        self.max_sequences = max_sequences
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         from verifier.kv_cache import prefix_hash
@@ -40,9 +43,15 @@ class NgramDrafter:
                     continue
                 toks = held[:r.start] + list(r.new_tokens)
             self.tokens[r.seq_id] = toks
+            self.tokens.move_to_end(r.seq_id)
+            while len(self.tokens) > self.max_sequences:
+                self.tokens.popitem(last=False)
             draft = ngram_propose(toks, r.k, self.config.min_n, self.config.max_n) if r.k else []
             out.append(Proposal(r.seq_id, draft, None, cached=len(toks)))
         return out
 
     def release(self, seq_id: str) -> bool:
         return self.tokens.pop(seq_id, None) is not None
+
+    def num_cached(self) -> int:
+        return len(self.tokens)

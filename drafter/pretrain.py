@@ -102,6 +102,25 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def load_checkpoint(path: Path, model, opt, gen: torch.Generator) -> tuple[int, list]:
+    """Restore model, optimiser and data-order generator; (step, history), or (0, []) when new."""
+    if not path.exists():
+        return 0, []
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    print(f"resumed from step {state['step']}")
+    return state["step"], state["history"]
+
+
+def save_checkpoint(path: Path, model, opt, gen: torch.Generator, step: int, history: list):
+    tmp = path.with_suffix(".tmp")  # write then rename: a crash never leaves a torn checkpoint
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                "step": step, "history": history}, tmp)
+    tmp.replace(path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("models/tiny-code-target"))
@@ -153,15 +172,8 @@ def main(argv=None):
     model = LlamaForCausalLM(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
-    step, history = 0, []
     ckpt = args.work / "last.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step, history = state["step"], state["history"]
-        print(f"resumed from step {step}")
+    step, history = load_checkpoint(ckpt, model, opt, gen)
 
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16)
     t0 = time.time()
@@ -186,10 +198,7 @@ def main(argv=None):
                             "held_out_loss": held_out_loss(model, held_ids, args.seq_len)})
             tqdm.write(json.dumps(history[-1]))
         if step % args.ckpt_every == 0 or step == args.steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step, "history": history}, tmp)
-            tmp.replace(ckpt)
+            save_checkpoint(ckpt, model, opt, gen, step, history)
     bar.close()
 
     model.to(torch.bfloat16).save_pretrained(args.out)  # 16-bit storage; the engines compute in float32

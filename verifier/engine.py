@@ -118,6 +118,9 @@ class VerifierEngine:
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
 
+    def num_cached(self) -> int:
+        return len(self.cache)
+
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         """Verify the drafts of many sequences in (normally) one batched forward pass."""
         n = self.cache.num_slots  # a batch larger than the cache goes in parts
