@@ -102,6 +102,10 @@ class Router:
         self.model_name = self.config.model_name
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
+        # circuit breaker for the drafter pool: after a failed call, steps skip drafting (plain
+        # decoding on the verifier) until the back-off expires; the next call probes the pool
+        self.drafter_down_until = 0.0
+        self.drafter_backoff_s = 0.0
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -204,12 +208,17 @@ class Router:
         # assuming the whole block and the drafter's own guess of the bonus token are accepted.
         # It is used only if that is exactly what happened; otherwise discarded.
         pre_ctx, pre_task = None, None
-        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0}
+        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
+                  "degraded_steps": 0}
         try:
             while not seq.done:
                 t_step = time.perf_counter()
                 step_k = seq.step_k(policy.next_k(batch))
                 proposal, draft_on_path = None, 0.0
+                if step_k > 0 and time.monotonic() < self.drafter_down_until:
+                    step_k = 0  # the drafter pool is failing: decode plainly until it is probed again
+                    timing["degraded_steps"] += 1
+                    m["degraded"].inc()
                 if step_k > 0:
                     # one extra draft token: the guess of the bonus token the next block starts from
                     want = step_k + 1 if self.config.pipeline_drafts else step_k
@@ -225,7 +234,8 @@ class Router:
                         t_d = time.perf_counter()
                         proposal = await self._propose(seq, want, seq.tokens)
                         draft_on_path = time.perf_counter() - t_d
-                    if proposal is None:
+                    if proposal is None:  # no drafter answered in time: this step is plain decoding
+                        timing["degraded_steps"] += 1
                         m["degraded"].inc()
                 elif pre_task is not None:
                     pre_task.cancel()
@@ -267,6 +277,7 @@ class Router:
                     n = max(1, timing["spec_steps"])
                     stats = {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
                              "pre_draft_misses": timing["pre_draft_misses"],
+                             "degraded_steps": timing["degraded_steps"],
                              "drafter_recomputes": seq.cache_misses["drafter"],
                              "verifier_recomputes": seq.cache_misses["verifier"],
                              "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
@@ -326,9 +337,12 @@ class Router:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a failed drafter degrades speculation, never the request
-            log.warning("drafter call failed, decoding this step without speculation: %r", e)
+            self.drafter_backoff_s = min(10.0, max(0.5, 2 * self.drafter_backoff_s))
+            self.drafter_down_until = time.monotonic() + self.drafter_backoff_s
+            log.warning("drafter call failed; decoding without speculation for %.1fs: %r", self.drafter_backoff_s, e)
             seq.drafter_held = []
             return None
+        self.drafter_backoff_s = 0.0
         seq.note_proposal(p, context)
         return p
 

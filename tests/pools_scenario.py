@@ -109,14 +109,14 @@ def main(target_dir: str, drafter_dir: str):
     # 2. kill every verifier replica while a long request is in flight
     reference = completion("class Point:", 200)[1]["choices"][0]["token_ids"]
 
-    def kill_verifiers():
+    def kill_verifiers(deployment="Verifier"):
         names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if "Verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+                 if f"#{deployment}#" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
         for a in names:
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
         return len(names)
 
-    async def killed_mid_request(**extra):
+    async def killed_mid_request(deployment="Verifier", **extra):
         """Stream a long request; kill every verifier replica once its first tokens arrived."""
         ids, stats, killed = [], {}, False
         async with httpx.AsyncClient() as client:
@@ -132,7 +132,7 @@ def main(target_dir: str, drafter_dir: str):
                     ids += chunk["choices"][0].get("token_ids", [])
                     stats = chunk.get("speculation") or stats
                     if not killed and ids:
-                        out.setdefault("killed", []).append(kill_verifiers())
+                        out.setdefault("killed", []).append(kill_verifiers(deployment))
                         out.setdefault("killed_after_tokens", []).append(len(ids))
                         killed = True
                 return r.status_code, {"choices": [{"token_ids": ids}], "speculation": stats}
@@ -145,6 +145,17 @@ def main(target_dir: str, drafter_dir: str):
     code, body = asyncio.run(killed_mid_request(num_speculative_tokens=0))
     out["plain_kill_status"] = code
     out["plain_kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
+    # 3. kill every drafter replica mid-request: decoding goes on without speculation, output unchanged
+    code, body = asyncio.run(killed_mid_request("Drafter"))
+    out["drafter_kill_status"] = code
+    out["drafter_kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
+    out["drafter_kill_degraded_steps"] = body.get("speculation", {}).get("degraded_steps") if code == 200 else None
+    # and speculation resumes once the drafter pool is back
+    deadline = time.monotonic() + 120
+    while running("Drafter") < 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    code, body = completion("class Point:", 60)
+    out["after_drafter_return"] = body.get("speculation", {}) if code == 200 else {"status": code}
 
     print(json.dumps(out), flush=True)
     serve.shutdown()

@@ -43,3 +43,11 @@ def test_verifier_scales_independently_under_load(scenario):
     assert scenario["peak_replicas"] == {"Verifier": 2, "Drafter": 1}
     assert scenario["load_requests"] > 10 and scenario["load_failures"] == 0
     assert scenario["verifier_replicas_after"] == 1
+
+
+def test_drafter_death_degrades_to_plain_decoding_then_speculation_resumes(scenario):
+    assert scenario["killed"][2] >= 1
+    assert scenario["drafter_kill_status"] == 200 and scenario["drafter_kill_output_identical"]
+    assert scenario["drafter_kill_degraded_steps"] >= 1  # the response records the degradation
+    after = scenario["after_drafter_return"]
+    assert after["num_draft_tokens"] > 0 and after["degraded_steps"] == 0

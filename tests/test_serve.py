@@ -196,3 +196,29 @@ def test_burst_beyond_capacity_gets_quick_429_then_serves_normally(serve_app):
             assert retry == "1" and body["error"]["type"] == "rate_limit_error" and dt < 10
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200
+
+
+def test_logprobs_are_the_targets(serve_app):
+    base, tok, target, _ = serve_app
+    text = "def add(a, b):"
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": text, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+        "return_token_ids": True}).json()
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    ids = choice["token_ids"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(ids) == 6
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    prompt_ids = tok(text)["input_ids"]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1]
+    want = logits.float().log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"]), want, atol=1e-3)
+    # greedy: the emitted token is the most likely one
+    assert all(max(top.values()) <= l + 1e-6 for top, l in zip(lp["top_logprobs"], lp["token_logprobs"]))
+
+    chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "logprobs": True, "top_logprobs": 1}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content and all(c["logprob"] <= 0 and len(c["top_logprobs"]) == 1 for c in content)
