@@ -31,11 +31,15 @@ class AppConfig(BaseModel):
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
 
 
-def build_app(args: dict, overrides: dict[str, dict] | None = None):
+def build_app(args: dict):
     """Validate ``args`` and return the bound Serve application (router -> drafter, verifier).
+    Serve calls this with the serve config's ``args``."""
+    return build_app_with(args)
 
-    ``overrides`` maps a deployment name to ``.options()`` for programmatic use (tests);
-    serve config files put the same settings in their ``deployments:`` section.
+
+def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
+    """``build_app`` for programmatic use (tests): ``overrides`` maps a deployment name to
+    ``.options()``; serve config files put the same settings in their ``deployments:`` section.
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig

@@ -54,12 +54,12 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
     Yields (base_url, tokenizer, target_model, drafter_model)."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     target_dir, drafter_dir = tiny_model_dirs
-    app = build_app({
+    app = build_app_with({
         "model_name": "tiny",
         "verifier": {"model": str(target_dir), "cache_budget_mb": 64, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,

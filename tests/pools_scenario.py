@@ -27,7 +27,7 @@ def main(target_dir: str, drafter_dir: str):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     drafter_node = cluster.add_node(num_cpus=1, resources={"drafter_pool": 2})
@@ -37,7 +37,7 @@ def main(target_dir: str, drafter_dir: str):
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
     fast = {"upscale_delay_s": 0.5, "downscale_delay_s": 4, "metrics_interval_s": 0.2, "look_back_period_s": 1}
-    app = build_app({
+    app = build_app_with({
         "model_name": "tiny",
         "verifier": {"model": target_dir, "cache_budget_mb": 32, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": drafter_dir, "num_speculative_tokens": 3,
