@@ -154,8 +154,16 @@ def main(target_dir: str, drafter_dir: str):
     deadline = time.monotonic() + 120
     while running("Drafter") < 1 and time.monotonic() < deadline:
         time.sleep(1)
-    code, body = completion("class Point:", 60)
-    out["after_drafter_return"] = body.get("speculation", {}) if code == 200 else {"status": code}
+    # the router probes the pool again once its back-off (at most 10 s) has passed
+    t_back = time.monotonic()
+    while True:
+        code, body = completion("class Point:", 60)
+        spec = body.get("speculation", {}) if code == 200 else {"status": code}
+        if (spec.get("num_draft_tokens", 0) > 0 and spec.get("degraded_steps") == 0) or time.monotonic() - t_back > 60:
+            break
+        time.sleep(1)
+    out["after_drafter_return"] = spec
+    out["speculation_resumed_after_s"] = round(time.monotonic() - t_back, 1)
 
     print(json.dumps(out), flush=True)
     serve.shutdown()

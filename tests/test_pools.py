@@ -51,3 +51,4 @@ def test_drafter_death_degrades_to_plain_decoding_then_speculation_resumes(scena
     assert scenario["drafter_kill_degraded_steps"] >= 1  # the response records the degradation
     after = scenario["after_drafter_return"]
     assert after["num_draft_tokens"] > 0 and after["degraded_steps"] == 0
+    assert scenario["speculation_resumed_after_s"] <= 30
