@@ -6,7 +6,6 @@ replicas hold only caches, named by the stateless protocol, so any replica can s
 any step. With k = 0 the verifier decodes the request by itself and streams it back.
 """
 
-
 import asyncio
 import json
 import logging
@@ -38,6 +37,7 @@ class StepOutput:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     stats: dict | None = None  # the request's speculation statistics, on the last step
+
 
 app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
 
