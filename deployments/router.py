@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from configs import SamplingParams
+from deployments.batcher import Overloaded
 from deployments.metrics import metrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from deployments.policy import AdaptiveK, FixedK
@@ -360,6 +361,9 @@ class Router:
                 return res
             except OpenAIError:
                 raise
+            except Overloaded as e:  # the pool's queues are full: tell the client to come back
+                raise OpenAIError(503, f"verifier pool overloaded: {e}", type_="server_error", code="overloaded",
+                                  headers={"Retry-After": "1"}) from None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
