@@ -7,11 +7,11 @@ from typing import Protocol
 
 from configs import SamplingParams
 from verifier.engine import DraftProbs
-from verifier.kv_cache import prefix_hash
+from verifier.kv_cache import CacheAddressed
 
 
 @dataclass
-class DraftRequest:
+class DraftRequest(CacheAddressed):
     """Propose k tokens after a sequence. Same cache protocol as ``VerifyRequest``: the
     replica should hold tokens[:start] (hash ``prefix``), ``new_tokens`` follow them;
     ``full=True`` means new_tokens are the whole sequence."""
@@ -24,15 +24,6 @@ class DraftRequest:
     sampling: SamplingParams
     seed: int
     full: bool = False
-
-    def __post_init__(self):
-        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
-            self.full = True
-
-    @classmethod
-    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw) -> "DraftRequest":
-        cached = min(cached, len(tokens) - 1)
-        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
 
 
 @dataclass

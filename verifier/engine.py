@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configs import SamplingParams, VerifierConfig
-from verifier.kv_cache import CacheMiss, SlotKVCache, batched_forward, prefix_hash
+from verifier.kv_cache import CacheAddressed, CacheMiss, SlotKVCache, batched_forward
 from verifier.rejection import PAD, greedy_verify, rejection_sample
 from verifier.sampling import Stream, processed_probs, uniforms
 
@@ -41,7 +41,7 @@ class DraftProbs:
 
 
 @dataclass
-class VerifyRequest:
+class VerifyRequest(CacheAddressed):
     """One sequence's verification step.
 
     Either (start, prefix, new_tokens): the replica should hold the sequence's first
@@ -59,16 +59,6 @@ class VerifyRequest:
     draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
     full: bool = False
     logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
-
-    def __post_init__(self):
-        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
-            self.full = True
-
-    @classmethod
-    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw) -> "VerifyRequest":
-        """The step for a sequence whose replica is believed to hold tokens[:cached]."""
-        cached = min(cached, len(tokens) - 1)
-        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
 
     @property
     def k(self) -> int:

@@ -36,6 +36,22 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
+class CacheAddressed:
+    """Mixin for the call dataclasses of the cache protocol (fields seq_id, start, prefix,
+    new_tokens, full): how a call names the prefix its replica should hold."""
+
+    def __post_init__(self):
+        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
+            self.full = True
+
+    @classmethod
+    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw):
+        """The call for a sequence whose replica is believed to hold tokens[:cached]
+        (at least one token is always sent, so there is a position to predict from)."""
+        cached = min(cached, len(tokens) - 1)
+        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
+
+
 class CacheMiss(Exception):
     """The replica does not hold the prefix a call assumed; resend the full token ids."""
 
