@@ -145,35 +145,13 @@ class VerifierEngine:
                                      [r.k + 1 for r, _ in group], self.dtype)  # each [k+1, V]
             dt = time.perf_counter() - t0
             for (r, slot), lg in zip(group, logits):
-                res = self._decide(r, lg)
+                res = decide(r, lg)
                 res.forward_s = dt
                 # keep the accepted drafts' K/V; the recovered/bonus token was never fed
                 del slot.tokens[len(slot.tokens) - r.k + res.num_accepted:]
                 res.cached = len(slot.tokens)
                 results[r.seq_id] = res
         return [results[r.seq_id] for r in requests]
-
-    def _decide(self, r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
-        """Accept/reject one sequence's drafts given the target logits [k+1, V] at their positions."""
-        draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
-        if r.sampling.greedy:
-            tokens, n_acc = greedy_verify(draft, logits.argmax(-1).unsqueeze(0))
-        else:
-            first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
-            p = processed_probs(logits, r.sampling).unsqueeze(0)  # [1, k+1, V]
-            q = r.draft_probs.dense(p.shape[-1]).unsqueeze(0) if r.draft_probs is not None else None
-            tokens, n_acc = rejection_sample(
-                draft, q, p,
-                uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
-                uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))
-        out = [t for t in tokens[0].tolist() if t != PAD]
-        res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
-        if r.logprobs is not None:
-            lp = logits[: len(out)].float().log_softmax(-1)  # [emitted, V]
-            top = lp.topk(r.logprobs, -1) if r.logprobs > 0 else None
-            res.logprobs = [(float(lp[i, t]), list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
-                            for i, t in enumerate(out)]
-        return res
 
     def _groups(self, live):
         """Split a batch so that left-padding never more than doubles the tokens computed,
@@ -192,6 +170,30 @@ class VerifierEngine:
             group.append(item)
         if group:
             yield group
+
+
+def decide(r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
+    """Accept/reject one sequence's drafts given the target logits [k+1, V] at their positions.
+    Backend-independent: any engine that produces these logits verifies the same way."""
+    draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
+    if r.sampling.greedy:
+        tokens, n_acc = greedy_verify(draft, logits.argmax(-1).unsqueeze(0))
+    else:
+        first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
+        p = processed_probs(logits, r.sampling).unsqueeze(0)  # [1, k+1, V]
+        q = r.draft_probs.dense(p.shape[-1]).unsqueeze(0) if r.draft_probs is not None else None
+        tokens, n_acc = rejection_sample(
+            draft, q, p,
+            uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
+            uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))
+    out = [t for t in tokens[0].tolist() if t != PAD]
+    res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
+    if r.logprobs is not None:
+        lp = logits[: len(out)].float().log_softmax(-1)  # [emitted, V]
+        top = lp.topk(r.logprobs, -1) if r.logprobs > 0 else None
+        res.logprobs = [(float(lp[i, t]), list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
+                        for i, t in enumerate(out)]
+    return res
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
