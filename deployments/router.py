@@ -210,10 +210,14 @@ class Router:
         # It is used only if that is exactly what happened; otherwise discarded.
         pre_ctx, pre_task = None, None
         timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
-                  "degraded_steps": 0}
+                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "emit_s": 0.0, "emit_n": 0, "t_emit": 0.0}
         try:
             while not seq.done:
                 t_step = time.perf_counter()
+                if timing["t_emit"]:  # the previous speculative step's apply, detokenisation and streaming
+                    timing["emit_s"] += t_step - timing["t_emit"]
+                    timing["emit_n"] += 1
+                timing["t_emit"] = 0.0
                 step_k = seq.step_k(policy.next_k(batch))
                 proposal, draft_on_path = None, 0.0
                 if step_k > 0 and time.monotonic() < self.drafter_down_until:
@@ -273,6 +277,9 @@ class Router:
                     timing["exposed_s"] += exposed
                     timing["step_s"] += t_verify_done - t_step
                     timing["spec_steps"] += 1
+                    timing["forward_s"] += res.forward_s
+                    timing["draft_s"] += proposal.draft_s if draft_on_path else 0.0
+                    timing["t_emit"] = t_verify_done
                 stats = None
                 if seq.done:
                     n = max(1, timing["spec_steps"])
@@ -282,7 +289,12 @@ class Router:
                              "drafter_recomputes": seq.cache_misses["drafter"],
                              "verifier_recomputes": seq.cache_misses["verifier"],
                              "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
-                             "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3)}
+                             "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3),
+                             # per speculative step: verify forward pass, drafting on the critical path
+                             # (0 when the pre-draft hit), and the step's apply/detokenise/stream time
+                             "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
+                             "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
+                             "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
                 yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
         finally:
             if pre_task is not None:
