@@ -26,6 +26,12 @@ class SamplingParams(_Config):
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate (the context limit may end generation earlier).")
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end generation; the returned text excludes them.")
     ignore_eos: bool = Field(False, description="Keep generating after an end-of-sequence token.")
+    verification: Literal["rejection", "gumbel"] = Field(
+        "rejection", description="How sampled drafts are verified. rejection: Leviathan/Chen rejection sampling, the "
+        "highest acceptance; a seeded request repeats exactly only when the same drafts happen. gumbel: Gumbel-max "
+        "coupling, where every token is argmax(log p + g) with noise g keyed by (seed, position) alone, so seeded "
+        "output is identical whatever the drafter, k or replica did (and equals plain decoding); acceptance is "
+        "somewhat lower. Both emit tokens distributed exactly as the target's p; greedy ignores this.")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,8 @@ class AppConfig(BaseModel):
     k_policy: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive: pick k per step from measured acceptance, drafter cost and verifier load (a request's num_speculative_tokens is the upper bound); fixed: always speculate the request's k.")
     pipeline_drafts: bool = Field(True, description="Draft the next block while the current one is verified (assuming it is fully accepted), so the drafter round trip is hidden when the guess holds.")
     verifier_retry_s: float = Field(120.0, ge=0, le=3600, description="How long a request keeps retrying failed verify calls (a replica died: another one, or its replacement, recomputes from the tokens) before it fails.")
+    verification: Literal["rejection", "gumbel"] = Field("rejection", description="Default verification of sampled requests (a request's `verification` overrides it): rejection sampling, or Gumbel-max coupling whose seeded output does not depend on drafts, k or replica failures. See SamplingParams.verification.")
+    request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="Deadline of every request (a request's `timeout` may shorten it): past it the request stops, its caches are released, and the client gets a 504 (an error event when streaming).")
     max_active_requests: int = Field(192, ge=1, le=1_000_000, description="Requests a router replica runs at once; beyond it new requests get 429 with Retry-After at once instead of queueing.")
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")

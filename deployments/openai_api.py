@@ -50,6 +50,12 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = Field(
         None, ge=0, le=MAX_SPECULATIVE_TOKENS,
         description="splitspec extension: the most draft tokens per step for this request; 0 turns speculation off.")
+    verification: Literal["rejection", "gumbel"] | None = Field(
+        None, description="splitspec extension: rejection (default: highest acceptance) or gumbel (seeded output "
+        "identical whatever the drafter, k or replica did). Both sample exactly from the target's distribution.")
+    timeout: float | None = Field(
+        None, gt=0, le=3600, description="splitspec extension: seconds this request may run; beyond it the request "
+        "ends with a 504 (or an in-band error event when streaming). The server's request_timeout_s caps it.")
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; only 0 is accepted.")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; only 0 is accepted.")

@@ -72,6 +72,38 @@ async def _validation_error(_: Request, e: RequestValidationError):
     return JSONResponse(OpenAIError(400, msg, param=param, code=first.get("type")).body(), status_code=400)
 
 
+def _overloaded(e: Exception) -> OpenAIError:
+    return OpenAIError(503, f"verifier pool overloaded: {e}", type_="server_error", code="overloaded",
+                       headers={"Retry-After": "1"})
+
+
+async def _prepend(first, steps):
+    if first is not None:
+        yield first
+    async for s in steps:
+        yield s
+
+
+class Admission:
+    """A request's place among the router replica's ``max_active_requests``, given back
+    exactly once: when the request ends, or, for a stream whose body never started (the
+    client left between the headers and the first chunk), when its generator is collected."""
+
+    def __init__(self, router):
+        self.router = router
+        router.active += 1
+        self.held = True
+        metrics()["active_requests"].set(router.active)
+
+    def release(self):
+        if self.held:
+            self.held = False
+            self.router.active -= 1
+            metrics()["active_requests"].set(self.router.active)
+
+    __del__ = release
+
+
 @serve.ingress(app)
 class Router:
     """The HTTP ingress and per-request loop. Receives its drafter and verifier as handles
@@ -165,7 +197,8 @@ class Router:
             max_new = 16 if isinstance(body, CompletionRequest) else limit
         max_new = min(max_new, self.max_len - prompt_len)
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                              max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos)
+                              max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
+                              verification=body.verification or self.config.verification)
 
     async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
         params = self._params(body, len(prompt_ids))
@@ -173,27 +206,54 @@ class Router:
             metrics()["requests"].inc(tags={"endpoint": endpoint, "status": "429"})
             raise OpenAIError(429, f"server busy: {self.active} requests running; retry shortly",
                               type_="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
-        self.active += 1
+        slot = Admission(self)
         try:
-            return await self._serve_admitted(endpoint, body, prompt_ids, request, logprobs, params)
+            return await self._serve_admitted(endpoint, body, prompt_ids, request, logprobs, params, slot)
         except BaseException:
-            self.active -= 1
+            slot.release()
             raise
 
-    async def _serve_admitted(self, endpoint, body, prompt_ids, request, logprobs, params):
+    async def _serve_admitted(self, endpoint, body, prompt_ids, request, logprobs, params, slot: "Admission"):
         k = self.config.drafter.num_speculative_tokens
         if body.num_speculative_tokens is not None:
             k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
-        steps = self._generate(rid, prompt_ids, params, k, logprobs)
+        timeout_s = min(body.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
+        steps = self._until_deadline(self._generate(rid, prompt_ids, params, k, logprobs), timeout_s)
         meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body)
         if body.stream:  # the stream's generator gives the admission slot back when it ends
-            return StreamingResponse(self._sse(steps, meta, request), media_type="text/event-stream")
+            # The first step runs before the headers go out, so that a request the system cannot
+            # start (overloaded, deadline, context) gets a real status code, not an in-band error.
+            try:
+                first = await anext(steps)
+            except StopAsyncIteration:
+                first = None
+            return StreamingResponse(self._sse(_prepend(first, steps), meta, request, slot),
+                                     media_type="text/event-stream")
         try:
             out = await self._collect(steps, request)
         finally:
-            self.active -= 1
+            slot.release()
         return JSONResponse(self._final_body(meta, out))
+
+    @staticmethod
+    async def _until_deadline(steps, timeout_s: float):
+        """The request's steps until its deadline; past it the generation is cancelled (its
+        finally blocks release the caches on both pools) and the client gets a 504."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    s = await asyncio.wait_for(anext(steps), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    metrics()["deadline_exceeded"].inc()
+                    raise OpenAIError(504, f"the request exceeded its deadline of {timeout_s:g} s",
+                                      type_="timeout_error", code="deadline_exceeded") from None
+                yield s
+        finally:
+            await steps.aclose()
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
         if k == 0:
@@ -324,8 +384,10 @@ class Router:
                         break
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - replica died: resume elsewhere from the tokens
+            except Exception as e:  # noqa: BLE001 - replica died (or was full): resume elsewhere from the tokens
                 attempt += 1
+                if isinstance(e, Overloaded) and not seq.output_ids:
+                    raise _overloaded(e) from None
                 if time.monotonic() >= deadline:
                     raise
                 seq.cache_misses["verifier"] += 1
@@ -373,9 +435,14 @@ class Router:
                 return res
             except OpenAIError:
                 raise
-            except Overloaded as e:  # the pool's queues are full: tell the client to come back
-                raise OpenAIError(503, f"verifier pool overloaded: {e}", type_="server_error", code="overloaded",
-                                  headers={"Retry-After": "1"}) from None
+            except Overloaded as e:
+                if not seq.output_ids:  # a new request: tell the client to come back
+                    raise _overloaded(e) from None
+                # a running request is never dropped: wait for room (or another replica)
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise _overloaded(e) from None
+                await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
@@ -407,12 +474,12 @@ class Router:
                 raise OpenAIError(499, "client disconnected")
         return {"ids": ids, "text": "".join(text), "logprobs": lps, "finish_reason": finish, "stats": stats}
 
-    async def _sse(self, steps, meta: dict, request: Request):
+    async def _sse(self, steps, meta: dict, request: Request, slot: "Admission"):
         try:
             async for chunk in self._sse_chunks(steps, meta, meta["body"]):
                 yield chunk
         finally:
-            self.active -= 1
+            slot.release()
 
     async def _sse_chunks(self, steps, meta: dict, body):
         n_out, finish, stats, first = 0, None, None, True

@@ -16,7 +16,7 @@ from configs import DraftModelConfig
 from drafter.base import DraftRequest, Proposal
 from verifier.engine import DTYPES, DraftProbs
 from verifier.kv_cache import CacheMiss, SlotKVCache, batched_forward
-from verifier.sampling import Stream, processed_probs, sample_inverse_cdf, uniform
+from verifier.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniform
 
 
 class ModelDrafter:
@@ -60,7 +60,8 @@ class ModelDrafter:
             feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
             # feeding context + k-1 drafts must fit in the drafter's context
             k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
-            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if not r.sampling.greedy else None)
+            sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"  # coupled verification needs no q
+            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None)
             if k > 0:
                 active.append((r, slot, feed, k))
             else:
@@ -91,6 +92,8 @@ class ModelDrafter:
         if r.sampling.greedy:
             return int(logits[0].argmax())
         q = processed_probs(logits, r.sampling)[0]  # [V]
+        if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
+            return int(gumbel_argmax(q.unsqueeze(0), gumbel_noise(r.seed, [position], q.shape[0]))[0])
         K = min(self.config.draft_top_k, q.shape[0])
         vals, ids = q.topk(K)  # [K]
         keep = vals > 0

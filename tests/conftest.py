@@ -29,7 +29,7 @@ def ray_cluster():
     """One local Ray cluster for the whole test session (starting one takes seconds)."""
     import ray
     metrics_port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     yield f"http://127.0.0.1:{metrics_port}/metrics"

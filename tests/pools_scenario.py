@@ -165,6 +165,18 @@ def main(target_dir: str, drafter_dir: str):
     out["after_drafter_return"] = spec
     out["speculation_resumed_after_s"] = round(time.monotonic() - t_back, 1)
 
+    # 4. deterministic (Gumbel-coupled) sampling: a seeded sampled request gives the same tokens
+    # undisturbed, with speculation off, and with either pool's replicas killed mid-stream
+    sampled = {"temperature": 0.8, "seed": 7, "verification": "gumbel"}
+    gumbel_ref = completion("class Point:", 200, **sampled)[1]["choices"][0]["token_ids"]
+    plain = completion("class Point:", 200, num_speculative_tokens=0, **sampled)[1]["choices"][0]["token_ids"]
+    out["gumbel_plain_identical"] = plain == gumbel_ref
+    for deployment in ("Drafter", "Verifier"):
+        deadline = time.monotonic() + 120
+        while (running("Drafter") < 1 or running("Verifier") < 1) and time.monotonic() < deadline:
+            time.sleep(1)
+        code, body = asyncio.run(killed_mid_request(deployment, **sampled))
+        out[f"gumbel_{deployment.lower()}_kill_identical"] = code == 200 and body["choices"][0]["token_ids"] == gumbel_ref
     print(json.dumps(out), flush=True)
     serve.shutdown()
     ray.shutdown()

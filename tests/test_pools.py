@@ -52,3 +52,12 @@ def test_drafter_death_degrades_to_plain_decoding_then_speculation_resumes(scena
     after = scenario["after_drafter_return"]
     assert after["num_draft_tokens"] > 0 and after["degraded_steps"] == 0
     assert scenario["speculation_resumed_after_s"] <= 30
+
+
+def test_deterministic_sampling_survives_replica_deaths(scenario):
+    """Gumbel-coupled verification: a seeded sampled request is identical with speculation
+    off and with every drafter (then every verifier) replica killed mid-stream."""
+    assert scenario["killed"][3] >= 1 and scenario["killed"][4] >= 1
+    assert scenario["gumbel_plain_identical"]
+    assert scenario["gumbel_drafter_kill_identical"]
+    assert scenario["gumbel_verifier_kill_identical"]

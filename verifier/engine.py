@@ -16,8 +16,8 @@ import torch
 
 from configs import SamplingParams, VerifierConfig
 from verifier.kv_cache import CacheAddressed, CacheMiss, SlotKVCache, batched_forward
-from verifier.rejection import PAD, greedy_verify, rejection_sample
-from verifier.sampling import Stream, processed_probs, uniforms
+from verifier.rejection import PAD, greedy_verify, gumbel_verify, rejection_sample
+from verifier.sampling import Stream, gumbel_noise, processed_probs, uniforms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -181,11 +181,11 @@ def decide(r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
     else:
         first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
         p = processed_probs(logits, r.sampling).unsqueeze(0)  # [1, k+1, V]
-        q = r.draft_probs.dense(p.shape[-1]).unsqueeze(0) if r.draft_probs is not None else None
-        tokens, n_acc = rejection_sample(
-            draft, q, p,
-            uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
-            uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))
+        if r.sampling.verification == "gumbel":
+            noise = gumbel_noise(r.seed, range(first, first + r.k + 1), p.shape[-1]).unsqueeze(0)  # [1, k+1, V]
+            tokens, n_acc = gumbel_verify(draft, p, noise)
+        else:
+            tokens, n_acc = _rejection(r, draft, p, first)
     out = [t for t in tokens[0].tolist() if t != PAD]
     res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
     if r.logprobs is not None:
@@ -194,6 +194,15 @@ def decide(r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
         res.logprobs = [(float(lp[i, t]), list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
                         for i, t in enumerate(out)]
     return res
+
+
+def _rejection(r: VerifyRequest, draft: torch.Tensor, p: torch.Tensor, first: int):
+    """Standard rejection sampling of draft [1, k] against p [1, k+1, V]; draft 1 sits at ``first``."""
+    q = r.draft_probs.dense(p.shape[-1]).unsqueeze(0) if r.draft_probs is not None else None  # [1, k, V]
+    return rejection_sample(
+        draft, q, p,
+        uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
+        uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

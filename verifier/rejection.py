@@ -12,13 +12,20 @@ Acceptance rule: accept x with probability min(1, p(x) / q(x)). A draft without
 probabilities (n-gram lookup) has q = one-hot(x): accept with probability p(x), and
 the residual is p without x, renormalised. Both keep the emitted tokens distributed
 exactly as p.
+
+Coupled (Gumbel-max) verification, the deterministic mode: the target's token at each
+position is fixed in advance as argmax(log p + g), with Gumbel noise g keyed by (seed,
+position); a draft is accepted while it equals that token, and the first mismatch emits
+it (the recovered token), or the bonus position's does. Every emitted token is a draw from
+p, and the output does not depend on the drafts at all: only acceptance does. The drafter
+draws its proposal with the same noise (argmax(log q + g)) to be accepted often.
 """
 
 from __future__ import annotations
 
 import torch
 
-from verifier.sampling import sample_inverse_cdf
+from verifier.sampling import gumbel_argmax, sample_inverse_cdf
 
 PAD = -1  # marks positions after the last emitted token
 
@@ -74,6 +81,18 @@ def rejection_sample(
     tokens = torch.cat([draft, torch.full((B, 1), PAD, dtype=draft.dtype)], dim=1)  # [B, k+1]
     tokens[rows, num_accepted] = final_token
     return _pad_after(tokens, num_accepted), num_accepted
+
+
+def gumbel_verify(draft: torch.Tensor, p: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coupled verification: the greedy rule applied to the target's Gumbel-max tokens.
+
+    draft [B, k] draft token ids; p [B, k+1, V] target's processed distributions;
+    noise [B, k+1, V] Gumbel noise of those positions.
+    Returns (tokens [B, k+1] with PAD after the last emitted token, num_accepted [B]).
+    """
+    B, k1, V = p.shape
+    target = gumbel_argmax(p.reshape(B * k1, V), noise.reshape(B * k1, V)).reshape(B, k1)  # [B, k+1]
+    return greedy_verify(draft, target)
 
 
 def _first_true_or(mask: torch.Tensor, default: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ class Stream(IntEnum):
     ACCEPT = 1  # the accept/reject test of a draft token
     SAMPLE = 2  # drawing a recovered, bonus or plain-decoding token from the target
     DRAFT = 3  # the drafter drawing its proposal from q
+    GUMBEL = 4  # the Gumbel noise vector of a position (coupled verification)
 
 
 def uniform(seed: int, position: int, stream: Stream) -> float:
@@ -37,6 +38,28 @@ def uniform(seed: int, position: int, stream: Stream) -> float:
 
 def uniforms(seed: int, positions: range | list[int], stream: Stream) -> torch.Tensor:
     return torch.tensor([uniform(seed, p, stream) for p in positions], dtype=torch.float64)
+
+
+def gumbel_noise(seed: int, positions: range | list[int], vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise [n, V] for each position, determined by (seed, position) alone.
+
+    Drawn on the CPU from a generator seeded per position, so every replica and device
+    produces the same vector (the drafter and the verifier must see the same noise).
+    """
+    out = torch.empty(len(positions), vocab_size, dtype=torch.float64)
+    gen = torch.Generator()
+    for row, pos in enumerate(positions):
+        digest = hashlib.blake2b(struct.pack("<QqB", seed, pos, Stream.GUMBEL), digest_size=8).digest()
+        gen.manual_seed(int.from_bytes(digest, "little") >> 1)
+        u = torch.rand(vocab_size, generator=gen, dtype=torch.float64).clamp_(min=2.0**-53)
+        out[row] = -torch.log(-torch.log(u))
+    return out
+
+
+def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max trick: argmax(log probs + noise) over rows of probs [n, V] is one draw
+    from each row's distribution; tokens of probability 0 are never chosen."""
+    return (probs.double().log() + noise).argmax(-1)
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

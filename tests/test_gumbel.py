@@ -1,0 +1,126 @@
+"""Coupled (Gumbel-max) verification: exactly the target's distribution, and an output that
+does not depend on the drafts.
+
+Same Markov-chain target as tests/test_rejection.py. Sequence i uses seed i; the token at
+position t is argmax(log p + g(i, t)). The marginals of positions 1..k+1 and the joint
+distribution of positions (1, 2) are tested (the joint catches noise reused across
+positions, which leaves every marginal right).
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from configs import SamplingParams
+from tests.test_rejection import PARAMS, V, _chain, min_p_value
+from verifier.rejection import PAD, gumbel_verify
+from verifier.sampling import gumbel_argmax, gumbel_noise
+
+K, N = 3, 20_000
+
+
+def run_coupled(P, Q, k: int, n: int = N, noise_fn=gumbel_noise, coupled_drafts: bool = True, seed: int = 5):
+    """Speculative generation of k+1 tokens after token 0, n sequences (seed = row index).
+    Drafts come from Q, drawn with the verifier's noise (coupled) or independently."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [[0] for _ in range(n)]
+    accepted = drafted = 0
+    while True:
+        live = [i for i in range(n) if len(seqs[i]) < k + 2]
+        if not live:
+            break
+        noise = torch.stack([noise_fn(i, range(len(seqs[i]), len(seqs[i]) + k + 1), V) for i in live])  # [B, k+1, V]
+        prev = torch.tensor([seqs[i][-1] for i in live])
+        drafts, ps = [], []
+        for j in range(k):
+            if coupled_drafts:
+                x = gumbel_argmax(Q[prev], noise[:, j])
+            else:
+                x = torch.multinomial(Q[prev], 1, generator=g)[:, 0]
+            drafts.append(x), ps.append(P[prev])
+            prev = x
+        ps.append(P[prev])
+        draft = torch.stack(drafts, 1) if k else torch.zeros(len(live), 0, dtype=torch.long)  # [B, k]
+        tokens, n_acc = gumbel_verify(draft, torch.stack(ps, 1), noise)
+        accepted += int(n_acc.sum())
+        drafted += k * len(live)
+        for row, i in enumerate(live):
+            seqs[i].extend(t for t in tokens[row].tolist() if t != PAD)
+    out = torch.tensor([s[1:k + 2] for s in seqs])  # positions 1..k+1
+    return out, accepted / max(1, drafted)
+
+
+def joint_p_value(tokens, P) -> float:
+    """Chi-square of the joint distribution of positions 1 and 2 (both after token 0)."""
+    expected = (P[0].double()[:, None] * P.double()).flatten()  # [V*V]
+    observed = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V).double()
+    support = expected > 0
+    assert observed[~support].sum() == 0
+    exp = expected[support] / expected[support].sum() * len(tokens)
+    return chisquare(observed[support].numpy(), exp.numpy()).pvalue
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.7-top_p0.9"])
+def test_gumbel_verification_preserves_target_distribution(params):
+    P, Q = _chain(params, seed=1)
+    tokens, acc = run_coupled(P, Q, K)
+    assert 0.2 < acc < 0.95, acc  # drafts were both accepted and rejected, often
+    assert min_p_value(tokens, P, K) > 1e-3
+    assert joint_p_value(tokens, P) > 1e-3
+
+
+def test_gumbel_output_independent_of_drafts_and_k():
+    """The same seeds give the same tokens with coupled drafts, random drafts, any k, and k=0
+    (plain decoding): the deterministic guarantee."""
+    P, Q = _chain(SamplingParams(temperature=1.0), seed=1)
+    plain, _ = run_coupled(P, Q, 0, n=2000)
+    for k, coupled in [(1, True), (3, True), (3, False), (6, True)]:
+        out, _ = run_coupled(P, Q, k, n=2000, coupled_drafts=coupled)
+        assert torch.equal(out[:, :1], plain[:, :1])
+    # positions beyond the first: compare longer runs generated step by step
+    five_plain = _extend(P, Q, 0, 5)
+    assert torch.equal(_extend(P, Q, 2, 5), five_plain)
+    assert torch.equal(_extend(P, Q, 4, 5, coupled=False), five_plain)
+
+
+def _extend(P, Q, k, length, coupled=True, n=500):
+    """Generate `length` tokens after token 0 in steps of k drafts."""
+    g = torch.Generator().manual_seed(9)
+    seqs = [[0] for _ in range(n)]
+    while any(len(s) < length + 1 for s in seqs):
+        for i, s in enumerate(seqs):
+            if len(s) >= length + 1:
+                continue
+            noise = gumbel_noise(i, range(len(s), len(s) + k + 1), V).unsqueeze(0)
+            prev, drafts, ps = torch.tensor([s[-1]]), [], []
+            for j in range(k):
+                x = gumbel_argmax(Q[prev], noise[:, j]) if coupled else torch.multinomial(Q[prev], 1, generator=g)[:, 0]
+                drafts.append(x), ps.append(P[prev])
+                prev = x
+            ps.append(P[prev])
+            draft = torch.stack(drafts, 1) if k else torch.zeros(1, 0, dtype=torch.long)
+            tokens, _ = gumbel_verify(draft, torch.stack(ps, 1), noise)
+            s.extend(t for t in tokens[0].tolist() if t != PAD)
+    return torch.tensor([s[1:length + 1] for s in seqs])
+
+
+def test_reused_noise_is_caught():
+    """Noise keyed by the seed alone (the same at every position) keeps each marginal right
+    but correlates positions: the joint test must reject it."""
+    P, Q = _chain(SamplingParams(temperature=1.0), seed=1)
+
+    def same_noise_everywhere(seed, positions, vocab):
+        return gumbel_noise(seed, [0], vocab).expand(len(positions), vocab)
+
+    tokens, _ = run_coupled(P, Q, K, noise_fn=same_noise_everywhere)
+    assert joint_p_value(tokens, P) < 1e-6
+
+
+def test_gumbel_noise_keyed_by_seed_and_position():
+    a = gumbel_noise(3, [7, 8], 50)
+    assert torch.equal(a, gumbel_noise(3, [7, 8], 50))
+    assert torch.equal(a[1], gumbel_noise(3, [8], 50)[0])
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a, gumbel_noise(4, [7, 8], 50))
+    # standard Gumbel: mean = Euler-Mascheroni constant, variance pi^2/6
+    big = gumbel_noise(11, range(200), 1000)
+    assert abs(big.mean() - 0.5772) < 0.02 and abs(big.var() - 1.6449) < 0.05
