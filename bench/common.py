@@ -1,0 +1,255 @@
+"""What the scenarios share: the model pair, prompts, thread settings, statistics, JSON
+output, an in-process Ray Serve deployment of the app, and HTTP clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = str(ROOT / "models" / "tiny-code-target")
+DRAFTER = str(ROOT / "models" / "tiny-code-drafter")
+DEFAULT_OUT = ROOT / "bench" / "results"
+DEFAULT_K = 4  # the shipped drafter config's num_speculative_tokens (serve_config.yaml)
+MAX_MODEL_LEN = 512  # prompts (~100-200 tokens) + 256 new tokens fit; halves the KV slot size
+
+
+def set_threads(n: int):
+    """The same intra-op thread count for every system measured in this process."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    os.environ["MKL_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def load_prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
+    """``n`` code prompts cut from held-out standard-library modules, with their token ids."""
+    from drafter.corpus import held_out_prompts
+
+    texts = held_out_prompts(n)
+    return [(t, tokenizer(t)["input_ids"]) for t in texts]
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def percentile(xs, q: float):
+    """Linear-interpolated percentile, q in [0, 100]."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def rnd(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Leviathan et al.: expected tokens per step for per-token acceptance a and k drafts."""
+    if k == 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def per_token_acceptance(num_drafts: int, num_accepted: int, all_accepted: int) -> float | None:
+    """Per-token acceptance a from step counts: accepted / tested draft positions, where a
+    position is tested when every draft before it was accepted (the maximum-likelihood a of
+    the geometric model behind ``expected_tokens``)."""
+    rejections = num_drafts - all_accepted
+    tested = num_accepted + rejections
+    return num_accepted / tested if tested else None
+
+
+def environment(threads: int) -> dict:
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        commit = None
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host_cpus": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads_per_engine": threads,
+            "load_average_at_start": list(os.getloadavg()), "git_commit": commit,
+            "command": " ".join([Path(sys.executable).name, "-m"] + sys.argv)}
+
+
+def write_json(out: Path, name: str, data: dict) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def log(msg: str):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ serving
+def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, streams: int = 1) -> dict:
+    """The shipped app's args (serve_config.yaml) with explicit threads, a fixed context and
+    KV caches sized for ``streams`` concurrent sequences (each a 512-token slot)."""
+    slot_mb_target = 2 * 8 * 512 * 512 * 4 / 2**20  # layers x (K,V) x positions x hidden x fp32
+    slot_mb_drafter = 2 * 1 * 512 * 128 * 4 / 2**20
+    return {
+        "model_name": "tiny-code",
+        "verifier": {"model": TARGET, "cache_budget_mb": slot_mb_target * (streams + 2), "num_threads": threads,
+                     "max_model_len": MAX_MODEL_LEN},
+        "drafter": {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k,
+                    "cache_budget_mb": slot_mb_drafter * (2 * streams + 4), "num_threads": threads,
+                    "max_model_len": MAX_MODEL_LEN},
+        "k_policy": k_policy,
+        "max_tokens_limit": 1024,
+        "max_active_requests": max(192, 2 * streams),
+    }
+
+
+# Logical CPUs only place replicas; the real compute is set by num_threads. Kept small so the
+# bench apps also fit beside the test suite's app on its 4-CPU test cluster.
+BENCH_OVERRIDES = {"Router": {"ray_actor_options": {"num_cpus": 0.05}},
+                   "Verifier": {"ray_actor_options": {"num_cpus": 0.25}},
+                   "Drafter": {"ray_actor_options": {"num_cpus": 0.2}}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(apps: dict[str, dict], threads: int):
+    """Deploy each ``{name: args}`` app at route ``/name`` on Ray Serve, in process, and yield
+    ``{name: base_url}``. Starts Ray and Serve (on a free port) unless they already run (the
+    test suite's cluster); deletes the apps afterwards and stops what it started."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app_with
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}})
+    started_serve = False
+    try:
+        port = _serve_port()
+        if port is None:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            started_serve = True
+        urls = {}
+        for name, args in apps.items():
+            log(f"deploying app {name!r}")
+            serve.run(build_app_with(args, overrides=BENCH_OVERRIDES), name=f"bench-{name}",
+                      route_prefix=f"/bench-{name}")
+            urls[name] = f"http://127.0.0.1:{port}/bench-{name}"
+        yield urls
+    finally:
+        for name in apps:
+            with contextlib.suppress(Exception):
+                serve.delete(f"bench-{name}")
+        if started_serve:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def _serve_port() -> int | None:
+    """The HTTP port of a Serve instance already running in this Ray cluster, if any."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+    except Exception:  # noqa: BLE001 - no controller
+        return None
+    return None if client is None else client.http_config.port
+
+
+# ------------------------------------------------------------------ HTTP clients
+def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None,
+                    k: int | None, stream: bool = False) -> dict:
+    body = {"model": "tiny-code", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+    if seed is not None:
+        body["seed"] = seed
+    if k is not None:
+        body["num_speculative_tokens"] = k
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def complete(client, url: str, body: dict) -> tuple[float, int, dict | None, list[int] | None]:
+    """One non-streaming completion: (wall seconds, output tokens, speculation stats, token ids)."""
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/v1/completions", json=body)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    data = r.json()
+    return dt, data["usage"]["completion_tokens"], data.get("speculation"), data["choices"][0].get("token_ids")
+
+
+async def stream_completion(client, url: str, body: dict) -> dict:
+    """One streaming completion over SSE: arrival time and token count of every chunk."""
+    t0 = time.perf_counter()
+    chunks: list[tuple[float, int]] = []  # (seconds since send, tokens in the chunk)
+    spec, n_usage = None, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                break
+            data = json.loads(payload)
+            if "error" in data:
+                raise RuntimeError(data["error"].get("message"))
+            if data.get("usage"):
+                n_usage = data["usage"]["completion_tokens"]
+            if data.get("speculation"):
+                spec = data["speculation"]
+            for c in data.get("choices", []):
+                n = len(c.get("token_ids") or [])
+                if n:
+                    chunks.append((time.perf_counter() - t0, n))
+    total = time.perf_counter() - t0
+    return {"chunks": chunks, "latency_s": total, "tokens": n_usage if n_usage is not None else sum(n for _, n in chunks),
+            "speculation": spec}
+
+
+def vllm_python() -> str | None:
+    """An interpreter that can import vllm: this one, else /work/venv-vllm's, else None."""
+    candidates = [sys.executable, os.environ.get("SPLITSPEC_VLLM_PYTHON", ""), "/work/venv-vllm/bin/python"]
+    for py in candidates:
+        if not py or not Path(py).exists():
+            continue
+        try:
+            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120, cwd=ROOT)
+        except Exception:  # noqa: BLE001
+            continue
+        if r.returncode == 0:
+            return py
+    return None

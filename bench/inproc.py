@@ -1,0 +1,106 @@
+"""Systems measured inside the benchmark process: splitspec's in-process reference loop
+(the same engines, no RPC) and Hugging Face transformers (plain and assisted generation)."""
+
+from __future__ import annotations
+
+import time
+
+from bench.common import DRAFTER, MAX_MODEL_LEN, TARGET
+
+
+class _Timed:
+    """Wraps an engine and records every batched call's engine time (forward_s / draft_s)."""
+
+    def __init__(self, engine, method: str, field: str):
+        self._engine, self._method, self._field = engine, method, field
+        self.calls: list[tuple[int, float]] = []  # (k, seconds)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _call(self, requests):
+        out = getattr(self._engine, self._method)(requests)
+        if out:
+            self.calls.append((max(r.k for r in requests), getattr(out[0], self._field)))
+        return out
+
+
+class _TimedVerifier(_Timed):
+    def verify(self, requests):
+        return self._call(requests)
+
+
+class _TimedDrafter(_Timed):
+    def propose(self, requests):
+        return self._call(requests)
+
+
+class Reference:
+    """verifier.generate.generate on VerifierEngine + ModelDrafter, timed per engine call."""
+
+    name = "reference loop (in-process, no RPC)"
+
+    def __init__(self, threads: int):
+        from configs import DraftModelConfig, VerifierConfig
+        from drafter.model_drafter import ModelDrafter
+        from verifier.engine import VerifierEngine
+
+        self.verifier = VerifierEngine(VerifierConfig(model=TARGET, num_threads=threads, cache_budget_mb=64,
+                                                      max_model_len=MAX_MODEL_LEN))
+        self.drafter = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=threads, cache_budget_mb=8,
+                                                     max_model_len=MAX_MODEL_LEN))
+        self.tokenizer = self.verifier.tokenizer
+
+    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
+        from configs import SamplingParams
+        from verifier.generate import generate
+
+        v = _TimedVerifier(self.verifier, "verify", "forward_s")
+        d = _TimedDrafter(self.drafter, "propose", "draft_s")
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        (seq,) = generate([list(prompt_ids)], params, k, d if k > 0 else None, v)
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "tokens": len(seq.output_ids), "stats": seq.stats.as_dict(),
+                "forward_s": [s for _, s in v.calls], "draft_s": [s for _, s in d.calls],
+                "output_ids": seq.output_ids}
+
+
+class Transformers:
+    """transformers ``generate``: plain, and assisted generation (``assistant_model=``) with a
+    constant number of assistant tokens k (the heuristic schedule and the confidence cut-off
+    switched off, so that k means what it means for the other systems)."""
+
+    name = "transformers"
+
+    def __init__(self, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(TARGET)
+        self.target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+        self.drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=torch.float32).eval()
+
+    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
+        import torch
+
+        ids = torch.tensor([prompt_ids])
+        kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kw.update(do_sample=False)
+        if k > 0:
+            gc = self.drafter.generation_config
+            gc.num_assistant_tokens = k
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0
+            kw["assistant_model"] = self.drafter
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        wall = time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        return {"wall_s": wall, "tokens": len(new), "output_ids": new}

@@ -1,0 +1,133 @@
+"""Load: N concurrent streaming clients (httpx, SSE), speculation on (default policy) versus
+off (``num_speculative_tokens: 0``), for each N in a concurrency sweep.
+
+Each client sends its requests back to back (a closed loop); prompts cycle through the
+held-out set. Reported per (N, mode): output tokens/s over the whole run (first send to
+last token), time to first token, inter-token latency (the gap between consecutive
+streamed chunks, as vLLM's benchmark measures it; a speculative chunk carries several
+tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99. The two
+modes alternate per concurrency level, so both see the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+
+from bench.common import (DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
+                          percentile, rnd, serving, set_threads, stream_completion, write_json)
+from bench.latency import ints
+
+MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description="Throughput and latency under concurrent streaming load.")
+    ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="requests per (concurrency, mode) at least; each client sends ceil(this / N)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--default-k", type=int, default=DEFAULT_K)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    return ap.parse_args(argv)
+
+
+async def _level(client, url, prompts, n: int, per_client: int, k, args) -> dict:
+    results = []
+
+    async def one_client(c: int):
+        for j in range(per_client):
+            p = prompts[(c * per_client + j) % len(prompts)][1]
+            t_send = time.perf_counter()
+            r = await stream_completion(client, url, completion_body(p, args.max_tokens, args.temperature,
+                                                                     10_000 + c * 100 + j, k, True))
+            r["t_send"], r["t_done"] = t_send, time.perf_counter()
+            results.append(r)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client(c) for c in range(n)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
+    itl = [b[0] - a[0] for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    tpot = [(r["latency_s"] - r["chunks"][0][0]) / (r["tokens"] - 1) for r in results
+            if r["chunks"] and r["tokens"] > 1]
+    spec = [r["speculation"] for r in results if r.get("speculation")]
+    drafted = sum(s.get("num_draft_tokens", 0) for s in spec)
+    accepted = sum(s.get("num_accepted_tokens", 0) for s in spec)
+    steps = sum(s.get("num_drafts", 0) for s in spec)
+    return {"clients": n, "requests": len(results), "output_tokens": tokens, "wall_s": rnd(wall, 3),
+            "throughput_tok_s": rnd(tokens / wall, 2),
+            "ttft_ms_p50": rnd(1000 * percentile(ttft, 50), 2), "ttft_ms_p99": rnd(1000 * percentile(ttft, 99), 2),
+            "itl_ms_p50": rnd(1000 * percentile(itl, 50), 2) if itl else None,
+            "itl_ms_p99": rnd(1000 * percentile(itl, 99), 2) if itl else None,
+            "tpot_ms_p50": rnd(1000 * percentile(tpot, 50), 2) if tpot else None,
+            "tpot_ms_p99": rnd(1000 * percentile(tpot, 99), 2) if tpot else None,
+            "tokens_per_chunk": rnd(tokens / max(1, sum(len(r["chunks"]) for r in results)), 3),
+            "acceptance_rate": rnd(accepted / drafted, 4) if drafted else None,
+            "mean_k": rnd(drafted / steps, 3) if steps else 0.0,
+            "mean_exposed_ms": rnd(median([s.get("mean_exposed_ms") for s in spec if s.get("num_drafts")]), 3)}
+
+
+async def _measure(url, prompts, args) -> list[dict]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 8, max_keepalive_connections=max(args.concurrency) + 8)
+    out = []
+    async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+        for k in MODES.values():  # warm-up
+            await stream_completion(client, url, completion_body(prompts[0][1], 16, args.temperature, 1, k, True))
+        for i, n in enumerate(args.concurrency):
+            per_client = max(1, math.ceil(args.min_requests / n))
+            modes = list(MODES.items())
+            if i % 2:
+                modes.reverse()  # alternate which mode goes first
+            row = {"concurrency": n}
+            for mode, k in modes:
+                row[mode] = await _level(client, url, prompts, n, per_client, k, args)
+                log(f"N={n} {mode}: {row[mode]['throughput_tok_s']} tok/s, TTFT p50 {row[mode]['ttft_ms_p50']} ms, "
+                    f"ITL p50 {row[mode]['itl_ms_p50']} ms, mean k {row[mode]['mean_k']}")
+            row["throughput_ratio_on_vs_off"] = rnd(row["spec_on"]["throughput_tok_s"] /
+                                                    row["spec_off"]["throughput_tok_s"], 4)
+            out.append(row)
+    return out
+
+
+def run(args, url: str | None = None) -> dict:
+    import contextlib
+
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+
+    set_threads(args.threads)
+    t0 = time.perf_counter()
+    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            url = stack.enter_context(serving(
+                {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency))},
+                args.threads))["load"]
+        levels = asyncio.run(_measure(url, prompts, args))
+    return {"scenario": "load",
+            "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "prompts": args.prompts,
+                       "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
+                       "threads": args.threads, "verifier_replicas": 1, "drafter_replicas": 1},
+            "environment": environment(args.threads), "levels": levels,
+            "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None):
+    args = parse(argv)
+    data = run(args)
+    path = write_json(args.out, "load", data)
+    log(f"wrote {path} ({data['duration_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Render the scenarios' JSON into one results.json, a Markdown report and PNG plots.
+
+``python -m bench.report --out DIR`` reads whichever of latency.json, breakdown.json,
+load.json and cost.json exist in DIR and writes results.json (every figure), report.md
+(tables, the goals with how far each is met, and why, from the measurements) and
+speedup_vs_k.png, breakdown.png, load.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.common import DEFAULT_OUT, log, rnd
+
+SCENARIOS = ("latency", "breakdown", "load", "cost")
+GOAL_SPEEDUP = 2.0
+GOAL_BOUND_FRACTION = 0.85
+GOAL_EXPOSED = 0.20
+
+
+def load_all(out: Path) -> dict:
+    data = {}
+    for name in SCENARIOS:
+        p = out / f"{name}.json"
+        if p.exists():
+            data[name] = json.loads(p.read_text())
+    return data
+
+
+def _f(x, nd=2, suffix=""):
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    return f"{x:.{nd}f}{suffix}"
+
+
+def sweep_temperature(lat: dict) -> str | None:
+    for t, v in lat["temperatures"].items():
+        if v.get("bound", {}).get("per_k"):
+            return t
+    return None
+
+
+# ------------------------------------------------------------------ goals
+def goals(data: dict) -> list[dict]:
+    out = []
+    lat = data.get("latency")
+    if lat and "0" in lat["temperatures"]:
+        g = lat["temperatures"]["0"]
+        sy, b = g["systems"], g.get("bound", {})
+        best_plain = g["best_plain"]
+        d = sy.get("splitspec_default")
+        fixed = {e["k"]: (sid, e) for sid, e in sy.items() if sid.startswith("splitspec_k")}
+        best_fixed = max(fixed.values(), key=lambda se: se[1]["speedup_vs_best_plain"] or 0, default=None)
+        if d:
+            why = []
+            if b.get("best_bound") is not None:
+                t1_vs_best = b["plain_forward_ms"] / best_plain["ms_per_token"]
+                why.append(f"the zero-overhead bound is {b['best_bound']:.2f}x over a bare plain forward pass "
+                           f"(k={b['best_k']}); the best plain system ({best_plain['system']}, "
+                           f"{best_plain['ms_per_token']:.2f} ms/token) runs at {t1_vs_best:.2f}x of a bare forward, "
+                           f"so the bound over it is {b['best_bound'] * t1_vs_best:.2f}x")
+                row = next((r for r in b["per_k"] if r["k"] == b["best_k"]), None)
+                if row:
+                    why.append(f"at k={row['k']} a ({row['k'] + 1})-token verification costs "
+                               f"{row['verify_cost_vs_plain']:.2f} plain forwards on this CPU (the textbook formula "
+                               f"assumes 1.00: {row['textbook']:.2f}x), the drafter {row['draft_cost_per_token_vs_plain']:.3f} "
+                               f"per token, and per-token acceptance is {row['per_token_acceptance']:.3f}")
+            if best_fixed:
+                why.append(f"best fixed k: {best_fixed[0]} at {best_fixed[1]['speedup_vs_best_plain']:.2f}x")
+            out.append({"goal": f"served single-stream greedy speed-up over the best plain decoding >= {GOAL_SPEEDUP}x",
+                        "measured": d["speedup_vs_best_plain"], "target": GOAL_SPEEDUP,
+                        "met": (d["speedup_vs_best_plain"] or 0) >= GOAL_SPEEDUP, "detail": "; ".join(why)})
+        if b.get("best_bound"):
+            frac = b.get("default_fraction_of_best_bound")
+            per = [(r["k"], r.get("served_fraction_of_bound")) for r in b["per_k"]]
+            ref = [(r["k"], r.get("reference_fraction_of_bound")) for r in b["per_k"]]
+            detail = ("served fixed k fraction of bound: " + ", ".join(f"k={k}: {_f(v)}" for k, v in per)
+                      + "; in-process reference loop (no RPC): " + ", ".join(f"k={k}: {_f(v)}" for k, v in ref)
+                      + ". The gap between the reference loop and the served system is RPC/queueing and streaming; "
+                        "the gap between the reference loop and 1.0 is per-step work outside the forward passes "
+                        "(cache bookkeeping, accept/reject, detokenisation) plus prefill, which the bound leaves out")
+            out.append({"goal": f"default policy reaches >= {GOAL_BOUND_FRACTION:.0%} of the zero-overhead bound (best k)",
+                        "measured": frac, "target": GOAL_BOUND_FRACTION,
+                        "met": frac is not None and frac >= GOAL_BOUND_FRACTION, "detail": detail})
+        for sid, e in sy.items():
+            if e["family"] == "vllm" and e["k"] > 0 and f"splitspec_k{e['k']}" in sy:
+                ours = sy[f"splitspec_k{e['k']}"]["ms_per_token"]
+                out.append({"goal": f"ms/token no higher than vLLM's in-engine speculation at k={e['k']}",
+                            "measured": rnd(ours / e["ms_per_token"], 3), "target": 1.0,
+                            "met": ours <= e["ms_per_token"],
+                            "detail": f"splitspec fixed k={e['k']} {ours:.2f} ms/token vs vLLM {e['ms_per_token']:.2f} "
+                                      f"ms/token (ratio; lower is better)"})
+        if "vllm" in lat.get("skipped", {}):
+            out.append({"goal": "ms/token no higher than vLLM's in-engine speculation", "measured": None,
+                        "target": 1.0, "met": None, "detail": lat["skipped"]["vllm"]})
+    bd = data.get("breakdown")
+    if bd and "default" in bd["per_config"]:
+        e = bd["per_config"]["default"]
+        out.append({"goal": f"exposed overhead < {GOAL_EXPOSED:.0%} of a speculative step (default policy)",
+                    "measured": e["exposed_fraction"], "target": GOAL_EXPOSED,
+                    "met": e["exposed_fraction"] is not None and e["exposed_fraction"] < GOAL_EXPOSED,
+                    "detail": f"per step {e['step_ms']:.2f} ms on the router's critical path + {e['detok_stream_ms']:.2f} ms "
+                              f"detokenise/stream: drafting {e['draft_ms']:.2f} ms (pre-draft hit rate "
+                              f"{_f(e['pre_draft_hit_rate'])}), verify forward {e['verify_forward_ms']:.2f} ms, "
+                              f"RPC/queueing/accept {e['rpc_queue_ms']:.2f} ms"})
+    ld = data.get("load")
+    if ld:
+        for lv in ld["levels"]:
+            if lv["concurrency"] in (16, 64):
+                r = lv["throughput_ratio_on_vs_off"]
+                out.append({"goal": f"throughput at {lv['concurrency']} streams with default speculation >= off",
+                            "measured": r, "target": 1.0, "met": r is not None and r >= 1.0,
+                            "detail": f"{lv['spec_on']['throughput_tok_s']} vs {lv['spec_off']['throughput_tok_s']} tok/s; "
+                                      f"mean k under load {lv['spec_on']['mean_k']}, acceptance "
+                                      f"{_f(lv['spec_on']['acceptance_rate'])}"})
+    return out
+
+
+# ------------------------------------------------------------------ markdown
+def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
+    L = ["# splitspec benchmark report", ""]
+    env = next((d.get("environment") for d in data.values() if d.get("environment")), None)
+    if env:
+        L += [f"Measured {env['time']} on {env['host_cpus']} CPUs ({env['cpu']}), torch {env['torch']}, "
+              f"transformers {env['transformers']}, {env['threads_per_engine']} torch thread(s) per engine in every "
+              f"system, commit {env['git_commit']}, load average at start {env['load_average_at_start']}.", ""]
+    if gl:
+        L += ["## Goals", "", "| goal | measured | target | met | detail |", "|---|---|---|---|---|"]
+        for g in gl:
+            met = "n/a" if g["met"] is None else ("yes" if g["met"] else "**no**")
+            L.append(f"| {g['goal']} | {_f(g['measured'], 3)} | {g['target']} | {met} | {g['detail']} |")
+        L.append("")
+    lat = data.get("latency")
+    if lat:
+        c = lat["config"]
+        L += ["## Single-stream latency", "",
+              f"{c['prompts']} held-out prompts x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
+              f"prompt lengths {c['prompt_tokens']} tokens; medians; speed-up = per-run ratio to the best plain system "
+              f"in the same (repeat, prompt), then the median. vLLM {c.get('vllm_version') or 'n/a'}."
+              + (f" Skipped: {lat['skipped']}." if lat.get("skipped") else ""), ""]
+        for t, g in lat["temperatures"].items():
+            L += [f"### temperature {t}", "", f"Best plain decoding: `{g['best_plain']['system']}` "
+                  f"({g['best_plain']['ms_per_token']} ms/token).", "",
+                  "| system | k | ms/token | speed-up vs best plain | acceptance rate | tokens/step | exposed/step | same tokens as reference |",
+                  "|---|---|---|---|---|---|---|---|"]
+            for sid, e in g["systems"].items():
+                L.append(f"| {e['label']} | {e['k']} | {_f(e['ms_per_token'])} | {_f(e['speedup_vs_best_plain'])}x | "
+                         f"{_f(e.get('acceptance_rate'), 3)} | {_f(e.get('mean_acceptance_length'))} | "
+                         f"{_f(e.get('exposed_fraction_of_step'), 3)} | "
+                         f"{_f(e.get('same_tokens_as_reference')) if 'same_tokens_as_reference' in e else 'n/a'} |")
+            b = g.get("bound", {})
+            if b.get("per_k"):
+                L += ["", f"Zero-overhead bound (plain 1-token forward: {b['plain_forward_ms']} ms). Speed-ups here are "
+                      "relative to that bare forward pass, not to a measured system.", "",
+                      "| k | per-token acceptance a | E tokens/step | measured tokens/step | verify cost (plain forwards) | "
+                      "drafter cost/token | step cost | **bound** | textbook (verify = 1) | served | served / bound | reference loop / bound |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                for r in b["per_k"]:
+                    L.append(f"| {r['k']} | {_f(r['per_token_acceptance'], 3)} | {_f(r['expected_tokens_per_step'])} | "
+                             f"{_f(r['measured_tokens_per_step'])} | {_f(r['verify_cost_vs_plain'])} | "
+                             f"{_f(r['draft_cost_per_token_vs_plain'], 3)} | {_f(r['step_cost_vs_plain'])} | "
+                             f"**{_f(r['bound'])}x** | {_f(r['textbook'])}x | {_f(r.get('served_speedup_vs_t1'))}x | "
+                             f"{_f(r.get('served_fraction_of_bound'))} | {_f(r.get('reference_fraction_of_bound'))} |")
+                if b.get("default_fraction_of_best_bound") is not None:
+                    L.append(f"\nDefault policy: {_f(b['default_speedup_vs_t1'])}x over a bare forward = "
+                             f"{_f(b['default_fraction_of_best_bound'])} of the best bound ({_f(b['best_bound'])}x at k={b['best_k']}).")
+            L.append("")
+    bd = data.get("breakdown")
+    if bd:
+        c = bd["config"]
+        L += ["## Where the time goes (per speculative step, served, streaming)", "",
+              f"{c['prompts']} prompts x {c['max_tokens']} tokens, temperature {c['temperature']}; medians over requests.", "",
+              "| config | mean k | step ms | drafting (critical path) | verify forward | RPC/queue/accept | detokenise/stream | "
+              "tokens/step | ms/token | pre-draft hit rate | exposed fraction |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, e in bd["per_config"].items():
+            L.append(f"| {name} | {_f(e['mean_k'])} | {_f(e['step_ms'])} | {_f(e['draft_ms'])} | {_f(e['verify_forward_ms'])} | "
+                     f"{_f(e['rpc_queue_ms'])} | {_f(e['detok_stream_ms'])} | {_f(e['tokens_per_step'])} | "
+                     f"{_f(e['ms_per_token'])} | {_f(e['pre_draft_hit_rate'])} | {_f(e['exposed_fraction'], 3)} |")
+        L.append("")
+    ld = data.get("load")
+    if ld:
+        c = ld["config"]
+        L += ["## Load (streaming clients, closed loop)", "",
+              f"{c['max_tokens']} tokens per request, temperature {c['temperature']}, at least {c['min_requests']} "
+              f"requests per level, {c['verifier_replicas']} verifier + {c['drafter_replicas']} drafter replica. "
+              "ITL = gap between streamed chunks; TPOT = (latency - TTFT) / (tokens - 1).", "",
+              "| streams | mode | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | tokens/chunk | mean k | on/off throughput |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        for lv in ld["levels"]:
+            for mode in ("spec_on", "spec_off"):
+                e = lv[mode]
+                L.append(f"| {lv['concurrency']} | {mode} | {_f(e['throughput_tok_s'], 1)} | {_f(e['ttft_ms_p50'], 1)} / "
+                         f"{_f(e['ttft_ms_p99'], 1)} | {_f(e['itl_ms_p50'], 1)} / {_f(e['itl_ms_p99'], 1)} | "
+                         f"{_f(e['tpot_ms_p50'], 1)} / {_f(e['tpot_ms_p99'], 1)} | {_f(e['tokens_per_chunk'])} | "
+                         f"{_f(e['mean_k'])} | {_f(lv['throughput_ratio_on_vs_off']) if mode == 'spec_on' else ''} |")
+        L.append("")
+    co = data.get("cost")
+    if co:
+        p = co["prices"]
+        L += ["## Cost per million output tokens", "",
+              f"Verifier pool {p['verifier_replicas']} x ${p['verifier_usd_per_hour']}/h, drafter pool "
+              f"{p['drafter_replicas']} x ${p['drafter_usd_per_hour']}/h (speculation off needs no drafter pool); "
+              "throughput as measured above.", "",
+              "| streams | $/1M tokens, speculation on | off | on / off |", "|---|---|---|---|"]
+        for r in co["levels"]:
+            L.append(f"| {r['concurrency']} | {_f(r['usd_per_m_tokens_on'], 2)} | {_f(r['usd_per_m_tokens_off'], 2)} | "
+                     f"{_f(r['cost_ratio_on_vs_off'], 3)} |")
+        L.append("")
+    if plots:
+        L += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(L)
+
+
+# ------------------------------------------------------------------ plots
+def plot_all(data: dict, out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    kw = dict(dpi=80)
+    lat = data.get("latency")
+    t = sweep_temperature(lat) if lat else None
+    if t is not None:
+        g = lat["temperatures"][t]
+        b, sy = g["bound"], g["systems"]
+        t1 = b["plain_forward_ms"]
+        ks = [r["k"] for r in b["per_k"]]
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        ax.plot(ks, [r["bound"] for r in b["per_k"]], "k-o", label="zero-overhead bound (measured step cost)")
+        ax.plot(ks, [r["textbook"] for r in b["per_k"]], "k:", marker="x", label="textbook (verify = 1 plain step)")
+        for fam, style, name in (("splitspec", "C0-s", "splitspec served, fixed k"), ("reference", "C1-^", "reference loop, in-process")):
+            pts = sorted((e["k"], t1 / e["ms_per_token"]) for sid, e in sy.items()
+                         if e["family"] == fam and e["k"] > 0 and e["policy"] == "fixed")
+            if pts:
+                ax.plot(*zip(*pts), style, label=name)
+        for fam, marker, name in (("transformers", "D", "transformers assisted"), ("vllm", "*", "vLLM spec decode")):
+            pts = [(e["k"], t1 / e["ms_per_token"]) for e in sy.values() if e["family"] == fam and e["k"] > 0]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, s=70, zorder=5, label=name)
+        if "splitspec_default" in sy:
+            ax.axhline(t1 / sy["splitspec_default"]["ms_per_token"], color="C0", ls="--", lw=1,
+                       label="splitspec default policy")
+        ax.axhline(t1 / g["best_plain"]["ms_per_token"], color="C3", ls="-.", lw=1,
+                   label=f"best plain ({g['best_plain']['system']})")
+        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_ylabel("speed-up over a bare plain forward per token")
+        ax.set_title(f"Single-stream speed-up vs k (temperature {t})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out / "speedup_vs_k.png", **kw)
+        plt.close(fig)
+        made.append("speedup_vs_k.png")
+    bd = data.get("breakdown")
+    if bd:
+        names = list(bd["per_config"])
+        es = [bd["per_config"][n] for n in names]
+        parts = [("draft_ms", "drafting (critical path)"), ("verify_forward_ms", "verify forward"),
+                 ("rpc_queue_ms", "RPC / queueing / accept"), ("detok_stream_ms", "detokenise / stream")]
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        bottom = [0.0] * len(es)
+        for f, label in parts:
+            vals = [e[f] or 0.0 for e in es]
+            ax.bar(names, vals, bottom=bottom, label=label)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+        for i, e in enumerate(es):
+            ax.text(i, bottom[i], f"{e['ms_per_token']:.1f}\nms/tok", ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("ms per speculative step (median)")
+        ax.set_title("Where a speculative step's time goes (served, streaming)")
+        ax.set_ylim(0, max(bottom) * 1.25 if bottom else 1)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "breakdown.png", **kw)
+        plt.close(fig)
+        made.append("breakdown.png")
+    ld = data.get("load")
+    if ld:
+        lv = ld["levels"]
+        x = [l["concurrency"] for l in lv]
+        fig, axs = plt.subplots(1, 3, figsize=(11, 3.6))
+        for mode, color, name in (("spec_on", "C0", "speculation on"), ("spec_off", "C3", "off")):
+            axs[0].plot(x, [l[mode]["throughput_tok_s"] for l in lv], "-o", color=color, label=name)
+            axs[1].plot(x, [l[mode]["ttft_ms_p50"] for l in lv], "-o", color=color, label=f"{name} p50")
+            axs[1].plot(x, [l[mode]["ttft_ms_p99"] for l in lv], "--", color=color, label=f"{name} p99")
+            axs[2].plot(x, [l[mode]["itl_ms_p50"] for l in lv], "-o", color=color, label=f"{name} ITL p50")
+            axs[2].plot(x, [l[mode]["itl_ms_p99"] for l in lv], "--", color=color, label=f"{name} ITL p99")
+            axs[2].plot(x, [l[mode]["tpot_ms_p50"] for l in lv], ":", marker="x", color=color, label=f"{name} TPOT p50")
+        for a, title, yl in ((axs[0], "throughput", "output tokens/s"), (axs[1], "time to first token", "ms"),
+                             (axs[2], "inter-token latency", "ms")):
+            a.set_xscale("log", base=2)
+            a.set_xticks(x)
+            a.set_xticklabels([str(v) for v in x])
+            a.set_xlabel("concurrent streams")
+            a.set_ylabel(yl)
+            a.set_title(title)
+            a.grid(alpha=0.3)
+            a.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "load.png", **kw)
+        plt.close(fig)
+        made.append("load.png")
+    return made
+
+
+def render(out: Path) -> dict:
+    out = Path(out)
+    data = load_all(out)
+    if not data:
+        raise SystemExit(f"no scenario results in {out}")
+    gl = goals(data)
+    plots = plot_all(data, out)
+    merged = {**data, "goals": gl, "plots": plots}
+    (out / "results.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(data, gl, plots))
+    return merged
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Render bench results (JSON) into report.md, results.json and PNG plots.")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    merged = render(Path(args.out))
+    log(f"wrote {args.out}/report.md, results.json and {', '.join(merged['plots'])}")
+
+
+if __name__ == "__main__":
+    main()

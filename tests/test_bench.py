@@ -1,0 +1,153 @@
+"""Smoke run of every benchmark scenario on tiny settings (the shipped model pair, one
+prompt, 16 tokens): the JSON, the report and the plots come out with sane values.
+The full-size runs are `make bench`, not tests."""
+
+import argparse
+import json
+import math
+import struct
+
+import pytest
+
+from bench.common import expected_tokens, per_token_acceptance, percentile
+
+TOKENS = 16
+
+
+def test_bound_formulas():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert math.isclose(expected_tokens(0.5, 3), 1 + 0.5 + 0.25 + 0.125)
+    # 10 steps of k=4: 3 accepted everything (12 tokens), 7 rejected somewhere after 2 each (14 tokens)
+    assert math.isclose(per_token_acceptance(10, 26, 3), 26 / (26 + 7))
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+
+
+@pytest.fixture(scope="module")
+def bench_urls(serve_app):
+    """The benchmark's two apps (adaptive and fixed k) on the shipped pair, beside the test app."""
+    from bench.common import app_args, serving
+
+    with serving({"adaptive": app_args(1, "adaptive", 2, streams=2), "fixed": app_args(1, "fixed", 2)}, 1) as urls:
+        yield urls
+
+
+def _png_ok(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    w, h = struct.unpack(">II", data[16:24])
+    assert 200 < w < 1200 and 150 < h < 800, (path, w, h)
+    assert 2_000 < len(data) < 300_000, (path, len(data))
+
+
+def test_bench_smoke(bench_urls, tmp_path):
+    from bench import breakdown, cost, latency, load, report
+
+    out = tmp_path
+    # --- single-stream latency: every system but vLLM (its engine start takes minutes: see the slow test)
+    args = latency.parse(["--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--temperatures", "0,0.8",
+                          "--ks", "1,2", "--default-k", "2", "--hf-ks", "2", "--no-vllm", "--out", str(out)])
+    lat = latency.run(args, urls=bench_urls)
+    assert lat["skipped"]["vllm"].startswith("skipped")
+    (out / "latency.json").write_text(json.dumps(lat))
+    greedy = lat["temperatures"]["0"]
+    systems = greedy["systems"]
+    assert {"splitspec_off", "splitspec_default", "splitspec_k1", "splitspec_k2", "reference_off", "reference_k1",
+            "reference_k2", "transformers_off", "transformers_k2"} <= set(systems)
+    for sid, e in systems.items():
+        assert e["tokens"] == TOKENS, sid
+        assert 0 < e["ms_per_token"] < 5_000, sid
+        assert e["speedup_vs_best_plain"] > 0, sid
+        if e["k"] > 0 and "acceptance_rate" in e:
+            assert 0 <= e["acceptance_rate"] <= 1 and 1 <= e["mean_acceptance_length"] <= e["k"] + 1, sid
+        # greedy: every system emits exactly the reference loop's tokens
+        assert e.get("same_tokens_as_reference") is True, sid
+    assert greedy["best_plain"]["system"] in ("splitspec_off", "transformers_off")
+    served = systems["splitspec_k2"]
+    assert served["median_mean_step_ms"] > 0 and served["median_mean_forward_ms"] > 0
+    assert 0 <= served["exposed_fraction_of_step"] < 1
+    b = greedy["bound"]
+    assert b["plain_forward_ms"] > 0 and [r["k"] for r in b["per_k"]] == [1, 2]
+    for r in b["per_k"]:
+        assert 0 <= r["per_token_acceptance"] <= 1
+        assert 1 <= r["expected_tokens_per_step"] <= r["k"] + 1
+        assert r["bound"] > 0 and r["textbook"] > 0 and r["step_cost_vs_plain"] > 0
+        assert math.isclose(r["bound"], r["expected_tokens_per_step"] / r["step_cost_vs_plain"], rel_tol=0.01)
+        assert r["served_fraction_of_bound"] > 0
+    assert set(lat["temperatures"]["0.8"]["systems"]) >= {"splitspec_default", "splitspec_k2", "reference_k2"}
+
+    # --- per-step time breakdown
+    bd = breakdown.run(breakdown.parse(["--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
+                                        "--default-k", "2", "--out", str(out)]), urls=bench_urls)
+    (out / "breakdown.json").write_text(json.dumps(bd))
+    assert set(bd["per_config"]) == {"default", "k1", "k2"}
+    for name, e in bd["per_config"].items():
+        assert e["step_ms"] > 0 and e["verify_forward_ms"] > 0, name
+        assert all(e[c] >= 0 for c in breakdown.COMPONENTS), name
+        assert e["draft_ms"] + e["verify_forward_ms"] <= e["step_ms"] * 1.01, name
+        assert 0 <= e["exposed_fraction"] < 1 and e["ms_per_token"] > 0, name
+
+    # --- load: two concurrency levels, speculation on and off
+    ld = load.run(load.parse(["--concurrency", "1,2", "--min-requests", "2", "--prompts", "2",
+                              "--max-tokens", str(TOKENS), "--default-k", "2", "--out", str(out)]),
+                  url=bench_urls["adaptive"])
+    (out / "load.json").write_text(json.dumps(ld))
+    assert [lv["concurrency"] for lv in ld["levels"]] == [1, 2]
+    for lv in ld["levels"]:
+        for mode in ("spec_on", "spec_off"):
+            e = lv[mode]
+            assert e["requests"] == 2 and e["output_tokens"] == 2 * TOKENS, (lv["concurrency"], mode)
+            assert e["throughput_tok_s"] > 0
+            assert 0 < e["ttft_ms_p50"] <= e["ttft_ms_p99"]
+            assert 0 <= e["itl_ms_p50"] <= e["itl_ms_p99"]
+        assert lv["spec_off"]["mean_k"] == 0 and lv["spec_on"]["tokens_per_chunk"] >= 1
+        assert lv["throughput_ratio_on_vs_off"] > 0
+
+    # --- cost, from the measured throughput
+    co = cost.compute(ld, verifier_price=3.0, drafter_price=1.0)
+    (out / "cost.json").write_text(json.dumps(co))
+    for r, lv in zip(co["levels"], ld["levels"]):
+        assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
+        assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
+
+    # --- report: results.json, report.md, plots
+    merged = report.render(out)
+    assert set(merged) >= {"latency", "breakdown", "load", "cost", "goals", "plots"}
+    assert json.loads((out / "results.json").read_text())["goals"] == merged["goals"]
+    assert sorted(merged["plots"]) == ["breakdown.png", "load.png", "speedup_vs_k.png"]
+    for p in merged["plots"]:
+        _png_ok(out / p)
+    md = (out / "report.md").read_text()
+    for heading in ("## Goals", "## Single-stream latency", "Zero-overhead bound", "## Where the time goes",
+                    "## Load", "## Cost per million output tokens"):
+        assert heading in md, heading
+    goal_names = " ".join(g["goal"] for g in merged["goals"])
+    assert "speed-up" in goal_names and "zero-overhead bound" in goal_names and "exposed overhead" in goal_names
+    assert all(g["met"] in (True, False, None) for g in merged["goals"])
+
+
+@pytest.mark.slow
+def test_vllm_peer_smoke():
+    """vLLM, plain and with draft-model speculation, answers through the peer protocol with the
+    reference loop's greedy tokens (slow: each engine takes minutes to start on a CPU)."""
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET, load_prompts, vllm_python
+    from bench.inproc import Reference
+    from bench.vllm_peer import VllmPeer
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vllm not importable")
+    (_, ids), = load_prompts(1, AutoTokenizer.from_pretrained(TARGET))
+    want = Reference(1).run(ids, TOKENS, 0.0, 1, 0)["output_ids"]
+    for k in (0, 2):
+        peer = VllmPeer(py, k, 1)
+        try:
+            r = peer.run(ids, TOKENS, 0.0, 1)
+        finally:
+            peer.close()
+        assert r["tokens"] == TOKENS and r["wall_s"] > 0
+        assert r["output_ids"] == want, k
+        if k:
+            assert r["spec"]["spec_decode_num_draft_tokens"] > 0
