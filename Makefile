@@ -37,3 +37,27 @@ models: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build
+
+# Benchmarks (bench/): one command per scenario, results in $(BENCH_OUT); `make bench` runs them all
+# (about 25 min on 2 idle cores; see README "Benchmarks"). Measure on a quiet machine.
+BENCH_OUT ?= bench/results
+BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
+.PHONY: bench bench-latency bench-breakdown bench-load bench-cost bench-report
+
+bench: $(STAMP)
+	$(MAKE) bench-latency bench-breakdown bench-load bench-cost bench-report
+
+bench-latency: $(STAMP)
+	$(BENCH_RUN) bench.latency --out $(BENCH_OUT)
+
+bench-breakdown: $(STAMP)
+	$(BENCH_RUN) bench.breakdown --out $(BENCH_OUT)
+
+bench-load: $(STAMP)
+	$(BENCH_RUN) bench.load --out $(BENCH_OUT)
+
+bench-cost: $(STAMP)
+	$(PY) -m bench.cost --out $(BENCH_OUT)
+
+bench-report: $(STAMP)
+	$(PY) -m bench.report --out $(BENCH_OUT)
