@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all serve models clean
+.PHONY: install test test-all soak serve models clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 # Everything, the long soak/load scenarios included.
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
+
+# Concurrent streams for minutes while replicas are killed; fails on any failed or wrong request.
+SOAK_MINUTES ?= 5
+soak: $(STAMP)
+	$(PY) -m tests.soak_scenario --minutes $(SOAK_MINUTES) --clients 16 --kill-every 20 --out build/soak.json
 
 serve: $(STAMP)
 	$(VENV)/bin/serve run serve_config.yaml

@@ -77,7 +77,8 @@ def generated_batch(target, x: torch.Tensor, prompt_len: int, temperature: float
 
 
 def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, max_tokens: int = 128,
-                       temperatures=(0.0, 0.8), seed: int = 0, target=None, drafter=None) -> dict:
+                       temperatures=(0.0, 0.8), seed: int = 0, target=None, drafter=None,
+                       verification: str = "rejection") -> dict:
     """Acceptance of the pair on the prompts, as vLLM defines it: acceptance rate =
     accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts."""
     from configs import DraftModelConfig, SamplingParams, VerifierConfig
@@ -90,7 +91,8 @@ def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, 
     ids = [ver.tokenizer(p)["input_ids"] for p in prompts]
     report = {"k": k, "num_prompts": len(prompts), "max_tokens": max_tokens, "seed": seed}
     for temp in temperatures:
-        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed, ignore_eos=True,
+                                verification=verification)
         total = SpecStats()
         for s in generate(ids, params, k, dr, ver):
             total.merge(s.stats)
