@@ -1,0 +1,131 @@
+"""Does a vLLM verify step cost work proportional to its new tokens, not to the sequence?
+
+For each sequence length (default 100..1,500 tokens) a sequence is prefilled once, then
+verified step after step (k random drafts, so nearly every step emits one token and the
+next call sends one new token plus k drafts, as decoding does); the median wall time of a
+verify step is reported per length. With vLLM's prefix caching the earlier tokens' K/V are
+read from the cache, so the time should stay flat as the sequence grows; the baseline
+engine (``--baseline``: prefix caching off) recomputes the whole sequence every step.
+
+    python -m bench.vllm_prefix --out build/vllm_prefix.json
+
+``measure`` takes any async verify callable, so the tests run it through a served replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from configs import SamplingParams
+from verifier.engine import VerifyRequest
+
+DEFAULT_LENGTHS = [100, 250, 500, 750, 1000, 1500]
+
+
+async def measure(verify, lengths, repeats: int, k: int, seed: int, vocab: int, sampled: bool = False,
+                  tag: str = "bench") -> list[dict]:
+    """verify: async list[VerifyRequest] -> list[VerifyResult]. Per length: the median step time."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=1.0 if sampled else 0.0)
+    rows = []
+    for length in lengths:
+        seq_id = f"{tag}-{length}-{seed}"
+        tokens = [rng.randrange(3, vocab) for _ in range(length)]
+        drafts = lambda: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+        t0 = time.perf_counter()
+        (res,) = await verify([VerifyRequest(seq_id, 0, None, list(tokens), drafts(), params, seed, full=True)])
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        assert res.error is None, res.error
+        cached, misses, times = res.cached, 0, []
+        ks = [k]
+        tokens += res.tokens
+        for _ in range(repeats):
+            d = drafts()
+            req = VerifyRequest.for_tokens(seq_id, tokens, cached, draft_tokens=d, sampling=params, seed=seed)
+            t0 = time.perf_counter()
+            (res,) = await verify([req])
+            times.append(time.perf_counter() - t0)
+            if res.cache_miss:
+                misses += 1
+                (res,) = await verify([VerifyRequest(seq_id, 0, None, list(tokens), d, params, seed, full=True)])
+            assert res.error is None, res.error
+            ks.append(len(d))
+            tokens += res.tokens
+            cached = res.cached
+        rows.append({"length": length, "median_ms": round(statistics.median(times) * 1e3, 2),
+                     "min_ms": round(min(times) * 1e3, 2), "max_ms": round(max(times) * 1e3, 2),
+                     "prefill_ms": round(prefill_ms, 2), "repeats": repeats, "k": k, "cache_misses": misses})
+    return rows
+
+
+def build_model(path: Path, max_len: int = 2048):
+    """A random Llama shaped like the shipped target (8 x 512, head_dim 64, 4,096-token
+    vocabulary) but with room for 2,048 positions (the shipped one has 1,024)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers import tiny_tokenizer
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=max_len,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)  # any tokenizer: the benchmark sends token ids
+    return path
+
+
+async def run_engine(model: str, args, prefix_caching: bool) -> dict:
+    from configs import VerifierConfig
+    from verifier.vllm_engine import VllmVerifierEngine
+
+    cfg = VerifierConfig(model=model, backend="vllm", vllm_kv_cache_gib=args.kv_cache_gib,
+                         vllm_block_size=args.block_size, max_model_len=max(args.lengths) + args.repeats * 2 + 64)
+    eng = VllmVerifierEngine(cfg, enable_prefix_caching=prefix_caching)
+    try:
+        await measure(eng.verify, [min(args.lengths)], 2, args.k, 99, eng.vocab_size, tag="warmup")
+        out = {}
+        for mode in args.modes:
+            out[mode] = await measure(eng.verify, args.lengths, args.repeats, args.k, args.seed, eng.vocab_size,
+                                      sampled=mode == "sampled", tag=mode)
+            for r in out[mode]:
+                print(f"prefix_caching={prefix_caching} {mode:7s} length {r['length']:5d}: "
+                      f"median {r['median_ms']:8.2f} ms (min {r['min_ms']}, max {r['max_ms']})", flush=True)
+        return out
+    finally:
+        eng.shutdown()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="local model directory (default: a random Llama shaped like the shipped target)")
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_LENGTHS)
+    ap.add_argument("--repeats", type=int, default=15, help="verify steps timed per length (median reported)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["greedy", "sampled"])
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    ap.add_argument("--baseline", action="store_true", help="also run an engine with prefix caching off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="build/vllm_prefix.json")
+    args = ap.parse_args()
+    model = args.model or str(build_model(Path("build/bench_vllm_model")))
+    result = {"model": model, "k": args.k, "block_size": args.block_size, "repeats": args.repeats,
+              "prefix_caching": asyncio.run(run_engine(model, args, True))}
+    if args.baseline:
+        result["no_prefix_caching"] = asyncio.run(run_engine(model, args, False))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The verifier on vLLM's engine (``backend: vllm``): same verify call, same guarantees.
+
+vLLM's ``AsyncLLM`` (one per verifier replica) does the paged attention, the continuous
+batching and the prefix caching; this module turns one ``VerifyRequest`` into engine
+requests that return the target's log-probabilities at the k + 1 positions, then calls
+``verifier.engine.decide``, the backend-independent accept/reject step. Log-probabilities
+give the same softmax and argmax as logits, so the rejection sampler and the greedy check
+see exactly what the transformers backend gives them (up to float noise between kernels).
+
+The protocol stays stateless: the replica remembers each sequence's token ids (an LRU dict,
+honouring ``release``) so it can rebuild the full prompt from (start, prefix hash, new
+tokens); an unknown sequence or a hash mismatch answers ``cache_miss=True``, exactly as
+the transformers engine does. The K/V of the earlier tokens lives in vLLM's prefix cache
+(hashed whole blocks), so a step computes only the new tokens, the drafts and the partial
+last block.
+
+Two ways to get the distributions, both costing work proportional to the new tokens:
+
+* greedy without logprobs (only the argmax matters): one engine request over
+  tokens + drafts with ``prompt_logprobs=1`` and prefix-cache reads on
+  (``skip_reading_prefix_cache=False``; vLLM then computes prompt logprobs only for the
+  uncached positions). Should a row we need have come from the cache (the same tokens were
+  computed before, e.g. a retried step), the request is rerun without cache reads.
+* anything else (sampling, or logprobs asked): vLLM would return full-vocabulary prompt
+  logprobs for *every* prompt position (a [L, V] tensor, copied and turned into Python
+  lists per step, O(L·V)), so instead k + 1 engine requests go out at once, the j-th over
+  tokens + drafts[:j], each returning the full-vocabulary log-probabilities of its one
+  sampled position (``logprobs=-1``); they share the cached prefix and vLLM batches them
+  into one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import OrderedDict
+
+import torch
+
+from configs import VerifierConfig
+from verifier.engine import VerifyRequest, VerifyResult, decide
+from verifier.kv_cache import prefix_hash
+
+
+def _stat_logger_class():
+    """A vLLM stat logger that records the most requests vLLM finished in one engine step:
+    evidence that concurrent verify calls were batched by vLLM itself."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class MaxRunning(StatLoggerBase):
+        seen = {"max_running": 0, "steps": 0}
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if iteration_stats is not None:  # every engine request ends in the step that ran it (max_tokens=1)
+                self.seen["steps"] += 1
+                self.seen["max_running"] = max(self.seen["max_running"], len(iteration_stats.finished_requests))
+
+        def log_engine_initialized(self):
+            pass
+
+    MaxRunning.seen = {"max_running": 0, "steps": 0}  # one dict per engine
+    return MaxRunning
+
+
+def _row(flat, i: int, out: torch.Tensor):
+    """Write position i of a vLLM FlatLogprobs into the dense row ``out`` (others stay -inf)."""
+    s, e = flat.start_indices[i], flat.end_indices[i]
+    out[torch.tensor(flat.token_ids[s:e], dtype=torch.long)] = torch.tensor(flat.logprobs[s:e], dtype=torch.float32)
+
+
+def hf_eos_ids(model_dir: str, tokenizer) -> set[int]:
+    """Every end-of-sequence id the model's generation config, config and tokenizer declare."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        gen = None
+    for src in (gen, AutoConfig.from_pretrained(model_dir), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
+    return ids
+
+
+class VllmVerifierEngine:
+    """Answers ``VerifyRequest``s with vLLM's AsyncLLM. Its ``verify`` is a coroutine: vLLM
+    batches concurrent calls by itself, so callers gather them instead of queueing them."""
+
+    is_async = True
+
+    def __init__(self, config: VerifierConfig, tokenizer=None, enable_prefix_caching: bool = True):
+        """``enable_prefix_caching=False`` only for the benchmark's baseline (every step recomputes)."""
+        from transformers import AutoConfig, AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if config.device == "cpu":
+            # the CPU backend binds OpenMP threads to cores by default, which fights every other
+            # process on a shared machine; and its legacy KV-space variable would override ours
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.config = config
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+        text = AutoConfig.from_pretrained(config.model).get_text_config()
+        self.vocab_size = text.vocab_size
+        self.max_len = config.max_model_len or text.max_position_embeddings
+        self.eos_ids = hf_eos_ids(config.model, self.tokenizer)
+        self._stats_cls = _stat_logger_class()
+        args = AsyncEngineArgs(
+            model=config.model, tokenizer=config.model, dtype=config.dtype, seed=0,
+            max_model_len=self.max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm_block_size,
+            kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
+            max_num_batched_tokens=max(config.max_batch_tokens, self.max_len),
+            max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
+            skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
+            enforce_eager=config.vllm_enforce_eager, disable_log_stats=True)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
+        self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "rereads": 0}
+        self._ids = itertools.count()
+        self.inflight = 0  # sequences being verified now
+        self.max_seen = 0  # most verified at once
+        self.busy_s = 0.0
+
+    # --- the cache protocol -------------------------------------------------------------
+
+    def release(self, seq_id: str) -> bool:
+        return self.seqs.pop(seq_id, None) is not None
+
+    def num_cached(self) -> int:
+        return len(self.seqs)
+
+    def _claim(self, r: VerifyRequest) -> list[int] | None:
+        """The sequence's tokens before its drafts, or None on a cache miss."""
+        if r.full:
+            tokens = list(r.new_tokens)
+        else:
+            held = self.seqs.get(r.seq_id)
+            if held is None or len(held) < r.start or prefix_hash(held[: r.start]) != r.prefix:
+                self.stats["misses"] += 1
+                return None
+            tokens = held[: r.start] + list(r.new_tokens)
+            self.stats["hits"] += 1
+        self.seqs[r.seq_id] = tokens
+        self.seqs.move_to_end(r.seq_id)
+        while len(self.seqs) > self.config.vllm_tracked_sequences:
+            self.seqs.popitem(last=False)
+            self.stats["evictions"] += 1
+        return tokens
+
+    # --- verification -------------------------------------------------------------------
+
+    async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        if len({r.seq_id for r in requests}) != len(requests):
+            raise ValueError("a sequence appears twice in one batch")
+        self.inflight += len(requests)
+        self.max_seen = max(self.max_seen, self.inflight)
+        try:
+            return list(await asyncio.gather(*(self._verify_one(r) for r in requests)))
+        finally:
+            self.inflight -= len(requests)
+
+    async def _verify_one(self, r: VerifyRequest) -> VerifyResult:
+        room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
+        if room < 0:
+            return VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
+        if r.k > room:  # verifying fewer drafts is still lossless
+            r.draft_tokens = r.draft_tokens[:room]
+            if r.draft_probs is not None:
+                r.draft_probs = r.draft_probs.head(room)
+        tokens = self._claim(r)
+        if tokens is None:
+            return VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
+        t0 = time.perf_counter()
+        try:
+            if r.sampling.greedy and r.logprobs is None:
+                logprobs = await self._argmax_rows(r.seq_id, tokens, r.draft_tokens)
+            else:
+                logprobs = await self._full_rows(r.seq_id, tokens, r.draft_tokens)
+        except Exception as e:  # this sequence only; the others in the call go on
+            self.seqs.pop(r.seq_id, None)
+            return VerifyResult(r.seq_id, error=f"vLLM engine: {e!r}", num_drafts=r.k)
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        res = decide(r, logprobs)
+        res.forward_s = dt
+        res.batch_size = self.inflight
+        kept = tokens + r.draft_tokens[: res.num_accepted]  # the recovered/bonus token was never fed
+        if r.seq_id in self.seqs:  # not released meanwhile
+            self.seqs[r.seq_id] = kept
+        res.cached = len(kept)
+        return res
+
+    def _params(self, **kw):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
+                              flat_logprobs=True, **kw)
+
+    async def _run(self, seq_id: str, prompt: list[int], params):
+        from vllm import TokensPrompt
+
+        out = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                           f"{seq_id}-{next(self._ids)}"):
+            pass
+        return out
+
+    async def _argmax_rows(self, seq_id: str, tokens: list[int], drafts: list[int]) -> torch.Tensor:
+        """[k+1, V] rows that are -inf except at each position's argmax (and the fed token):
+        enough for greedy verification. One engine request, prompt logprobs of rank 1."""
+        prompt = tokens + drafts
+        first = len(tokens) - 1  # the position that predicts draft 1 (the bonus when k = 0)
+        k = len(drafts)
+        kw = dict(logprobs=1)
+        if k:
+            kw.update(prompt_logprobs=1, skip_reading_prefix_cache=False)
+        out = await self._run(seq_id, prompt, self._params(**kw))
+        if k and (out.num_cached_tokens or 0) > first:  # a row we need was read from the cache
+            self.stats["rereads"] += 1
+            out = await self._run(seq_id, prompt, self._params(logprobs=1, prompt_logprobs=1,
+                                                               skip_reading_prefix_cache=True))
+        rows = torch.full((k + 1, self.vocab_size), float("-inf"))
+        for j in range(k):  # prompt_logprobs[i] is the distribution of prompt token i (row 0 is empty)
+            _row(out.prompt_logprobs, first + j + 1, rows[j])
+        _row(out.outputs[0].logprobs, 0, rows[k])
+        return rows
+
+    async def _full_rows(self, seq_id: str, tokens: list[int], drafts: list[int]) -> torch.Tensor:
+        """[k+1, V] full-vocabulary log-probabilities: k + 1 engine requests sharing the cached
+        prefix, the j-th ending after draft j, each reporting its one sampled position."""
+        params = self._params(logprobs=-1)
+        outs = await asyncio.gather(*(self._run(seq_id, tokens + drafts[:j], params)
+                                      for j in range(len(drafts) + 1)))
+        rows = torch.full((len(drafts) + 1, self.vocab_size), float("-inf"))
+        for j, out in enumerate(outs):
+            _row(out.outputs[0].logprobs, 0, rows[j])
+        return rows
+
+    def engine_stats(self) -> dict:
+        return {**self.stats, "vllm_max_running": self._stats_cls.seen["max_running"],
+                "vllm_steps": self._stats_cls.seen["steps"]}
+
+    def shutdown(self):
+        self.llm.shutdown()
