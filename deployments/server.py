@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+from deployments.autoscaling import LoadWindow
 from deployments.batcher import ContinuousBatcher
 from deployments.metrics import metrics, where
 
@@ -18,9 +19,14 @@ class EngineServer:
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
         self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id)
+        self.load = LoadWindow()  # engine load since the last autoscaling report
 
     def _run(self, requests: list) -> list:
-        out = self._call(requests)
+        self.load.begin()
+        try:
+            out = self._call(requests)
+        finally:
+            self.load.end(requests)
         m = metrics()
         hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
         misses = sum(1 for res in out if res.cache_miss)
@@ -55,6 +61,11 @@ class EngineServer:
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
                 "cached_sequences": self.engine.num_cached(), **where(),
                 **({"cache": dict(cache.stats)} if cache is not None else {})}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: this replica's engine load since the last
+        call (deployments/autoscaling.py's policies scale the pool on it)."""
+        return self.load.report(self.batcher.queued, self.batcher.max_batch)
 
     def check_health(self):
         worker = self.batcher.worker
