@@ -158,13 +158,12 @@ def serving(apps: dict[str, dict], threads: int):
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             started_serve = True
-        urls = {}
-        for name, args in apps.items():
-            log(f"deploying app {name!r}")
-            serve.run(build_app_with(args, overrides=BENCH_OVERRIDES), name=f"bench-{name}",
-                      route_prefix=f"/bench-{name}")
-            urls[name] = f"http://127.0.0.1:{port}/bench-{name}"
-        yield urls
+        log(f"deploying apps {list(apps)}")
+        # all at once: their replicas start in parallel
+        serve.run_many([serve.RunTarget(build_app_with(args, overrides=BENCH_OVERRIDES), name=f"bench-{name}",
+                                        route_prefix=f"/bench-{name}") for name, args in apps.items()])
+        log("apps ready")
+        yield {name: f"http://127.0.0.1:{port}/bench-{name}" for name in apps}
     finally:
         for name in apps:
             with contextlib.suppress(Exception):
