@@ -81,12 +81,16 @@ class Transformers:
         self.tokenizer = AutoTokenizer.from_pretrained(TARGET)
         self.target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
         self.drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=torch.float32).eval()
+        # ignore_eos as the other systems do it: an EOS is emitted like any token and generation goes on
+        # (min_new_tokens would instead mask EOS out of the distribution and change the output)
+        for m in (self.target, self.drafter):
+            m.generation_config.eos_token_id = None
 
     def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
         import torch
 
         ids = torch.tensor([prompt_ids])
-        kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        kw = dict(max_new_tokens=max_tokens, pad_token_id=self.tokenizer.pad_token_id)
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)

@@ -75,7 +75,8 @@ def worker(argv=None):
         if not line.strip():
             continue
         req = json.loads(line)
-        sp = SamplingParams(max_tokens=req["max_tokens"], min_tokens=req["max_tokens"], ignore_eos=True,
+        # ignore_eos alone (min_tokens would mask EOS out of the distribution and change the output)
+        sp = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True,
                             temperature=req["temperature"], seed=req.get("seed"))
         before = _counters(llm)
         t = time.perf_counter()
