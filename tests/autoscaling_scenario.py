@@ -280,8 +280,15 @@ def run(target_dir: str, drafter_dir: str, marker: str, tmp: Path, out: dict):
         h = serve.get_deployment_handle(name, app_name="splitspec")
         return sorted({h.stats.remote().result()["node_id"] for _ in range(tries)})
 
+    def replica_nodes(name):
+        """The nodes of the deployment's alive replica actors (the GCS actor table)."""
+        prefix = f"SERVE_REPLICA::splitspec#{name}#"
+        table = ray._private.state.state.actor_table(None)
+        return sorted({a["Address"]["NodeID"] for a in table.values()
+                       if a.get("Name", "").startswith(prefix) and a.get("State") == "ALIVE"})
+
     def on_own_pool(name, pool):
-        nodes = placements(name)
+        nodes = sorted(set(placements(name)) | set(replica_nodes(name)))
         return {"replica_nodes": len(nodes), "on_own_pool": set(nodes) <= watcher.nodes_of(pool)}
 
     out["drafter_placement"] = on_own_pool("Drafter", "drafter")
@@ -345,7 +352,9 @@ def run(target_dir: str, drafter_dir: str, marker: str, tmp: Path, out: dict):
                     for name in busy_samples:
                         await asyncio.to_thread(sample_busy, name)
                 if peak["Verifier"] >= 2:
-                    marks.setdefault("verifier_2_running_s", now)
+                    if "verifier_2_running_s" not in marks:
+                        marks["verifier_2_running_s"] = now
+                        marks["verifier_placement_scaled"] = await asyncio.to_thread(on_own_pool, "Verifier", "verifier")
                     # keep the load on a little, so requests cross the change and reach the new replica
                     if now - marks["verifier_2_running_s"] >= 10:
                         break
@@ -363,7 +372,6 @@ def run(target_dir: str, drafter_dir: str, marker: str, tmp: Path, out: dict):
     out["busy_frac_under_load"] = {name: busy_fractions(name) for name in busy_samples}
     out.update(marks)
     out["verifier_node2_up_s"] = _minus(watcher.first("up", "verifier", after=t_load), t_load)
-    out["verifier_placement_scaled"] = on_own_pool("Verifier", "verifier")
     out["peak_nodes"] = dict(watcher.peak)
 
     # 3. load stopped: the verifier scales back, the autoscaler gives the idle node back
