@@ -90,7 +90,15 @@ def environment(threads: int) -> dict:
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads_per_engine": threads,
             "load_average_at_start": list(os.getloadavg()), "git_commit": commit,
-            "command": " ".join([Path(sys.executable).name, "-m"] + sys.argv)}
+            "command": _command()}
+
+
+def _command() -> str:
+    """How this process was started, as one would type it (``python -m bench.latency ...``)."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is not None and script.parent.name == "bench" and script.suffix == ".py":
+        return " ".join(["python", "-m", f"bench.{script.stem}"] + sys.argv[1:])
+    return " ".join(sys.argv)
 
 
 def write_json(out: Path, name: str, data: dict) -> Path:

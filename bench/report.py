@@ -121,6 +121,12 @@ def goals(data: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------ markdown
+def _cmd(d: dict) -> str:
+    env = d.get("environment") or {}
+    took = f" ({d['duration_s'] / 60:.1f} min)" if d.get("duration_s") else ""
+    return f"Command: `{env.get('command', '?')}`{took}.\n" if env.get("command") else ""
+
+
 def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
     L = ["# splitspec benchmark report", ""]
     env = next((d.get("environment") for d in data.values() if d.get("environment")), None)
@@ -137,7 +143,7 @@ def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
     lat = data.get("latency")
     if lat:
         c = lat["config"]
-        L += ["## Single-stream latency", "",
+        L += ["## Single-stream latency", "", _cmd(lat),
               f"{c['prompts']} held-out prompts x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
               f"prompt lengths {c['prompt_tokens']} tokens; medians; speed-up = per-run ratio to the best plain system "
               f"in the same (repeat, prompt), then the median. vLLM {c.get('vllm_version') or 'n/a'}."
@@ -172,7 +178,7 @@ def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
     bd = data.get("breakdown")
     if bd:
         c = bd["config"]
-        L += ["## Where the time goes (per speculative step, served, streaming)", "",
+        L += ["## Where the time goes (per speculative step, served, streaming)", "", _cmd(bd),
               f"{c['prompts']} prompts x {c['max_tokens']} tokens, temperature {c['temperature']}; medians over requests.", "",
               "| config | mean k | step ms | drafting (critical path) | verify forward | RPC/queue/accept | detokenise/stream | "
               "tokens/step | ms/token | pre-draft hit rate | exposed fraction |",
@@ -185,7 +191,7 @@ def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
     ld = data.get("load")
     if ld:
         c = ld["config"]
-        L += ["## Load (streaming clients, closed loop)", "",
+        L += ["## Load (streaming clients, closed loop)", "", _cmd(ld),
               f"{c['max_tokens']} tokens per request, temperature {c['temperature']}, at least {c['min_requests']} "
               f"requests per level, {c['verifier_replicas']} verifier + {c['drafter_replicas']} drafter replica. "
               "ITL = gap between streamed chunks; TPOT = (latency - TTFT) / (tokens - 1).", "",
