@@ -71,7 +71,7 @@ def goals(data: dict) -> list[dict]:
                                f"per token, and per-token acceptance is {row['per_token_acceptance']:.3f}")
             if best_fixed:
                 why.append(f"best fixed k: {best_fixed[0]} at {best_fixed[1]['speedup_vs_best_plain']:.2f}x")
-            out.append({"goal": f"served single-stream greedy speed-up over the best plain decoding >= {GOAL_SPEEDUP}x",
+            out.append({"kind": "speedup", "goal": f"served single-stream greedy speed-up over the best plain decoding >= {GOAL_SPEEDUP}x",
                         "measured": d["speedup_vs_best_plain"], "target": GOAL_SPEEDUP,
                         "met": (d["speedup_vs_best_plain"] or 0) >= GOAL_SPEEDUP, "detail": "; ".join(why)})
         if b.get("best_bound"):
@@ -83,24 +83,24 @@ def goals(data: dict) -> list[dict]:
                       + ". The gap between the reference loop and the served system is RPC/queueing and streaming; "
                         "the gap between the reference loop and 1.0 is per-step work outside the forward passes "
                         "(cache bookkeeping, accept/reject, detokenisation) plus prefill, which the bound leaves out")
-            out.append({"goal": f"default policy reaches >= {GOAL_BOUND_FRACTION:.0%} of the zero-overhead bound (best k)",
+            out.append({"kind": "bound", "goal": f"default policy reaches >= {GOAL_BOUND_FRACTION:.0%} of the zero-overhead bound (best k)",
                         "measured": frac, "target": GOAL_BOUND_FRACTION,
                         "met": frac is not None and frac >= GOAL_BOUND_FRACTION, "detail": detail})
         for sid, e in sy.items():
             if e["family"] == "vllm" and e["k"] > 0 and f"splitspec_k{e['k']}" in sy:
                 ours = sy[f"splitspec_k{e['k']}"]["ms_per_token"]
-                out.append({"goal": f"ms/token no higher than vLLM's in-engine speculation at k={e['k']}",
+                out.append({"kind": "vllm", "k": e["k"], "goal": f"ms/token no higher than vLLM's in-engine speculation at k={e['k']}",
                             "measured": rnd(ours / e["ms_per_token"], 3), "target": 1.0,
                             "met": ours <= e["ms_per_token"],
                             "detail": f"splitspec fixed k={e['k']} {ours:.2f} ms/token vs vLLM {e['ms_per_token']:.2f} "
                                       f"ms/token (ratio; lower is better)"})
         if "vllm" in lat.get("skipped", {}):
-            out.append({"goal": "ms/token no higher than vLLM's in-engine speculation", "measured": None,
+            out.append({"kind": "vllm", "goal": "ms/token no higher than vLLM's in-engine speculation", "measured": None,
                         "target": 1.0, "met": None, "detail": lat["skipped"]["vllm"]})
     bd = data.get("breakdown")
     if bd and "default" in bd["per_config"]:
         e = bd["per_config"]["default"]
-        out.append({"goal": f"exposed overhead < {GOAL_EXPOSED:.0%} of a speculative step (default policy)",
+        out.append({"kind": "exposed", "goal": f"exposed overhead < {GOAL_EXPOSED:.0%} of a speculative step (default policy)",
                     "measured": e["exposed_fraction"], "target": GOAL_EXPOSED,
                     "met": e["exposed_fraction"] is not None and e["exposed_fraction"] < GOAL_EXPOSED,
                     "detail": f"per step {e['step_ms']:.2f} ms on the router's critical path + {e['detok_stream_ms']:.2f} ms "
@@ -112,12 +112,65 @@ def goals(data: dict) -> list[dict]:
         for lv in ld["levels"]:
             if lv["concurrency"] in (16, 64):
                 r = lv["throughput_ratio_on_vs_off"]
-                out.append({"goal": f"throughput at {lv['concurrency']} streams with default speculation >= off",
+                out.append({"kind": "throughput", "concurrency": lv["concurrency"], "goal": f"throughput at {lv['concurrency']} streams with default speculation >= off",
                             "measured": r, "target": 1.0, "met": r is not None and r >= 1.0,
                             "detail": f"{lv['spec_on']['throughput_tok_s']} vs {lv['spec_off']['throughput_tok_s']} tok/s; "
                                       f"mean k under load {lv['spec_on']['mean_k']}, acceptance "
                                       f"{_f(lv['spec_on']['acceptance_rate'])}"})
+    for g in out:
+        if g["met"] is False:
+            g["to_close"] = to_close(g, data)
     return out
+
+
+def _largest_overhead(data: dict) -> str | None:
+    bd = data.get("breakdown", {}).get("per_config", {}).get("default")
+    if not bd:
+        return None
+    parts = {"drafting on the critical path (pre-draft misses)": bd["draft_ms"],
+             "RPC/queueing/accept": bd["rpc_queue_ms"], "detokenise/stream": bd["detok_stream_ms"]}
+    name = max(parts, key=parts.get)
+    return f"{name} ({parts[name]:.2f} ms of a {bd['step_ms'] + bd['detok_stream_ms']:.2f} ms step)"
+
+
+def to_close(g: dict, data: dict) -> str:
+    """What would close a missed goal, read off the measurements."""
+    lat = data.get("latency", {}).get("temperatures", {}).get("0", {})
+    b, sy = lat.get("bound", {}), lat.get("systems", {})
+    big = _largest_overhead(data)
+    if g["kind"] == "speedup" and b.get("best_bound"):
+        reach = b["best_bound"] * b["plain_forward_ms"] / lat["best_plain"]["ms_per_token"]
+        row = next((r for r in b["per_k"] if r["k"] == b["best_k"]), {})
+        if reach < GOAL_SPEEDUP:
+            return (f"not reachable by removing overhead: even the zero-overhead bound is {reach:.2f}x over the best "
+                    f"plain system. It needs a cheaper (k+1)-token verification (now {row.get('verify_cost_vs_plain', 0):.2f} "
+                    f"plain forwards; ~1 on a GPU, where a step is memory-bound), a faster verifier forward pass, or a "
+                    f"drafter with higher acceptance")
+        return f"remove the overhead between the served system and the bound; largest part: {big}"
+    if g["kind"] == "bound":
+        return f"cut per-step overhead; largest part: {big}" if big else "cut per-step overhead (see the breakdown)"
+    if g["kind"] == "vllm":
+        vo, t1 = sy.get("vllm_off"), b.get("plain_forward_ms")
+        ref, vk = sy.get(f"reference_k{g.get('k')}"), sy.get(f"vllm_k{g.get('k')}")
+        parts = []
+        if vo and t1:
+            parts.append(f"a whole plain vLLM decoding step takes {vo['ms_per_token']:.2f} ms against {t1:.2f} ms for "
+                         f"one bare forward pass of splitspec's engine (transformers modules, eager), a ratio of "
+                         f"{vo['ms_per_token'] / t1:.2f}")
+        if ref and vk:
+            parts.append(f"without RPC (in-process reference loop, same engines) k={g['k']} runs at "
+                         f"{ref['ms_per_token']:.2f} ms/token against vLLM's {vk['ms_per_token']:.2f}: "
+                         + ("the served overhead is the gap" if ref["ms_per_token"] <= vk["ms_per_token"]
+                            else "the engines themselves are slower; a faster verifier backend comes first"))
+        if big:
+            parts.append(f"largest served overhead: {big}")
+        return "; ".join(parts) or "a faster verifier forward pass and less served overhead"
+    if g["kind"] == "exposed":
+        return f"largest part: {big}; pipelining the verify RPC with the previous step's emit, or a co-located drafter, would shrink it"
+    if g["kind"] == "throughput":
+        return ("at saturation every extra verified token is throughput taken from other requests: the adaptive policy "
+                "should speculate less (its load term / saturation batch), down to k = 0, at this concurrency")
+    return ""
 
 
 # ------------------------------------------------------------------ markdown
@@ -135,10 +188,12 @@ def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
               f"transformers {env['transformers']}, {env['threads_per_engine']} torch thread(s) per engine in every "
               f"system, commit {env['git_commit']}, load average at start {env['load_average_at_start']}.", ""]
     if gl:
-        L += ["## Goals", "", "| goal | measured | target | met | detail |", "|---|---|---|---|---|"]
+        L += ["## Goals", "", "| goal | measured | target | met | detail (measured) | what would close it |",
+              "|---|---|---|---|---|---|"]
         for g in gl:
             met = "n/a" if g["met"] is None else ("yes" if g["met"] else "**no**")
-            L.append(f"| {g['goal']} | {_f(g['measured'], 3)} | {g['target']} | {met} | {g['detail']} |")
+            L.append(f"| {g['goal']} | {_f(g['measured'], 3)} | {g['target']} | {met} | {g['detail']} | "
+                     f"{g.get('to_close', '')} |")
         L.append("")
     lat = data.get("latency")
     if lat:
