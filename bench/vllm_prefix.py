@@ -2,8 +2,10 @@
 
 For each sequence length (default 100..1,500 tokens) a sequence is prefilled once, then
 verified step after step (k random drafts, so nearly every step emits one token and the
-next call sends one new token plus k drafts, as decoding does); the median wall time of a
-verify step is reported per length. With vLLM's prefix caching the earlier tokens' K/V are
+next call sends one new token plus k drafts, as decoding does); the median (and minimum)
+wall time of a verify step is reported per length, with the number of prompt tokens vLLM
+actually computed per step (not read from its prefix cache): the work measure, immune to
+a noisy machine. With vLLM's prefix caching the earlier tokens' K/V are
 read from the cache, so the time should stay flat as the sequence grows; the baseline
 engine (``--baseline``: prefix caching off) recomputes the whole sequence every step.
 
@@ -29,38 +31,46 @@ DEFAULT_LENGTHS = [100, 250, 500, 750, 1000, 1500]
 
 
 async def measure(verify, lengths, repeats: int, k: int, seed: int, vocab: int, sampled: bool = False,
-                  tag: str = "bench") -> list[dict]:
-    """verify: async list[VerifyRequest] -> list[VerifyResult]. Per length: the median step time."""
+                  tag: str = "bench", engine_stats=None) -> list[dict]:
+    """verify: async list[VerifyRequest] -> list[VerifyResult]. Per length: step times (median,
+    min) and, with ``engine_stats`` (a callable returning the engine's counters), the tokens vLLM
+    computed per step. Lengths take turns step by step, so a noisy neighbour hits them alike."""
     rng = random.Random(seed)
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
-    rows = []
-    for length in lengths:
+    drafts = lambda: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    seqs = {}
+    for length in lengths:  # prefill
         seq_id = f"{tag}-{length}-{seed}"
         tokens = [rng.randrange(3, vocab) for _ in range(length)]
-        drafts = lambda: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
         t0 = time.perf_counter()
         (res,) = await verify([VerifyRequest(seq_id, 0, None, list(tokens), drafts(), params, seed, full=True)])
-        prefill_ms = (time.perf_counter() - t0) * 1e3
         assert res.error is None, res.error
-        cached, misses, times = res.cached, 0, []
-        ks = [k]
-        tokens += res.tokens
-        for _ in range(repeats):
+        seqs[length] = {"id": seq_id, "tokens": tokens + res.tokens, "cached": res.cached, "times": [],
+                        "computed": [], "misses": 0, "prefill_ms": (time.perf_counter() - t0) * 1e3}
+    for _ in range(repeats):
+        for length in lengths:
+            s = seqs[length]
             d = drafts()
-            req = VerifyRequest.for_tokens(seq_id, tokens, cached, draft_tokens=d, sampling=params, seed=seed)
+            req = VerifyRequest.for_tokens(s["id"], s["tokens"], s["cached"], draft_tokens=d, sampling=params, seed=seed)
+            before = engine_stats()["computed_tokens"] if engine_stats else 0
             t0 = time.perf_counter()
             (res,) = await verify([req])
-            times.append(time.perf_counter() - t0)
+            s["times"].append(time.perf_counter() - t0)
+            if engine_stats:
+                s["computed"].append(engine_stats()["computed_tokens"] - before)
             if res.cache_miss:
-                misses += 1
-                (res,) = await verify([VerifyRequest(seq_id, 0, None, list(tokens), d, params, seed, full=True)])
+                s["misses"] += 1
+                (res,) = await verify([VerifyRequest(s["id"], 0, None, list(s["tokens"]), d, params, seed, full=True)])
             assert res.error is None, res.error
-            ks.append(len(d))
-            tokens += res.tokens
-            cached = res.cached
-        rows.append({"length": length, "median_ms": round(statistics.median(times) * 1e3, 2),
-                     "min_ms": round(min(times) * 1e3, 2), "max_ms": round(max(times) * 1e3, 2),
-                     "prefill_ms": round(prefill_ms, 2), "repeats": repeats, "k": k, "cache_misses": misses})
+            s["tokens"] += res.tokens
+            s["cached"] = res.cached
+    rows = []
+    for length in lengths:
+        s = seqs[length]
+        rows.append({"length": length, "median_ms": round(statistics.median(s["times"]) * 1e3, 2),
+                     "min_ms": round(min(s["times"]) * 1e3, 2), "max_ms": round(max(s["times"]) * 1e3, 2),
+                     "computed_tokens_per_step": statistics.median(s["computed"]) if s["computed"] else None,
+                     "prefill_ms": round(s["prefill_ms"], 2), "repeats": repeats, "k": k, "cache_misses": s["misses"]})
     return rows
 
 
@@ -95,10 +105,11 @@ async def run_engine(model: str, args, prefix_caching: bool) -> dict:
         out = {}
         for mode in args.modes:
             out[mode] = await measure(eng.verify, args.lengths, args.repeats, args.k, args.seed, eng.vocab_size,
-                                      sampled=mode == "sampled", tag=mode)
+                                      sampled=mode == "sampled", tag=mode, engine_stats=lambda: eng.stats)
             for r in out[mode]:
                 print(f"prefix_caching={prefix_caching} {mode:7s} length {r['length']:5d}: "
-                      f"median {r['median_ms']:8.2f} ms (min {r['min_ms']}, max {r['max_ms']})", flush=True)
+                      f"median {r['median_ms']:8.2f} ms (min {r['min_ms']}, max {r['max_ms']}), "
+                      f"computed {r['computed_tokens_per_step']} tokens/step", flush=True)
         return out
     finally:
         eng.shutdown()

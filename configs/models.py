@@ -87,6 +87,12 @@ class VerifierConfig(_Config):
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, prefix caching), one per replica, with the same verify protocol and guarantees.")
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description="vllm backend: memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it explicitly: vLLM's CPU default reserves a share of all RAM per engine.")
+    vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description="vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU backend prefers multiples of 32.")
+    vllm_max_num_seqs: int = Field(64, ge=1, le=4096, description="vllm backend: most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1).")
+    vllm_tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description="vllm backend: sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a forgotten sequence's next call is a cache miss.")
+    vllm_enforce_eager: bool = Field(True, description="vllm backend: run the model eagerly (no torch.compile or CUDA graphs); compiling takes minutes on CPU, set False on GPUs for speed.")
 
 
 _C = TypeVar("_C", bound=BaseModel)

@@ -16,11 +16,61 @@ class VerifierServer(EngineServer):
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
                  max_queue: int = 1024):
-        engine = engine or VerifierEngine(VerifierConfig.model_validate(config))
+        if engine is None:
+            cfg = VerifierConfig.model_validate(config)
+            if cfg.backend == "vllm":
+                from verifier.vllm_engine import VllmVerifierEngine
+                engine = VllmVerifierEngine(cfg)
+            else:
+                engine = VerifierEngine(cfg)
+        # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
+        self.is_async = getattr(engine, "is_async", False)
         super().__init__(engine, engine.verify, max_batch, max_queue)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        if self.is_async:
+            return await self._verify_async(requests)
         return await self.batcher.submit(requests)
+
+    async def _verify_async(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        from deployments.batcher import Overloaded
+        from deployments.metrics import metrics
+
+        if self.engine.inflight + len(requests) > self.batcher.max_queue:  # same fail-fast bound as the batcher
+            raise Overloaded(f"queue full ({self.engine.inflight} in flight)")
+        out = await self.engine.verify(requests)
+        m = metrics()
+        hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
+        misses = sum(1 for res in out if res.cache_miss)
+        if hits:
+            m["cache_hits"].inc(hits, tags={"role": self.role})
+        if misses:
+            m["cache_misses"].inc(misses, tags={"role": self.role})
+        m["batch_size"].observe(max((res.batch_size for res in out), default=0), tags={"role": self.role})
+        self._report_cache()
+        return out
+
+    async def release(self, seq_ids: list[str]) -> int:
+        if not self.is_async:
+            return await super().release(seq_ids)
+        released = sum(self.engine.release(s) for s in seq_ids)  # on the event loop, like every verify
+        self._report_cache()
+        return released
+
+    async def stats(self) -> dict:
+        if not self.is_async:
+            return await super().stats()
+        from deployments.metrics import where
+
+        eng = self.engine
+        return {"backend": "vllm", "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
+                "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
+
+    def check_health(self):
+        if not self.is_async:
+            return super().check_health()
+        if self.engine.llm.errored:
+            raise RuntimeError("vLLM engine is dead")
 
     async def generate_plain(self, prompt_ids: list[int], params: SamplingParams, seq_id: str,
                              max_len: int | None = None, logprobs: int | None = None):
@@ -34,9 +84,9 @@ class VerifierServer(EngineServer):
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs)
         try:
             while not seq.done:
-                (res,) = await self.batcher.submit([seq.verify_request()])
+                (res,) = await self.verify([seq.verify_request()])
                 if res.cache_miss:  # evicted under memory pressure: recompute
-                    (res,) = await self.batcher.submit([seq.verify_request(full=True)])
+                    (res,) = await self.verify([seq.verify_request(full=True)])
                 n_before = len(seq.logprobs)
                 new, _ = seq.apply(res)
                 yield new, seq.logprobs[n_before:]

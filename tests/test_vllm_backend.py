@@ -183,6 +183,10 @@ def test_seeded_sampling_is_reproducible_and_released(vllm_app):
     a = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
     b = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
     assert a == b
+    import time
+    deadline = time.time() + 10  # the router releases a finished request's sequence in the background
+    while verifier_handle().stats.remote().result()["cached_sequences"] and time.time() < deadline:
+        time.sleep(0.2)
     assert verifier_handle().stats.remote().result()["cached_sequences"] == 0  # every request released
 
 
@@ -268,3 +272,21 @@ def test_prefix_benchmark_smoke(vllm_app):
     assert [r["length"] for r in rows] == [40, 200]
     for r in rows:
         assert r["median_ms"] > 0 and r["cache_misses"] == 0
+
+
+def test_serve_vllm_config_and_bounds():
+    from pathlib import Path
+
+    import yaml
+    from pydantic import ValidationError
+
+    from configs import VerifierConfig
+    from deployments.app import AppConfig
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
+    app = AppConfig.model_validate(cfg["applications"][0]["args"])
+    assert app.verifier.backend == "vllm" and app.verifier.vllm_kv_cache_gib <= 1
+    for bad in ({"backend": "sglang"}, {"vllm_kv_cache_gib": 0}, {"vllm_block_size": 24}, {"vllm_max_num_seqs": 0},
+                {"vllm_tracked_sequences": 0}):
+        with pytest.raises(ValidationError):
+            VerifierConfig(model="m", **bad)

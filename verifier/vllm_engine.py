@@ -124,7 +124,9 @@ class VllmVerifierEngine:
             enforce_eager=config.vllm_enforce_eager, disable_log_stats=True)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
         self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
-        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "rereads": 0}
+        # computed_tokens: prompt tokens vLLM computed (not read from its prefix cache), the work measure
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "engine_requests": 0,
+                      "prompt_tokens": 0, "computed_tokens": 0}
         self._ids = itertools.count()
         self.inflight = 0  # sequences being verified now
         self.max_seen = 0  # most verified at once
@@ -212,6 +214,9 @@ class VllmVerifierEngine:
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
                                            f"{seq_id}-{next(self._ids)}"):
             pass
+        self.stats["engine_requests"] += 1
+        self.stats["prompt_tokens"] += len(prompt)
+        self.stats["computed_tokens"] += len(prompt) - (out.num_cached_tokens or 0)
         return out
 
     async def _argmax_rows(self, seq_id: str, tokens: list[int], drafts: list[int]) -> torch.Tensor:
