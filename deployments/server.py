@@ -65,7 +65,11 @@ class EngineServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: this replica's engine load since the last
         call (deployments/autoscaling.py's policies scale the pool on it)."""
-        return self.load.report(self.batcher.queued, self.batcher.max_batch)
+        return self.load.report(self.queued(), self.batcher.max_batch)
+
+    def queued(self) -> int:
+        """Sequence steps waiting for (or, on an engine that batches by itself, inside) the engine."""
+        return self.batcher.queued
 
     def check_health(self):
         worker = self.batcher.worker

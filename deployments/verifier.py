@@ -25,7 +25,11 @@ class VerifierServer(EngineServer):
                 engine = VerifierEngine(cfg)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
+        self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
         super().__init__(engine, engine.verify, max_batch, max_queue)
+
+    def queued(self) -> int:
+        return self.engine.inflight if self.is_async else super().queued()
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:
@@ -38,7 +42,19 @@ class VerifierServer(EngineServer):
 
         if self.engine.inflight + len(requests) > self.batcher.max_queue:  # same fail-fast bound as the batcher
             raise Overloaded(f"queue full ({self.engine.inflight} in flight)")
-        out = await self.engine.verify(requests)
+        # autoscaling load: the engine counts as busy while any verify call is in it; each busy
+        # period counts as one batch of the calls it served
+        if not self._period:
+            self.load.begin()
+        self._period.append(requests)
+        self._in_engine += 1
+        try:
+            out = await self.engine.verify(requests)
+        finally:
+            self._in_engine -= 1
+            if self._in_engine == 0:
+                self.load.end([r for reqs in self._period for r in reqs])
+                self._period = []
         m = metrics()
         hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
         misses = sum(1 for res in out if res.cache_miss)
