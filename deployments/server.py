@@ -27,6 +27,12 @@ class EngineServer:
             out = self._call(requests)
         finally:
             self.load.end(requests)
+        self._count_cache(requests, out)
+        for res in out:
+            res.batch_size = len(requests)
+        return out
+
+    def _count_cache(self, requests: list, out: list):
         m = metrics()
         hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
         misses = sum(1 for res in out if res.cache_miss)
@@ -34,9 +40,6 @@ class EngineServer:
             m["cache_hits"].inc(hits, tags={"role": self.role})
         if misses:
             m["cache_misses"].inc(misses, tags={"role": self.role})
-        for res in out:
-            res.batch_size = len(requests)
-        return out
 
     def _on_batch(self, size: int, seconds: float):
         m = metrics()

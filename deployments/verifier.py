@@ -55,14 +55,8 @@ class VerifierServer(EngineServer):
             if self._in_engine == 0:
                 self.load.end([r for reqs in self._period for r in reqs])
                 self._period = []
-        m = metrics()
-        hits = sum(1 for r, res in zip(requests, out) if not r.full and not res.cache_miss)
-        misses = sum(1 for res in out if res.cache_miss)
-        if hits:
-            m["cache_hits"].inc(hits, tags={"role": self.role})
-        if misses:
-            m["cache_misses"].inc(misses, tags={"role": self.role})
-        m["batch_size"].observe(max((res.batch_size for res in out), default=0), tags={"role": self.role})
+        self._count_cache(requests, out)
+        metrics()["batch_size"].observe(max((res.batch_size for res in out), default=0), tags={"role": self.role})
         self._report_cache()
         return out
 

@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from configs import SamplingParams
 from tests.helpers import TINY_TEXT, noisy_copy, tiny_tokenizer
+from tests.test_greedy_equivalence import reference
 from verifier.engine import DraftProbs, VerifierEngine, VerifyRequest
 from verifier.sampling import processed_probs
 
@@ -101,13 +102,6 @@ def prompts(tok, n=10, seed=0):
     return out
 
 
-def ref_greedy(model, ids, n):
-    t = torch.tensor([ids])
-    out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, pad_token_id=2)
-    return out[0, len(ids):].tolist()
-
-
 def hf_generate(ver, tok, prompt_ids, k, n, drafter=None):
     from verifier.generate import generate
     (s,) = generate([prompt_ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), k, drafter, ver)
@@ -139,7 +133,7 @@ def test_greedy_over_http_matches_transformers_backend_and_generate(vllm_app, hf
         body = r.json()
         got = body["choices"][0]["token_ids"]
         assert (body["speculation"]["num_draft_tokens"] > 0) == (k > 0)
-        for want in (ref_greedy(target, ids, n), hf_generate(hf_verifier, tok, ids, 0, n)):
+        for want in (reference(target, ids, n), hf_generate(hf_verifier, tok, ids, 0, n)):
             gap = first_diff_gap(target, ids, got, want)
             if gap is not None:
                 assert gap < NEAR_TIE, (text, got, want, gap)
@@ -169,7 +163,7 @@ def test_concurrent_requests_are_batched_by_vllm(vllm_app):
         assert len(ids) == 16
         if greedy:
             prompt_ids = tok(texts[i])["input_ids"]
-            assert first_diff_gap(target, prompt_ids, ids, ref_greedy(target, prompt_ids, 16)) is None, texts[i]
+            assert first_diff_gap(target, prompt_ids, ids, reference(target, prompt_ids, 16)) is None, texts[i]
     stats = verifier_handle().stats.remote().result()
     assert stats["backend"] == "vllm"
     assert stats["max_batch"] > 1, stats  # verify calls were in flight together
