@@ -12,6 +12,13 @@ extra verification cost per extra token (both measured from the step timings the
 engines report). ``load`` grows with the verifier's batch size: when the verifier is
 saturated, every extra token it verifies is throughput taken from other requests, so
 speculation is cut back, down to k = 0 when it would cost throughput.
+
+The model above sees engine time only. Across the network a speculative step also pays
+round trips and queueing, so the policy also compares what it measures end to end: the
+wall time per emitted token of the request's speculative steps against a plain decoding
+step's estimated cost (the verify forward pass scaled to one token). When speculation is
+measurably slower (after ``min_steps`` steps, by more than ``margin``), it answers 0; the
+router then hands the rest of the request to the verifier's own decoding loop.
 """
 
 from __future__ import annotations
@@ -27,8 +34,13 @@ class AdaptiveK:
     c_verify: float = 0.12  # extra verify cost per extra token (0.12 measured on CPU; ~0.01 on a GPU)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
     saturation_batch: int = 16  # verifier batch size at which extra verified tokens cost throughput
+    margin: float = 0.1  # speculation must be this much slower than plain decoding, measured, to be stopped
+    min_steps: int = 8  # speculative steps measured before that comparison counts
     accepted_w: float = 0.0
     tested_w: float = 0.0
+    steps: int = 0
+    spec_s_per_token: float = 0.0  # smoothed wall seconds per emitted token of speculative steps
+    plain_s_per_token: float = 0.0  # smoothed estimate of a plain decoding step
 
     @property
     def acceptance(self) -> float:
@@ -36,8 +48,13 @@ class AdaptiveK:
         all before it were accepted), smoothed towards the prior with two pseudo-observations."""
         return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
 
+    @property
+    def slower_than_plain(self) -> bool:
+        return (self.steps >= self.min_steps and self.plain_s_per_token > 0
+                and self.spec_s_per_token > (1 + self.margin) * self.plain_s_per_token)
+
     def next_k(self, batch_size: int = 1) -> int:
-        if self.bound == 0:
+        if self.bound == 0 or self.slower_than_plain:
             return 0
         a = min(max(self.acceptance, 1e-3), 0.999)
         load = max(1.0, 4.0 * batch_size / self.saturation_batch)
@@ -48,9 +65,17 @@ class AdaptiveK:
                 best_k, best = k, value
         return best_k
 
-    def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0):
+    def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
+                step_s: float = 0.0):
+        """One speculative step: k drafts, num_accepted accepted; the drafter's and the
+        verifier's engine seconds, and the step's wall seconds on the request's critical path."""
         if k <= 0:
             return
+        if step_s > 0 and verify_s > 0:
+            w = 1.0 if self.steps == 0 else 1 - self.decay
+            self.spec_s_per_token += w * (step_s / (num_accepted + 1) - self.spec_s_per_token)
+            self.plain_s_per_token += w * (verify_s / (1 + self.c_verify * k) - self.plain_s_per_token)
+        self.steps += 1
         tested = num_accepted + (1 if num_accepted < k else 0)
         self.accepted_w = self.decay * self.accepted_w + num_accepted
         self.tested_w = self.decay * self.tested_w + tested

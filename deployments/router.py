@@ -72,6 +72,25 @@ async def _validation_error(_: Request, e: RequestValidationError):
     return JSONResponse(OpenAIError(400, msg, param=param, code=first.get("type")).body(), status_code=400)
 
 
+def _spec_stats(seq: Sequence, timing: dict) -> dict:
+    """A finished request's speculation statistics (the ``speculation`` field of responses)."""
+    n = max(1, timing["spec_steps"])
+    return {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
+            "pre_draft_misses": timing["pre_draft_misses"],
+            "degraded_steps": timing["degraded_steps"],
+            "drafter_recomputes": seq.cache_misses["drafter"],
+            "verifier_recomputes": seq.cache_misses["verifier"],
+            # output tokens before the policy handed the request to plain decoding (None: it never did)
+            "plain_from_token": timing.get("plain_from_token"),
+            "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
+            "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3),
+            # per speculative step: verify forward pass, drafting on the critical path
+            # (0 when the pre-draft hit), and the step's apply/detokenise/stream time
+            "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
+            "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
+            "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
+
+
 def _overloaded(e: Exception) -> OpenAIError:
     return OpenAIError(503, f"verifier pool overloaded: {e}", type_="server_error", code="overloaded",
                        headers={"Retry-After": "1"})
@@ -278,7 +297,21 @@ class Router:
                     timing["emit_s"] += t_step - timing["t_emit"]
                     timing["emit_n"] += 1
                 timing["t_emit"] = 0.0
-                step_k = seq.step_k(policy.next_k(batch))
+                k_now = policy.next_k(batch)
+                if k_now == 0 and k > 0 and self.config.k_policy == "adaptive":
+                    # Speculation does not pay for this request (measured, or modelled under load;
+                    # the policy's estimate stops changing once it stops speculating): the rest
+                    # goes through the verifier's own decoding loop, with no round trip per token.
+                    if pre_task is not None:
+                        pre_task.cancel()
+                        pre_task = None
+                    timing["plain_from_token"] = len(seq.output_ids)
+                    async for s in self._generate_plain(rid, None, params, logprobs, seq=seq):
+                        if s.stats is not None:
+                            s.stats = _spec_stats(seq, timing)
+                        yield s
+                    return
+                step_k = seq.step_k(k_now)
                 proposal, draft_on_path = None, 0.0
                 if step_k > 0 and time.monotonic() < self.drafter_down_until:
                     step_k = 0  # the drafter pool is failing: decode plainly until it is probed again
@@ -323,7 +356,7 @@ class Router:
                 new, delta = seq.apply(res)
                 if res.num_drafts:
                     policy.observe(res.num_drafts, res.num_accepted, proposal.draft_s if proposal else 0.0,
-                                   res.forward_s)
+                                   res.forward_s, t_verify_done - t_step)
                     m["num_drafts"].inc()
                     m["num_draft_tokens"].inc(res.num_drafts)
                     if res.num_accepted:
@@ -340,34 +373,21 @@ class Router:
                     timing["forward_s"] += res.forward_s
                     timing["draft_s"] += proposal.draft_s if draft_on_path else 0.0
                     timing["t_emit"] = t_verify_done
-                stats = None
-                if seq.done:
-                    n = max(1, timing["spec_steps"])
-                    stats = {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
-                             "pre_draft_misses": timing["pre_draft_misses"],
-                             "degraded_steps": timing["degraded_steps"],
-                             "drafter_recomputes": seq.cache_misses["drafter"],
-                             "verifier_recomputes": seq.cache_misses["verifier"],
-                             "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
-                             "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3),
-                             # per speculative step: verify forward pass, drafting on the critical path
-                             # (0 when the pre-draft hit), and the step's apply/detokenise/stream time
-                             "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
-                             "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
-                             "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
+                stats = _spec_stats(seq, timing) if seq.done else None
                 yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
         finally:
             if pre_task is not None:
                 pre_task.cancel()
             self._release(rid)
 
-    async def _generate_plain(self, rid: str, prompt_ids, params: SamplingParams, logprobs: int | None):
+    async def _generate_plain(self, rid: str, prompt_ids, params: SamplingParams, logprobs: int | None,
+                              seq: Sequence | None = None):
         """Speculation off: the verifier decodes by itself and streams token ids; the router
         keeps the text (detokenisation, stop strings). If the verifier replica dies, the
         sequence resumes on another one from the tokens so far: no token is lost or repeated,
         and a seeded request continues exactly as it would have (randomness is keyed by position)."""
-        seq = Sequence(prompt_ids, params, 0, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
-                       logprobs=logprobs)
+        seq = seq or Sequence(prompt_ids, params, 0, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
+                              logprobs=logprobs)
         deadline = time.monotonic() + self.config.verifier_retry_s
         attempt = 0
         while not seq.done:

@@ -31,3 +31,17 @@ def test_bound_is_respected():
     for _ in range(20):
         p.observe(2, 2, draft_s=0.0001, verify_s=0.02)
     assert p.next_k() == 2 and AdaptiveK(0).next_k() == 0
+
+
+def test_measured_slower_speculation_stops():
+    """Engine times alone favour speculating, but end to end (round trips, queueing) each
+    emitted token costs more than a plain step would: after min_steps the policy stops."""
+    slow, fast = AdaptiveK(4), AdaptiveK(4)
+    for i in range(12):
+        # verify forward 30 ms for k=4 (plain step ~ 30 / 1.48 = 20 ms); 2 accepted -> 3 tokens
+        slow.observe(4, 2, draft_s=0.002, verify_s=0.03, step_s=0.09)  # 30 ms per token
+        fast.observe(4, 2, draft_s=0.002, verify_s=0.03, step_s=0.045)  # 15 ms per token
+        if i < slow.min_steps - 1:
+            assert slow.next_k() > 0  # not judged on a few steps
+    assert slow.slower_than_plain and slow.next_k() == 0
+    assert not fast.slower_than_plain and fast.next_k() > 0

@@ -30,7 +30,7 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
         "verifier": {"model": str(target_dir), "cache_budget_mb": 32, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
-        "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1, "k_policy": "fixed",
+        "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1,  # adaptive k: the default
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},
                   "Drafter": {"ray_actor_options": {"num_cpus": 0.1}}})
     serve.run(app, name="strict", route_prefix="/strict")
@@ -158,3 +158,19 @@ def test_a_stream_body_that_never_starts_releases_its_slot(ray_cluster):
     del slot
     gc.collect()
     assert router.active == 0
+
+
+def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict_app, serve_app):
+    """The tiny test drafter costs as much as the target, so speculating loses: the default
+    (adaptive) policy stops and the rest of the request runs in the verifier's own decoding
+    loop. The output is unchanged (greedy: the target's own)."""
+    from tests.test_serve import ref_greedy
+
+    _, tok, target, _ = serve_app
+    r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
+             return_token_ids=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
+    spec = body["speculation"]
+    assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
