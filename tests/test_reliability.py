@@ -167,10 +167,17 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
     from tests.test_serve import ref_greedy
 
     _, tok, target, _ = serve_app
-    r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
-             return_token_ids=True)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
-    spec = body["speculation"]
+    for _ in range(3):
+        r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
+                 return_token_ids=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
+        spec = body["speculation"]
+        if spec["degraded_steps"] == 0:
+            break
+        # the overload tests above filled the one-slot drafter queue: the router's circuit breaker
+        # keeps speculation off for its back-off (at most 10 s); then it probes the drafter again
+        time.sleep(11)
+    assert spec["num_drafts"] > 0 and spec["degraded_steps"] == 0, spec
     assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
