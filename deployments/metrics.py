@@ -42,6 +42,7 @@ def metrics():
                                                  tag_keys=("position",)),
         "pre_draft": m.Counter("splitspec_pre_drafts", description="Blocks drafted while the previous one was verified, by outcome (hit: used; miss: discarded).",
                                tag_keys=("outcome",)),
+        "cancelled": m.Counter("splitspec_cancelled_requests", description="Requests stopped because the client disconnected."),
         "deadline_exceeded": m.Counter("splitspec_deadline_exceeded", description="Requests stopped at their deadline (request_timeout_s or the request's timeout)."),
         "active_requests": m.Gauge("splitspec_active_requests", description="Requests running on a router replica (admitted, not yet finished)."),
         "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),

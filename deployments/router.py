@@ -259,18 +259,25 @@ class Router:
     async def _until_deadline(steps, timeout_s: float):
         """The request's steps until its deadline; past it the generation is cancelled (its
         finally blocks release the caches on both pools) and the client gets a 504."""
-        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
             while True:
                 try:
-                    s = await asyncio.wait_for(anext(steps), max(0.0, deadline - time.monotonic()))
+                    # in this task, not a helper task (as wait_for would): a cancellation then
+                    # reaches the generator itself, which stops and releases its caches
+                    async with asyncio.timeout_at(deadline):
+                        s = await anext(steps)
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     metrics()["deadline_exceeded"].inc()
                     raise OpenAIError(504, f"the request exceeded its deadline of {timeout_s:g} s",
                                       type_="timeout_error", code="deadline_exceeded") from None
                 yield s
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            metrics()["cancelled"].inc()
+            raise
         finally:
             await steps.aclose()
 

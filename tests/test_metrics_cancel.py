@@ -42,7 +42,8 @@ def test_metrics_exported(ray_cluster, serve_app):
 
     def ready():
         names = {n for n, _, _ in scrape(ray_cluster)}
-        return names if {"ray_spec_decode_num_draft_tokens_total", "ray_splitspec_batch_size_bucket"} <= names else None
+        return names if {"ray_spec_decode_num_draft_tokens_total", "ray_splitspec_batch_size_bucket",
+                                "ray_splitspec_requests_total", "ray_splitspec_exposed_rpc_s_count"} <= names else None
 
     names = wait_for(ready)
     assert names, "speculation and batch metrics were not exported"
@@ -67,10 +68,21 @@ def completed(url) -> float:
                and lab.get("status") == "200" and lab.get("endpoint") == "completions")
 
 
+def cancelled(url) -> float:
+    return sum(v for n, _, v in scrape(url) if n == "ray_splitspec_cancelled_requests_total")
+
+
 def test_disconnect_cancels_and_releases_caches(ray_cluster, serve_app):
     base, *_ = serve_app
-    time.sleep(2)  # let earlier requests' metrics land
+    # let earlier requests' metrics land: the count must hold still for a while
     done_before = completed(ray_cluster)
+    for _ in range(20):
+        time.sleep(1.5)
+        now = completed(ray_cluster)
+        if now == done_before:
+            break
+        done_before = now
+    cancelled_before = cancelled(ray_cluster)
     with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
             "prompt": "class A:", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
         for line in r.iter_lines():
@@ -83,5 +95,6 @@ def test_disconnect_cancels_and_releases_caches(ray_cluster, serve_app):
         return cached if {"drafter", "verifier"} <= roles and all(v == 0 for _, v in cached) else None
 
     assert wait_for(released, timeout=30), scrape(ray_cluster)
+    assert wait_for(lambda: cancelled(ray_cluster) > cancelled_before, timeout=30)
     time.sleep(6)  # long enough for the 240 tokens to finish, had the request not been cancelled
     assert completed(ray_cluster) == done_before
