@@ -1,6 +1,8 @@
 """Property-based fuzzing of the request schema over real HTTP: never a 5xx, and the
 server stays healthy."""
 
+import json
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,11 +32,13 @@ valid_ish = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(body=st.one_of(bodies, valid_ish), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_no_request_gets_a_5xx(serve_app, body, path):
     base, *_ = serve_app
-    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    # encoded here: httpx refuses NaN/Infinity, which a client can still send (the server must say 400)
+    r = httpx.post(f"{base}{path}", content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=60)
     # the one 5xx by design: a request that set a deadline too short to finish in
     deadline = r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert r.status_code < 500 or deadline, (r.status_code, r.text)
