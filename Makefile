@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The import contracts (pyproject.toml, README "Architecture") first: a layering violation fails the build.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 # Everything, the long soak/load scenarios included.
@@ -44,8 +46,8 @@ serve: $(STAMP)
 # About 1.5 hours on 2 CPU cores (uses a GPU when present). Checkpoints go to build/; rerunning resumes.
 models: $(STAMP)
 	rm -rf build/pretrain build/distill models/tiny-code-target models/tiny-code-drafter
-	$(PY) -m drafter.pretrain
-	$(PY) -m drafter.distill
+	$(PY) -m offline.training.pretrain
+	$(PY) -m offline.training.distill
 
 clean:
 	rm -rf $(VENV) build

@@ -33,7 +33,7 @@ def set_threads(n: int):
 
 def load_prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
     """``n`` code prompts cut from held-out standard-library modules, with their token ids."""
-    from drafter.corpus import held_out_prompts
+    from offline.training.corpus import held_out_prompts
 
     texts = held_out_prompts(n)
     return [(t, tokenizer(t)["input_ids"]) for t in texts]

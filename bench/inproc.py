@@ -36,7 +36,7 @@ class _TimedDrafter(_Timed):
 
 
 class Reference:
-    """verifier.generate.generate on VerifierEngine + ModelDrafter, timed per engine call."""
+    """core.loop.generate on VerifierEngine + ModelDrafter, timed per engine call."""
 
     name = "reference loop (in-process, no RPC)"
 
@@ -53,7 +53,7 @@ class Reference:
 
     def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
         from configs import SamplingParams
-        from verifier.generate import generate
+        from core.loop import generate
 
         v = _TimedVerifier(self.verifier, "verify", "forward_s")
         d = _TimedDrafter(self.drafter, "propose", "draft_s")

@@ -5,7 +5,7 @@ number of torch threads per engine):
 - splitspec served over HTTP: speculation off (``num_speculative_tokens: 0``, the
   verifier's no-round-trip fast path), the default policy (adaptive, k <= 4), and a fixed-k
   sweep;
-- the in-process reference loop (``verifier.generate``: the same engines, no RPC), plain
+- the in-process reference loop (``core.loop``: the same engines, no RPC), plain
   and the same k sweep; its per-call engine timings give the zero-overhead bound;
 - transformers ``generate``: plain and assisted generation (``assistant_model=``);
 - vLLM (``bench.vllm_peer`` in a subprocess): plain and in-engine draft-model speculation.

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from configs import SamplingParams
-from verifier.engine import VerifyRequest
+from core.protocol import VerifyRequest
 
 DEFAULT_LENGTHS = [100, 250, 500, 750, 1000, 1500]
 

@@ -6,6 +6,7 @@ q = the drafter's processed next-token distribution,
 k = the number of speculative (draft) tokens proposed per step.
 """
 
+from configs.app import AppConfig
 from configs.models import (
     DraftModelConfig,
     DrafterConfig,
@@ -17,6 +18,7 @@ from configs.models import (
 )
 
 __all__ = [
+    "AppConfig",
     "DraftModelConfig",
     "DrafterConfig",
     "NgramConfig",

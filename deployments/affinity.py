@@ -3,16 +3,17 @@ sequence's calls to the replica that holds its KV cache.
 
 Every call carries its sequence id (``requests[0].seq_id``, or the ids passed to
 ``release``). The router remembers the replica each sequence was last routed to and
-prefers it; if that replica is gone or its queue is full, it falls back to Serve's
-power-of-two-choices, and the new replica recomputes the sequence from the full token ids
+prefers it; if that replica is gone or its queue is full, it falls back to the power of
+two choices (two random replicas, Serve probes both and takes the shorter queue), and the new replica recomputes the sequence from the full token ids
 (a cache miss, never a wrong answer). So affinity never defeats load balancing.
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import FIFOMixin, RequestRouter
 
 ROUTER_PATH = "deployments.affinity.CacheAffinityRouter"
 
@@ -25,23 +26,25 @@ def sequence_id(pending_request) -> str | None:
     return first if isinstance(first, str) else getattr(first, "seq_id", None)
 
 
-class CacheAffinityRouter(PowerOfTwoChoicesRequestRouter):
+class CacheAffinityRouter(FIFOMixin, RequestRouter):
+    """Built on Serve's public request-router API (``ray.serve.request_router``)."""
+
     def initialize_state(self, max_sequences: int = 100_000, **kwargs):
         super().initialize_state(**kwargs)
         self._home: OrderedDict[str, object] = OrderedDict()  # seq_id -> ReplicaID
         self._max_sequences = max_sequences
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        fallback = await super().choose_replicas(candidate_replicas, pending_request)
+        # ranks in order of preference: the home replica while it has room (a full one is left
+        # out: recomputing elsewhere beats waiting), then two random ones, the shorter queue first
         seq = sequence_id(pending_request)
         home_id = self._home.get(seq) if seq is not None else None
-        home = next((r for r in candidate_replicas if r.replica_id == home_id), None)
-        if home is None:
-            return fallback  # new sequence, or its replica is gone: balance load
-        queue_len = self._replica_queue_len_cache.get(home_id)
-        if queue_len is not None and queue_len >= home.max_ongoing_requests:
-            return fallback  # the home replica is full: recomputing elsewhere beats waiting
-        return [[home]] + [rank for rank in fallback if home not in rank]
+        home = next((r for r in self.select_available_replicas(candidate_replicas) if r.replica_id == home_id), None)
+        others = [r for r in candidate_replicas if r is not home]
+        ranks = [[home]] if home is not None else []
+        if others:
+            ranks.append(random.sample(others, min(2, len(others))))
+        return ranks
 
     def on_request_routed(self, pending_request, replica_id, result):
         seq = sequence_id(pending_request)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import TypeAdapter
 
-from configs import DraftModelConfig, DrafterConfig, NgramConfig
+from configs import DrafterConfig, DraftModelConfig, NgramConfig
+from core.protocol import DraftRequest, Proposal
 from deployments.server import EngineServer
-from drafter.base import DraftRequest, Proposal
 
 
 def build_drafter(config: DraftModelConfig | NgramConfig):

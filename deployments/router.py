@@ -18,13 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from configs import SamplingParams
+from configs import AppConfig, SamplingParams
+from core.models import context_limit, eos_token_ids
+from core.protocol import VerifyResult
+from core.sequence import Sequence
 from deployments.batcher import Overloaded
 from deployments.metrics import metrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from deployments.policy import AdaptiveK, FixedK
-from verifier.engine import VerifyResult
-from verifier.generate import Sequence
 
 log = logging.getLogger("ray.serve")
 
@@ -129,28 +130,18 @@ class Router:
     (or, in tests without a cluster, as anything with the same async methods)."""
 
     def __init__(self, config: dict, drafter, verifier):
-        from transformers import AutoConfig, AutoTokenizer
-
-        from deployments.app import AppConfig
-        from verifier.engine import eos_token_ids
+        from transformers import AutoTokenizer
 
         self.config = AppConfig.model_validate(config)
         self.drafter = drafter
         self.verifier = verifier
         vpath = self.config.verifier.model
         self.tokenizer = AutoTokenizer.from_pretrained(vpath)
-        mc = AutoConfig.from_pretrained(vpath).get_text_config()
-        self.max_len = self.config.verifier.max_model_len or mc.max_position_embeddings
+        self.max_len = context_limit(vpath, self.config.verifier.max_model_len)
         d = self.config.drafter
         if d.method == "draft_model":
-            self.max_len = min(self.max_len, d.max_model_len or
-                               AutoConfig.from_pretrained(d.model).get_text_config().max_position_embeddings)
-        try:
-            from transformers import GenerationConfig
-            gen = GenerationConfig.from_pretrained(vpath)
-        except OSError:
-            gen = None
-        self.eos_ids = eos_token_ids(type("M", (), {"generation_config": gen, "config": mc})(), self.tokenizer)
+            self.max_len = min(self.max_len, context_limit(d.model, d.max_model_len))
+        self.eos_ids = eos_token_ids(self.tokenizer, model_dir=vpath)
         self.model_name = self.config.model_name
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica

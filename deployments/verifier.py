@@ -4,9 +4,10 @@ requests, and decode by themselves when speculation is off (the no-round-trip fa
 from __future__ import annotations
 
 from configs import SamplingParams, VerifierConfig
+from core.protocol import VerifyRequest, VerifyResult
+from core.sequence import Sequence
 from deployments.server import EngineServer
-from verifier.engine import VerifierEngine, VerifyRequest, VerifyResult
-from verifier.generate import Sequence
+from verifier.engine import VerifierEngine
 
 
 class VerifierServer(EngineServer):

@@ -1,1 +1,1 @@
-"""Draft proposers (model drafter, n-gram lookup) and drafter training."""
+"""Draft proposers served by the drafter pool: the model drafter and n-gram lookup."""

@@ -9,27 +9,27 @@ its q is exactly sparse and only those entries travel to the verifier.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from configs import DraftModelConfig
-from drafter.base import DraftRequest, Proposal
-from verifier.engine import DTYPES, DraftProbs
-from verifier.kv_cache import CacheMiss, SlotKVCache, batched_forward
-from verifier.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniform
+from core.kv_cache import SlotKVCache, batched_forward
+from core.models import DTYPES, load_causal_lm
+from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
+from core.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniform
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import DraftModelConfig
 
 
 class ModelDrafter:
     def __init__(self, config: DraftModelConfig, model=None):
-        from transformers import AutoModelForCausalLM
-
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self.model = model or AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=self.dtype, attn_implementation="sdpa")
-        self.model.to(device=config.device, dtype=self.dtype).eval()
+        self.model = (model or load_causal_lm(config.model, self.dtype, config.device)).to(
+            device=config.device, dtype=self.dtype).eval()
         mc = self.model.config.get_text_config()
         self.max_len = config.max_model_len or mc.max_position_embeddings
         self.cache = SlotKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-from configs import NgramConfig
-from drafter.base import DraftRequest, Proposal
+from core.protocol import DraftRequest, Proposal, prefix_hash
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import NgramConfig
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -30,8 +33,6 @@ class NgramDrafter:
         self.max_sequences = max_sequences
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        from verifier.kv_cache import prefix_hash
-
         out = []
         for r in requests:
             if r.full:

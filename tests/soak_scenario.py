@@ -39,8 +39,8 @@ def references(target: str, prompts: list[str], modes: list[dict], max_tokens: i
     import torch
 
     from configs import SamplingParams, VerifierConfig
+    from core.loop import generate
     from verifier.engine import VerifierEngine
-    from verifier.generate import generate
 
     torch.set_num_threads(1)
     engine = VerifierEngine(VerifierConfig(model=target, cache_budget_mb=256))
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the report to this JSON file")
     args = ap.parse_args(argv)
 
-    from drafter.corpus import held_out_prompts
+    from offline.training.corpus import held_out_prompts
 
     prompts = held_out_prompts(8, prompt_chars=300)
     modes = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 17, "verification": "gumbel"}]

@@ -54,14 +54,14 @@ def test_bounds(cls, kwargs):
 
 
 def test_every_field_is_described():
-    from deployments.app import AppConfig
+    from configs import AppConfig
     for cls in (SamplingParams, DraftModelConfig, NgramConfig, VerifierConfig, AppConfig):
         missing = [n for n, f in cls.model_fields.items() if not f.description]
         assert not missing, f"{cls.__name__}: {missing}"
 
 
 def test_serve_config_args_validate():
-    from deployments.app import AppConfig
+    from configs import AppConfig
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     (application,) = cfg["applications"]
     assert application["import_path"] == "deployments.app:build_app"
@@ -71,7 +71,7 @@ def test_serve_config_args_validate():
 
 
 def test_gpu_cluster_config_places_pools_apart():
-    from deployments.app import AppConfig
+    from configs import AppConfig
     cfg = yaml.safe_load((ROOT / "configs" / "serve_gpu_cluster.yaml").read_text())
     (application,) = cfg["applications"]
     config = AppConfig.model_validate(application["args"])

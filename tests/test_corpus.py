@@ -1,6 +1,6 @@
 """The stdlib corpus: third-party code left out, a deterministic split by module."""
 
-from drafter.corpus import held_out_prompts, is_held_out, load_split, module_name, stdlib_dir
+from offline.training.corpus import held_out_prompts, is_held_out, load_split, module_name, stdlib_dir
 
 
 def test_split_is_deterministic_and_by_module():

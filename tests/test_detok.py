@@ -2,8 +2,8 @@
 
 import random
 
+from core.detok import IncrementalDetokenizer
 from tests.helpers import tiny_tokenizer
-from verifier.detok import IncrementalDetokenizer
 
 
 def stream(tok, ids, stop=(), chunk_sizes=(1, 2, 3, 5)):

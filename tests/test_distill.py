@@ -2,7 +2,7 @@
 
 import json
 
-from drafter import distill
+from offline.training import distill
 from tests.helpers import tiny_llama, tiny_tokenizer
 
 

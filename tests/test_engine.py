@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
+from core.loop import generate, step
+from core.protocol import VerifyRequest, prefix_hash
+from core.sequence import Sequence
 from drafter.model_drafter import ModelDrafter
 from drafter.ngram import NgramDrafter, ngram_propose
 from tests.helpers import tiny_llama
 from tests.test_greedy_equivalence import prompts, reference
-from verifier.engine import VerifierEngine, VerifyRequest
-from verifier.generate import Sequence, generate, step
-from verifier.kv_cache import prefix_hash
+from verifier.engine import VerifierEngine
 
 
 def make(tiny_pair, budget_mb=64, drafter_budget_mb=64, target=None, draft=None):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
+from core.loop import generate
 from drafter.model_drafter import ModelDrafter
 from drafter.ngram import NgramDrafter
 from tests.helpers import TINY_TEXT
 from verifier.engine import VerifierEngine
-from verifier.generate import generate
 
 NEAR_TIE = 1e-5
 MAX_NEW = 32

@@ -12,9 +12,9 @@ import torch
 from scipy.stats import chisquare
 
 from configs import SamplingParams
+from core.rejection import PAD, gumbel_verify
+from core.sampling import gumbel_argmax, gumbel_noise
 from tests.test_rejection import PARAMS, V, _chain, min_p_value
-from verifier.rejection import PAD, gumbel_verify
-from verifier.sampling import gumbel_argmax, gumbel_noise
 
 K, N = 3, 20_000
 

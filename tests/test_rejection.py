@@ -13,8 +13,8 @@ import torch
 from scipy.stats import chisquare
 
 from configs import SamplingParams
-from verifier.rejection import PAD, greedy_verify, rejection_sample
-from verifier.sampling import Stream, processed_probs, sample_inverse_cdf, uniform
+from core.rejection import PAD, greedy_verify, rejection_sample
+from core.sampling import Stream, processed_probs, sample_inverse_cdf, uniform
 
 V, K, N = 6, 3, 40_000
 

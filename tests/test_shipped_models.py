@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.corpus import held_out_prompts, load_split
+from offline.training.corpus import held_out_prompts, load_split
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET, DRAFTER = ROOT / "models" / "tiny-code-target", ROOT / "models" / "tiny-code-drafter"
@@ -45,9 +45,9 @@ def test_tokenizer_round_trips_python_source_exactly(pair):
 
 def test_greedy_speculation_equals_target_generate(pair):
     from configs import DraftModelConfig, SamplingParams, VerifierConfig
+    from core.loop import generate
     from drafter.model_drafter import ModelDrafter
     from verifier.engine import VerifierEngine
-    from verifier.generate import generate
 
     tok, target, drafter = pair
     ver = VerifierEngine(VerifierConfig(model=str(TARGET), cache_budget_mb=256), model=target, tokenizer=tok)
@@ -63,7 +63,7 @@ def test_greedy_speculation_equals_target_generate(pair):
 
 
 def test_pair_reaches_the_acceptance_its_model_card_reports(pair):
-    from drafter.distill import measure_acceptance
+    from offline.training.distill import measure_acceptance
 
     tok, target, drafter = pair
     card = json.loads((DRAFTER / "acceptance.json").read_text())
@@ -77,7 +77,7 @@ def test_pair_reaches_the_acceptance_its_model_card_reports(pair):
 
 
 def test_cli_generates_with_speculation_and_prints_statistics():
-    out = subprocess.run([sys.executable, "-m", "verifier.generate", "--prompt", "import os\n\ndef ",
+    out = subprocess.run([sys.executable, "-m", "offline.generate", "--prompt", "import os\n\ndef ",
                           "--max-tokens", "32", "-k", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "mean_acceptance_length" in out.stdout and "tokens in" in out.stdout

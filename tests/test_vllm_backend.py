@@ -14,10 +14,11 @@ import torch
 from scipy.stats import chisquare
 
 from configs import SamplingParams
+from core.protocol import DraftProbs, VerifyRequest
+from core.sampling import processed_probs
 from tests.helpers import TINY_TEXT, noisy_copy, tiny_tokenizer
 from tests.test_greedy_equivalence import reference
-from verifier.engine import DraftProbs, VerifierEngine, VerifyRequest
-from verifier.sampling import processed_probs
+from verifier.engine import VerifierEngine
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.serve
@@ -103,7 +104,7 @@ def prompts(tok, n=10, seed=0):
 
 
 def hf_generate(ver, tok, prompt_ids, k, n, drafter=None):
-    from verifier.generate import generate
+    from core.loop import generate
     (s,) = generate([prompt_ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), k, drafter, ver)
     return s.output_ids
 
@@ -275,7 +276,7 @@ def test_serve_vllm_config_and_bounds():
     from pydantic import ValidationError
 
     from configs import VerifierConfig
-    from deployments.app import AppConfig
+    from configs import AppConfig
 
     cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
     app = AppConfig.model_validate(cfg["applications"][0]["args"])

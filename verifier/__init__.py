@@ -1,1 +1,1 @@
-"""Target-model engine, per-sequence KV caches and lossless rejection sampling."""
+"""Target-model engines that verify drafts: transformers (``engine``) and vLLM (``vllm_engine``)."""

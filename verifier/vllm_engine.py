@@ -36,12 +36,16 @@ import itertools
 import os
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
-from configs import VerifierConfig
-from verifier.engine import VerifyRequest, VerifyResult, decide
-from verifier.kv_cache import prefix_hash
+from core.models import eos_token_ids
+from core.protocol import VerifyRequest, VerifyResult, prefix_hash
+from core.rejection import decide
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import VerifierConfig
 
 
 def _stat_logger_class():
@@ -73,23 +77,6 @@ def _row(flat, i: int, out: torch.Tensor):
     out[torch.tensor(flat.token_ids[s:e], dtype=torch.long)] = torch.tensor(flat.logprobs[s:e], dtype=torch.float32)
 
 
-def hf_eos_ids(model_dir: str, tokenizer) -> set[int]:
-    """Every end-of-sequence id the model's generation config, config and tokenizer declare."""
-    from transformers import AutoConfig, GenerationConfig
-
-    ids: set[int] = set()
-    try:
-        gen = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        gen = None
-    for src in (gen, AutoConfig.from_pretrained(model_dir), tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
-    return ids
-
-
 class VllmVerifierEngine:
     """Answers ``VerifyRequest``s with vLLM's AsyncLLM. Its ``verify`` is a coroutine: vLLM
     batches concurrent calls by itself, so callers gather them instead of queueing them."""
@@ -112,7 +99,7 @@ class VllmVerifierEngine:
         text = AutoConfig.from_pretrained(config.model).get_text_config()
         self.vocab_size = text.vocab_size
         self.max_len = config.max_model_len or text.max_position_embeddings
-        self.eos_ids = hf_eos_ids(config.model, self.tokenizer)
+        self.eos_ids = eos_token_ids(self.tokenizer, model_dir=config.model)
         self._stats_cls = _stat_logger_class()
         args = AsyncEngineArgs(
             model=config.model, tokenizer=config.model, dtype=config.dtype, seed=0,

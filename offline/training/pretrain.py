@@ -1,11 +1,11 @@
 """Build the default target model from nothing: tokenizer, then LM pretraining.
 
-The default pair serves Python code. ``python -m drafter.pretrain`` trains a
+The default pair serves Python code. ``python -m offline.training.pretrain`` trains a
 byte-level BPE tokenizer on the train split of the standard library
-(``drafter.corpus``) and pretrains a standard ``LlamaForCausalLM`` on it, so
+(``offline.training.corpus``) and pretrains a standard ``LlamaForCausalLM`` on it, so
 transformers and vLLM load the result unchanged. It is seeded, checkpoints every
 ``--ckpt-every`` steps and resumes from the last checkpoint when restarted. The
-drafter is then distilled from the result by ``drafter.distill``.
+drafter is then distilled from the result by ``offline.training.distill``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.corpus import load_split
+from offline.training.corpus import load_split
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -217,7 +217,7 @@ def main(argv=None):
 
 @torch.no_grad()
 def write_model_card(args, model, tokenizer, history, n_train_tokens: int):
-    from drafter.corpus import held_out_modules, held_out_prompts
+    from offline.training.corpus import held_out_modules, held_out_prompts
 
     model.eval()
     samples = []
@@ -233,7 +233,7 @@ def write_model_card(args, model, tokenizer, history, n_train_tokens: int):
         "",
         "A small Python code model, the default verifier (target) of splitspec. A standard",
         "`LlamaForCausalLM` checkpoint (config.json + model.safetensors + tokenizer files) that",
-        "transformers and vLLM load unchanged. Built from nothing by `python -m drafter.pretrain`",
+        "transformers and vLLM load unchanged. Built from nothing by `python -m offline.training.pretrain`",
         "(seeded) on the Python source of the CPython standard library of this machine's Python.",
         "",
         f"- architecture: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, intermediate "
@@ -252,7 +252,7 @@ def write_model_card(args, model, tokenizer, history, n_train_tokens: int):
         "",
         "## Held-out modules",
         "",
-        "Split by module name, deterministically (a hash of the dotted module name; see `drafter/corpus.py`):",
+        "Split by module name, deterministically (a hash of the dotted module name; see `offline/training/corpus.py`):",
         "",
         ", ".join(f"`{m}`" for m in held_out_modules()),
         "",

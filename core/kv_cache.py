@@ -15,45 +15,12 @@ Memory is bounded by a budget: a fixed number of slots, least recently used evic
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-
-def prefix_hash(tokens: list[int]) -> str:
-    """Hash that names a token prefix in the cache protocol."""
-    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class CacheAddressed:
-    """Mixin for the call dataclasses of the cache protocol (fields seq_id, start, prefix,
-    new_tokens, full): how a call names the prefix its replica should hold."""
-
-    def __post_init__(self):
-        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
-            self.full = True
-
-    @classmethod
-    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw):
-        """The call for a sequence whose replica is believed to hold tokens[:cached]
-        (at least one token is always sent, so there is a position to predict from)."""
-        cached = min(cached, len(tokens) - 1)
-        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
-
-
-class CacheMiss(Exception):
-    """The replica does not hold the prefix a call assumed; resend the full token ids."""
+from core.protocol import CacheMiss, common_prefix_len, prefix_hash
 
 
 @dataclass

@@ -1,25 +1,22 @@
-"""The speculative decoding loop, in process: draft -> verify -> emit.
+"""One request's state: ``Sequence`` and its speculation counters ``SpecStats``.
 
 ``Sequence`` is one request's state machine (tokens, what each engine is believed to
-cache, detokenisation, stop conditions, speculation statistics); the Ray router drives
-the same state machine over RPC. ``generate`` is the reference loop with no RPC: it
-steps a batch of sequences in lockstep, one batched drafter call and one batched
-verifier call per step. ``python -m verifier.generate`` is a small CLI around it.
+cache, detokenisation, stop conditions, speculation statistics). The in-process loop
+(``core.loop``) and the Ray router drive the same state machine, the router over RPC.
 """
 
 from __future__ import annotations
 
-import argparse
 import secrets
-import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from configs import SamplingParams
-from drafter.base import DraftRequest, Drafter, Proposal
-from verifier.detok import IncrementalDetokenizer
-from verifier.engine import DraftProbs, VerifierEngine, VerifyRequest, VerifyResult
-from verifier.kv_cache import common_prefix_len
+from core.detok import IncrementalDetokenizer
+from core.protocol import DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import SamplingParams
 
 
 @dataclass
@@ -162,94 +159,3 @@ class Sequence:
             delta += self.detok.finish()
         self.text += delta
         return new, delta
-
-
-def step(seqs: list[Sequence], drafter: Drafter | None, verifier: VerifierEngine) -> None:
-    """One lockstep speculative step for every unfinished sequence."""
-    live = [s for s in seqs if not s.done]
-    ks = {s.seq_id: (s.step_k() if drafter is not None else 0) for s in live}
-    proposals: dict[str, Proposal | None] = {s.seq_id: None for s in live}
-    drafting = [s for s in live if ks[s.seq_id] > 0]
-    if drafting:
-        props = drafter.propose([s.draft_request(ks[s.seq_id]) for s in drafting])
-        missed = [s for s, p in zip(drafting, props) if p.cache_miss]
-        for s in missed:
-            s.cache_misses["drafter"] += 1
-        if missed:
-            props = [p for p in props if not p.cache_miss] + drafter.propose(
-                [s.draft_request(ks[s.seq_id], full=True) for s in missed])
-        for p in props:
-            proposals[p.seq_id] = p
-            next(s for s in drafting if s.seq_id == p.seq_id).note_proposal(p)
-    def vreq(s, full=False):
-        p = proposals[s.seq_id]
-        return s.verify_request(p.tokens, p.probs, full) if p else s.verify_request(full=full)
-
-    results = verifier.verify([vreq(s) for s in live])
-    missed = [s for s, r in zip(live, results) if r.cache_miss]
-    for s in missed:
-        s.cache_misses["verifier"] += 1
-    if missed:
-        results = [r for r in results if not r.cache_miss] + verifier.verify([vreq(s, True) for s in missed])
-    by_id = {s.seq_id: s for s in live}
-    for r in results:
-        if r.error:
-            raise ValueError(r.error)
-        by_id[r.seq_id].apply(r)
-
-
-def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int,
-             drafter: Drafter | None, verifier: VerifierEngine, release: bool = True) -> list[Sequence]:
-    """Generate for several prompts together until each hits max_tokens, EOS, a stop string
-    or the context limit. k = 0 (or no drafter) is plain decoding with the same engine."""
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier))
-            for p, sp in zip(prompts, params_list)]
-    while any(not s.done for s in seqs):
-        step(seqs, drafter if k > 0 else None, verifier)
-    if release:
-        for s in seqs:
-            verifier.release(s.seq_id)
-            if drafter is not None:
-                drafter.release(s.seq_id)
-    return seqs
-
-
-def _max_len(drafter, verifier) -> int:
-    return min(verifier.max_len, getattr(drafter, "max_len", verifier.max_len))
-
-
-def main(argv=None):
-    from configs import DraftModelConfig, NgramConfig, VerifierConfig
-    from drafter.model_drafter import ModelDrafter
-    from drafter.ngram import NgramDrafter
-
-    ap = argparse.ArgumentParser(description="Generate text with speculative decoding, in process.")
-    ap.add_argument("--prompt", default="def fibonacci(n):\n")
-    ap.add_argument("--target", default="models/tiny-code-target")
-    ap.add_argument("--drafter", default="models/tiny-code-drafter", help="drafter model dir, or 'ngram'")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
-    args = ap.parse_args(argv)
-
-    verifier = VerifierEngine(VerifierConfig(model=args.target))
-    k = args.num_speculative_tokens
-    drafter = (NgramDrafter(NgramConfig(num_speculative_tokens=k)) if args.drafter == "ngram"
-               else ModelDrafter(DraftModelConfig(model=args.drafter, num_speculative_tokens=k)))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens)
-    ids = verifier.tokenizer(args.prompt)["input_ids"]
-    t0 = time.perf_counter()
-    (seq,) = generate([ids], params, k, drafter, verifier)
-    dt = time.perf_counter() - t0
-    print(args.prompt + seq.text)
-    n = len(seq.output_ids)
-    print(f"\n--- {n} tokens in {dt:.2f}s ({1000 * dt / max(n, 1):.1f} ms/token), finish_reason={seq.finish_reason}")
-    print(f"--- k={k}: {seq.stats.as_dict()}")
-
-
-if __name__ == "__main__":
-    main()

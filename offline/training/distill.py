@@ -2,11 +2,11 @@
 next-token distributions (forward KL(p || q) on every position), then measure the
 acceptance it reaches and write it into the drafter's model card.
 
-    python -m drafter.distill --target models/tiny-code-target --out models/tiny-code-drafter
+    python -m offline.training.distill --target models/tiny-code-target --out models/tiny-code-drafter
 
 Works for any local Hugging Face target and any drafter architecture that uses the
 target's tokenizer, on CPU or GPU (picked automatically). Training text is the train
-split of the standard library (``drafter.corpus``); optionally every
+split of the standard library (``offline.training.corpus``); optionally every
 ``--generated-every`` steps a batch of target-generated continuations replaces the
 corpus batch, so the drafter also learns the target's own outputs. Seeded; a progress
 bar; checkpoints every ``--ckpt-every`` steps and resumes from the last one.
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafter.corpus import held_out_prompts, load_split
-from drafter.pretrain import batch_at, encode_documents, load_checkpoint, lr_at, save_checkpoint
+from offline.training.corpus import held_out_prompts, load_split
+from offline.training.pretrain import batch_at, encode_documents, load_checkpoint, lr_at, save_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -82,9 +82,10 @@ def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, 
     """Acceptance of the pair on the prompts, as vLLM defines it: acceptance rate =
     accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts."""
     from configs import DraftModelConfig, SamplingParams, VerifierConfig
+    from core.loop import generate
+    from core.sequence import SpecStats
     from drafter.model_drafter import ModelDrafter
     from verifier.engine import VerifierEngine
-    from verifier.generate import SpecStats, generate
 
     ver = VerifierEngine(VerifierConfig(model=str(target_dir), cache_budget_mb=2048), model=target)
     dr = ModelDrafter(DraftModelConfig(model=str(drafter_dir), cache_budget_mb=512), model=drafter)
@@ -110,7 +111,7 @@ def write_model_card(out: Path, target_dir: Path, args, history: list, acceptanc
     lines = [
         "# tiny-code-drafter" if out.name == "tiny-code-drafter" else f"# {out.name}",
         "",
-        f"A drafter distilled from `{target_dir}` by `python -m drafter.distill` (KL(p || q) to the",
+        f"A drafter distilled from `{target_dir}` by `python -m offline.training.distill` (KL(p || q) to the",
         "target's next-token distributions on the train split of the CPython standard library).",
         "",
         f"- architecture: LlamaForCausalLM, {args.layers} layer(s), hidden {args.hidden}, "

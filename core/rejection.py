@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from verifier.sampling import gumbel_argmax, sample_inverse_cdf
+from core.protocol import VerifyRequest, VerifyResult
+from core.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniforms
 
 PAD = -1  # marks positions after the last emitted token
 
@@ -107,3 +108,36 @@ def _pad_after(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor
     """Keep tokens [B, k+1] up to and including index num_accepted, PAD after it."""
     cols = torch.arange(tokens.shape[1])
     return tokens.masked_fill(cols.unsqueeze(0) > num_accepted.unsqueeze(1), PAD)
+
+
+def decide(r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
+    """Accept/reject one sequence's drafts given the target logits [k+1, V] at their positions.
+    Backend-independent: any engine that produces these logits verifies the same way."""
+    draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
+    if r.sampling.greedy:
+        tokens, n_acc = greedy_verify(draft, logits.argmax(-1).unsqueeze(0))
+    else:
+        first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
+        p = processed_probs(logits, r.sampling).unsqueeze(0)  # [1, k+1, V]
+        if r.sampling.verification == "gumbel":
+            noise = gumbel_noise(r.seed, range(first, first + r.k + 1), p.shape[-1]).unsqueeze(0)  # [1, k+1, V]
+            tokens, n_acc = gumbel_verify(draft, p, noise)
+        else:
+            tokens, n_acc = _rejection(r, draft, p, first)
+    out = [t for t in tokens[0].tolist() if t != PAD]
+    res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
+    if r.logprobs is not None:
+        lp = logits[: len(out)].float().log_softmax(-1)  # [emitted, V]
+        top = lp.topk(r.logprobs, -1) if r.logprobs > 0 else None
+        res.logprobs = [(float(lp[i, t]), list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
+                        for i, t in enumerate(out)]
+    return res
+
+
+def _rejection(r: VerifyRequest, draft: torch.Tensor, p: torch.Tensor, first: int):
+    """Standard rejection sampling of draft [1, k] against p [1, k+1, V]; draft 1 sits at ``first``."""
+    q = r.draft_probs.dense(p.shape[-1]).unsqueeze(0) if r.draft_probs is not None else None  # [1, k, V]
+    return rejection_sample(
+        draft, q, p,
+        uniforms(r.seed, range(first, first + r.k), Stream.ACCEPT).unsqueeze(0),
+        uniforms(r.seed, range(first, first + r.k + 1), Stream.SAMPLE).unsqueeze(0))

@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
-from configs import SamplingParams
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import SamplingParams
 
 
 class Stream(IntEnum):

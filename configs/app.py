@@ -1,0 +1,33 @@
+"""The application's config: what ``serve run serve_config.yaml`` passes as ``args``.
+
+Per-deployment settings (replicas, autoscaling, resources) stay in the serve config's
+``deployments:`` section, where Ray users expect them. The defaults below are chosen for
+this workload, not Serve's generic ones.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from configs.models import DrafterConfig, VerifierConfig
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field("tiny-code", min_length=1, description="The name clients pass as `model`.")
+    verifier: VerifierConfig = Field(..., description="The target model that verifies drafts.")
+    drafter: DrafterConfig = Field(..., description="How drafts are proposed (method: draft_model | ngram).")
+    max_tokens_limit: int = Field(1024, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
+    clamp_speculative_tokens: bool = Field(False, description="Clamp a request's num_speculative_tokens to the drafter's k instead of letting it raise it (up to the global maximum).")
+    drafter_timeout_s: float = Field(2.0, gt=0, le=600, description="A drafter call slower than this is abandoned and the step decoded without speculation.")
+    k_policy: Literal["adaptive", "fixed"] = Field("adaptive", description="adaptive: pick k per step from measured acceptance, drafter cost and verifier load (a request's num_speculative_tokens is the upper bound); fixed: always speculate the request's k.")
+    pipeline_drafts: bool = Field(True, description="Draft the next block while the current one is verified (assuming it is fully accepted), so the drafter round trip is hidden when the guess holds.")
+    verifier_retry_s: float = Field(120.0, ge=0, le=3600, description="How long a request keeps retrying failed verify calls (a replica died: another one, or its replacement, recomputes from the tokens) before it fails.")
+    verification: Literal["rejection", "gumbel"] = Field("rejection", description="Default verification of sampled requests (a request's `verification` overrides it): rejection sampling, or Gumbel-max coupling whose seeded output does not depend on drafts, k or replica failures. See SamplingParams.verification.")
+    request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="Deadline of every request (a request's `timeout` may shorten it): past it the request stops, its caches are released, and the client gets a 504 (an error event when streaming).")
+    max_active_requests: int = Field(192, ge=1, le=1_000_000, description="Requests a router replica runs at once; beyond it new requests get 429 with Retry-After at once instead of queueing.")
+    max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
+    max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")

@@ -1,0 +1,171 @@
+"""The wire protocol: every type that crosses a process boundary, in one place.
+
+Drafter and verifier replicas are addressed statelessly. A call names the sequence, the
+position ``start`` where its ``new_tokens`` begin and a hash of the tokens before them
+(``prefix_hash``); a replica that does not hold exactly that prefix answers ``cache_miss``
+and the caller resends the full token ids (``full=True``). Any replica can therefore answer
+any call, at worst after one resend: the caches are only an optimisation.
+
+The interfaces of the two peers (``Drafter``, ``Verifier``) live here too, so the loop can be
+written against them without importing either implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import SamplingParams
+
+
+def prefix_hash(tokens: list[int]) -> str:
+    """Hash that names a token prefix in the cache protocol."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CacheAddressed:
+    """Mixin for the call dataclasses of the cache protocol (fields seq_id, start, prefix,
+    new_tokens, full): how a call names the prefix its replica should hold."""
+
+    def __post_init__(self):
+        if self.start == 0:  # no prefix assumed: new_tokens are the whole sequence
+            self.full = True
+
+    @classmethod
+    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw):
+        """The call for a sequence whose replica is believed to hold tokens[:cached]
+        (at least one token is always sent, so there is a position to predict from)."""
+        cached = min(cached, len(tokens) - 1)
+        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
+
+
+class CacheMiss(Exception):
+    """The replica does not hold the prefix a call assumed; resend the full token ids."""
+
+
+@dataclass
+class DraftProbs:
+    """q for k draft positions, as the drafter's (exactly sparse) top-K entries."""
+
+    ids: list[list[int]]  # [k][K] token ids
+    probs: list[list[float]]  # [k][K] their probabilities; each row sums to 1
+
+    def head(self, k: int) -> "DraftProbs":
+        """q of the first k draft positions."""
+        return DraftProbs(self.ids[:k], self.probs[:k])
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        q = torch.zeros(len(self.ids), vocab_size)  # [k, V]
+        for row, (ids, probs) in enumerate(zip(self.ids, self.probs)):  # rows may differ in length
+            q[row, ids] = torch.tensor(probs, dtype=torch.float32)
+        return q
+
+
+@dataclass
+class DraftRequest(CacheAddressed):
+    """Propose k tokens after a sequence. Same cache protocol as ``VerifyRequest``: the
+    replica should hold tokens[:start] (hash ``prefix``), ``new_tokens`` follow them;
+    ``full=True`` means new_tokens are the whole sequence."""
+
+    seq_id: str
+    start: int
+    prefix: str | None
+    new_tokens: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+    full: bool = False
+
+
+@dataclass
+class Proposal:
+    seq_id: str
+    tokens: list[int]  # the k draft tokens (fewer when the drafter found nothing to propose)
+    probs: DraftProbs | None = None  # q at each draft position; None means one-hot
+    cached: int = 0  # tokens the drafter replica now holds for the sequence
+    cache_miss: bool = False  # resend with full=True
+    draft_s: float = 0.0  # time spent drafting the batch this proposal was part of
+    batch_size: int = 1  # sequences in that batch
+
+
+@dataclass
+class VerifyRequest(CacheAddressed):
+    """One sequence's verification step.
+
+    Either (start, prefix, new_tokens): the replica should hold the sequence's first
+    ``start`` tokens, whose hash is ``prefix``, and ``new_tokens`` follow them; or
+    ``full=True``: new_tokens are all of the sequence's tokens (the resend after a miss).
+    """
+
+    seq_id: str
+    start: int
+    prefix: str | None
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    sampling: SamplingParams
+    seed: int  # the request's seed (the caller draws one when the client gave none)
+    draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
+    full: bool = False
+    logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
+
+    @property
+    def k(self) -> int:
+        return len(self.draft_tokens)
+
+
+@dataclass
+class VerifyResult:
+    seq_id: str
+    tokens: list[int] = field(default_factory=list)  # accepted drafts + one recovered or bonus token
+    num_accepted: int = 0
+    cached: int = 0  # tokens the replica now holds for the sequence (the next call's `start`)
+    cache_miss: bool = False  # the replica lacked the assumed prefix: resend with full=True
+    error: str | None = None  # this sequence could not be verified (the rest of the batch was)
+    num_drafts: int = 0  # k of this step
+    forward_s: float = 0.0  # time in the batched forward pass this step was part of
+    batch_size: int = 1  # sequences in the batch this step was verified with
+    # per emitted token: (its log-probability, [(token, log-probability)] of the top alternatives),
+    # from the target's raw distribution (before temperature/top-k/top-p), as OpenAI and vLLM report them
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def accepted(self) -> list[bool]:
+        """Per draft position: was the draft accepted."""
+        return [i < self.num_accepted for i in range(self.num_drafts)]
+
+
+class Drafter(Protocol):
+    """A drafter pool replica, or an in-process drafter: propose k tokens for many sequences."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def release(self, seq_id: str) -> bool: ...
+
+    def num_cached(self) -> int: ...
+
+
+class Verifier(Protocol):
+    """A verifier engine: verify the drafts of many sequences, one batched forward pass."""
+
+    tokenizer: object
+    eos_ids: set[int]
+    max_len: int
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]: ...
+
+    def release(self, seq_id: str) -> bool: ...
+
+    def num_cached(self) -> int: ...
