@@ -26,6 +26,13 @@ class SamplingParams(_Config):
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate (the context limit may end generation earlier).")
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end generation; the returned text excludes them.")
     ignore_eos: bool = Field(False, description="Keep generating after an end-of-sequence token.")
+    stop_token_ids: tuple[int, ...] = Field((), max_length=256, description="Token ids that end generation like EOS (even with ignore_eos); the id is returned, its text is not.")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="Generate at least this many tokens: EOS and stop_token_ids are masked out, and stop strings are not searched, before then.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="Added to the logits of these token ids (each in [-100, 100]) before the penalties.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Divides positive (multiplies negative) logits of tokens already in the prompt or the output; 1 is off.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it occurs in the output.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token that occurs in the output.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="After temperature, drop tokens whose probability is below min_p times the most likely token's.")
     verification: Literal["rejection", "gumbel"] = Field(
         "rejection", description="How sampled drafts are verified. rejection: Leviathan/Chen rejection sampling, the "
         "highest acceptance; a seeded request repeats exactly only when the same drafts happen. gumbel: Gumbel-max "
@@ -37,10 +44,26 @@ class SamplingParams(_Config):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def history_dependent(self) -> bool:
+        """Whether p depends on the tokens before a position (penalties, min_tokens), not only on
+        the logits there."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.min_tokens > 0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor runs before temperature (the greedy fast path skips them)."""
+        return self.history_dependent or bool(self.logit_bias)
+
     @model_validator(mode="after")
-    def _stop_strings_not_empty(self):
+    def _check(self):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
 

@@ -11,9 +11,13 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        # a stop string counts only if it ends in the text of token min_tokens or later (as vLLM,
+        # which searches stops only once min_tokens are out); known once that many tokens are in
+        self.stop_floor: int | None = 0 if min_tokens <= 1 else None
         self.ids: list[int] = []
         self.text = ""  # decoded text of all ids, as of the last update
         self.released = 0  # characters of self.text already handed out
@@ -22,12 +26,14 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Add output tokens; return the newly final text (possibly empty)."""
         self.ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True,
-                                          clean_up_tokenization_spaces=False)
-        if self.stop:
+        self.text = self._decode(self.ids)
+        if self.stop_floor is None and len(self.ids) >= self.min_tokens:
+            self.stop_floor = len(self._decode(self.ids[: self.min_tokens - 1]))
+        if self.stop and self.stop_floor is not None:
             # a stop string may straddle the previous release boundary
             search_from = max(0, self.released - max(map(len, self.stop)) + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [i for i in (self.text.find(s, max(search_from, self.stop_floor - len(s) + 1)) for s in self.stop)
+                    if i >= 0]
             if hits:
                 self.stopped_at = min(hits)
                 return self._release_to(self.stopped_at)
@@ -48,10 +54,13 @@ class IncrementalDetokenizer:
         if self.stopped_at is None:
             return len(self.ids)
         for n in range(1, len(self.ids) + 1):
-            t = self.tokenizer.decode(self.ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            t = self._decode(self.ids[:n])
             if any(t.find(s, self.stopped_at) == self.stopped_at for s in self.stop):
                 return n
         return len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of text that is a proper prefix of a stop string."""

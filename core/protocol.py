@@ -88,6 +88,7 @@ class DraftRequest(CacheAddressed):
     sampling: SamplingParams
     seed: int
     full: bool = False
+    num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class VerifyRequest(CacheAddressed):
     draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
     full: bool = False
     logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
+    num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
 
     @property
     def k(self) -> int:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from core.protocol import VerifyRequest, VerifyResult
-from core.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniforms
+from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
+                           target_logits, uniforms)
 
 PAD = -1  # marks positions after the last emitted token
 
@@ -110,15 +111,23 @@ def _pad_after(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor
     return tokens.masked_fill(cols.unsqueeze(0) > num_accepted.unsqueeze(1), PAD)
 
 
-def decide(r: VerifyRequest, logits: torch.Tensor) -> VerifyResult:
+def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = None,
+           eos_ids: frozenset[int] | set[int] = frozenset()) -> VerifyResult:
     """Accept/reject one sequence's drafts given the target logits [k+1, V] at their positions.
-    Backend-independent: any engine that produces these logits verifies the same way."""
+    Backend-independent: any engine that produces these logits verifies the same way.
+
+    ``tokens``: the sequence through its last draft, which the history-dependent processors
+    (penalties, min_tokens) read; needed only when the request uses them."""
+    history = None
+    if r.sampling.processed:
+        stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(eos_ids))
+        history = History(tokens, r.num_prompt, frozenset(stop))
     draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
-    if r.sampling.greedy:
-        tokens, n_acc = greedy_verify(draft, logits.argmax(-1).unsqueeze(0))
+    if r.sampling.greedy:  # argmax of the processed logits (the raw ones when nothing applies)
+        tokens, n_acc = greedy_verify(draft, target_logits(logits, r.sampling, history).argmax(-1).unsqueeze(0))
     else:
         first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
-        p = processed_probs(logits, r.sampling).unsqueeze(0)  # [1, k+1, V]
+        p = processed_probs(logits, r.sampling, history).unsqueeze(0)  # [1, k+1, V]
         if r.sampling.verification == "gumbel":
             noise = gumbel_noise(r.seed, range(first, first + r.k + 1), p.shape[-1]).unsqueeze(0)  # [1, k+1, V]
             tokens, n_acc = gumbel_verify(draft, p, noise)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -64,16 +65,77 @@ def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs.double().log() + noise).argmax(-1)
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] -> processed probabilities [n, V] (float32).
+@dataclass
+class History:
+    """What the logits processors of a step see: the sequence's tokens through the last fed
+    draft (``tokens``), how many of them are the prompt, and the ids min_tokens masks."""
 
-    Greedy (temperature 0) gives a one-hot at the argmax.
+    tokens: list[int]
+    num_prompt: int
+    stop_ids: frozenset[int] = frozenset()
+
+
+def apply_processors(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+    """The history-dependent logits processors, in vLLM's order: min_tokens (EOS and stop ids
+    masked while the output is short), logit_bias, then the repetition, frequency and presence
+    penalties. logits [n, V] predict the n positions after ``history.tokens[:end - n + 1 + i]``:
+    row i sees the drafts of rows before it as output, exactly as plain decoding would have."""
+    logits = logits.float().clone()  # [n, V]
+    n, vocab = logits.shape
+    if params.logit_bias:
+        ids = torch.tensor([t for t in params.logit_bias if 0 <= t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in params.logit_bias.items() if 0 <= t < vocab])
+        logits[:, ids] += bias
+    if not params.history_dependent:
+        return logits
+    tokens = torch.tensor(history.tokens, dtype=torch.long)
+    first_out = len(tokens) - (n - 1) - history.num_prompt  # output tokens before row 0
+    if params.min_tokens > 0 and history.stop_ids:
+        short = first_out + torch.arange(n) < params.min_tokens  # [n]
+        stop = torch.tensor(sorted(t for t in history.stop_ids if 0 <= t < vocab), dtype=torch.long)
+        logits[short.nonzero().squeeze(-1).unsqueeze(-1), stop] = float("-inf")
+    if params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
+        return logits
+    # output counts for each row: row i also counts the drafts fed before it
+    out = tokens[history.num_prompt:]  # [m]
+    counts = torch.zeros(n, vocab)  # [n, V]
+    if first_out > 0:
+        counts[0] = torch.bincount(out[:first_out], minlength=vocab)[:vocab].float()
+    for i in range(1, n):
+        counts[i] = counts[i - 1]
+        counts[i, out[first_out + i - 1]] += 1
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0  # [n, V]
+        seen[:, tokens[: history.num_prompt]] = True
+        rp = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def target_logits(logits: torch.Tensor, params: SamplingParams, history: History | None) -> torch.Tensor:
+    """logits [n, V] after the history-dependent processors (unchanged when none applies)."""
+    if not params.processed:
+        return logits.float()
+    if history is None:
+        raise ValueError("these sampling parameters need the sequence's history")
+    return apply_processors(logits, params, history)
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams, history: History | None = None) -> torch.Tensor:
+    """logits [n, V] -> processed probabilities [n, V] (float32): the processors, then
+    temperature, min_p, top-k and top-p, the order plain decoding (and vLLM) applies them.
+
+    Greedy (temperature 0) gives a one-hot at the argmax of the processed logits.
     """
-    logits = logits.float()
+    logits = target_logits(logits, params, history)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
     vocab = logits.shape[-1]
+    if params.min_p > 0.0:
+        p = logits.softmax(-1)
+        logits = logits.masked_fill(p < params.min_p * p.max(-1, keepdim=True).values, float("-inf"))
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

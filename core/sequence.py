@@ -80,9 +80,10 @@ class Sequence:
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.tokens = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
-        self.eos_ids = set() if params.ignore_eos else set(eos_ids)
+        # ids that end generation: EOS (unless ignored) and the request's stop_token_ids
+        self.eos_ids = (set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)
         self.max_len = max_len
-        self.detok = IncrementalDetokenizer(tokenizer, params.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.min_tokens)
         self.stats = SpecStats()
         self.finish_reason: str | None = None
         # what each pool's replica is believed to hold for this sequence; a wrong belief costs a
@@ -112,7 +113,7 @@ class Sequence:
     def draft_request(self, k: int, full: bool = False, context: list[int] | None = None) -> DraftRequest:
         """Ask for k drafts after ``context`` (default: the sequence so far)."""
         ctx = self.tokens if context is None else context
-        kw = dict(k=k, sampling=self.params, seed=self.seed)
+        kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt)
         if full:
             return DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw)
         return DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx), **kw)
@@ -126,13 +127,14 @@ class Sequence:
                        full: bool = False) -> VerifyRequest:
         self._verifying = list(drafts)
         kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
-                  draft_probs=probs if drafts else None)
+                  draft_probs=probs if drafts else None, num_prompt=self.num_prompt)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
         return VerifyRequest.for_tokens(self.seq_id, self.tokens, common_prefix_len(self.verifier_held, self.tokens), **kw)
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
-        """Emit a verified step. Returns (new token ids, newly final text)."""
+        """Emit a verified step. Returns (new token ids, newly final text): only the tokens kept,
+        so a stop string, EOS or max_tokens inside an accepted block drops the ones after it."""
         self.stats.record(result.num_drafts, result.num_accepted)
         self.verifier_held = (self.tokens + self._verifying)[: result.cached]
         new = list(result.tokens)
@@ -150,8 +152,10 @@ class Sequence:
         if self.detok.stopped_at is not None:
             self.finish_reason = "stop"
             keep = self.detok.tokens_through_stop()
+            dropped = len(self.output_ids) - keep
             del self.tokens[self.num_prompt + keep:]
             del self.logprobs[keep:]
+            new = new[: len(new) - dropped]
         elif self.finish_reason is None and (len(self.output_ids) >= self.params.max_tokens
                                              or len(self.tokens) >= self.max_len):
             self.finish_reason = "length"

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from configs.models import MAX_SPECULATIVE_TOKENS
 
+MAX_STOP_CHARS = 1024  # per stop string: each one is searched in the output at every step
+
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -37,12 +39,19 @@ class _Common(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (chat).")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="vLLM extension; 0 or -1 disables.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="vLLM extension; 0 or -1 disables; at most the vocabulary.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens below min_p x the top token's probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension; 1 is off.")
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description="Token id (as a string) -> bias in [-100, 100].")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension: generate at least this many tokens.")
+    stop_token_ids: list[int] | None = Field(None, max_length=256, description="vLLM extension: token ids that end generation.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(1, ge=1, le=16, description="Choices per request, each its own speculative sequence (choice i seeded seed + i).")
     logprobs: bool | int | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
@@ -57,8 +66,6 @@ class _Common(BaseModel):
         None, gt=0, le=3600, description="splitspec extension: seconds this request may run; beyond it the request "
         "ends with a 504 (or an in-band error event when streaming). The server's request_timeout_s caps it.")
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; only 0 is accepted.")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; only 0 is accepted.")
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -73,13 +80,30 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if not v:
+            return None
+        out = {}
+        for key, bias in v.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for {key}")
+        return out
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(..., description="Text, or token ids, or a list with one text.")
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = Field(False, le=False, description="Not supported.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs when asked).")
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: None = None
 
@@ -118,3 +142,74 @@ class ChatCompletionRequest(_Common):
 
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+# Sampling fields a model's generation_config.json may default (as vLLM's `--generation-config auto`):
+# they apply when a request omits them.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """The sampling defaults a model directory's generation_config.json declares (empty without one)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    out = {k: raw[k] for k in GENERATION_DEFAULTS if raw.get(k) is not None}
+    if raw.get("do_sample") is False and "temperature" not in out:
+        out["temperature"] = 0.0  # transformers' greedy default, stated explicitly
+    return out
+
+
+def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
+                       defaults: dict, verification: str, backend: str):
+    """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
+    its parameter, never an error inside the engine."""
+    from pydantic import ValidationError
+
+    from configs import SamplingParams
+
+    chat = isinstance(body, ChatCompletionRequest)
+    if prompt_len >= max_len:
+        raise OpenAIError(400, f"prompt has {prompt_len} tokens; the context limit is {max_len}",
+                          param="messages" if chat else "prompt", code="context_length_exceeded")
+    max_new = body.max_new() if chat else body.max_tokens
+    if max_new is not None and max_new > max_tokens_limit:
+        raise OpenAIError(400, f"max_tokens {max_new} exceeds the server limit {max_tokens_limit}", param="max_tokens")
+    if max_new is None:
+        max_new = max_tokens_limit if chat else 16
+    max_new = min(max_new, max_len - prompt_len)
+    given = body.model_fields_set
+    fields = {name: (getattr(body, name) if name in given or name not in defaults else defaults[name])
+              for name in GENERATION_DEFAULTS}
+    if fields["top_k"] == -1:
+        fields["top_k"] = 0
+    if fields["top_k"] > vocab_size:
+        raise OpenAIError(400, f"top_k {fields['top_k']} exceeds the vocabulary of {vocab_size} tokens", param="top_k")
+    for tid in (body.logit_bias or {}):
+        if not 0 <= tid < vocab_size:
+            raise OpenAIError(400, f"logit_bias names token {tid}, outside the vocabulary of {vocab_size}",
+                              param="logit_bias")
+    for tid in (body.stop_token_ids or ()):
+        if not 0 <= tid < vocab_size:
+            raise OpenAIError(400, f"stop_token_ids has {tid}, outside the vocabulary of {vocab_size}",
+                              param="stop_token_ids")
+    if body.min_tokens > max_new:
+        raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
+    if backend == "vllm" and fields["repetition_penalty"] != 1.0:
+        # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
+        raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",
+                          param="repetition_penalty")
+    try:
+        return SamplingParams(
+            **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
+            verification=body.verification or verification, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()))
+    except ValidationError as e:  # a generation_config default out of bounds, or a combination
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None

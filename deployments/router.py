@@ -23,8 +23,10 @@ from core.models import context_limit, eos_token_ids
 from core.protocol import VerifyResult
 from core.sequence import Sequence
 from deployments.batcher import Overloaded
+from deployments.edge import configure_edge, count_status, edge_middleware
 from deployments.metrics import metrics
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults,
+                                    to_sampling_params)
 from deployments.policy import AdaptiveK, FixedK
 
 log = logging.getLogger("ray.serve")
@@ -42,24 +44,28 @@ class StepOutput:
 
 
 app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
+app.middleware("http")(edge_middleware)  # API keys and the body limit, before a body is parsed
 
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template
 
 
 @app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, e: OpenAIError):
+async def _openai_error(request: Request, e: OpenAIError):
+    count_status(request, e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @app.exception_handler(Exception)
-async def _internal_error(_: Request, e: Exception):
+async def _internal_error(request: Request, e: Exception):
     log.exception("internal error")
+    count_status(request, 500)
     return JSONResponse(OpenAIError(500, f"internal error: {type(e).__name__}", type_="internal_error").body(),
                         status_code=500)
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, e: RequestValidationError):
+async def _validation_error(request: Request, e: RequestValidationError):
+    count_status(request, 400)
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
@@ -95,6 +101,45 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
 def _overloaded(e: Exception) -> OpenAIError:
     return OpenAIError(503, f"verifier pool overloaded: {e}", type_="server_error", code="overloaded",
                        headers={"Retry-After": "1"})
+
+
+async def _merged(gens):
+    """(choice index, step) from several choices' step generators as each step comes; one
+    choice is passed through as it is. Closing this closes every choice (releasing its caches)."""
+    if len(gens) == 1:
+        try:
+            async for s in gens[0]:
+                yield 0, s
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for s in gen:
+                await queue.put((i, s, None))
+            await queue.put((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which fails the request
+            await queue.put((i, None, e))
+        finally:
+            await gen.aclose()
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(gens)
+        while live:
+            i, s, err = await queue.get()
+            if err is not None:
+                raise err
+            if s is None:
+                live -= 1
+                continue
+            yield i, s
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _prepend(first, steps):
@@ -142,6 +187,11 @@ class Router:
         if d.method == "draft_model":
             self.max_len = min(self.max_len, context_limit(d.model, d.max_model_len))
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=vpath)
+        from transformers import AutoConfig
+
+        self.vocab_size = AutoConfig.from_pretrained(vpath).get_text_config().vocab_size
+        self.defaults = generation_defaults(vpath)  # sampling defaults for fields a request omits
+        configure_edge(self.config)
         self.model_name = self.config.model_name
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
@@ -162,6 +212,9 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        if isinstance(body.prompt, str) and len(body.prompt) > self.config.max_prompt_chars:
+            raise OpenAIError(400, f"prompt has {len(body.prompt)} characters; the limit is "
+                              f"{self.config.max_prompt_chars}", param="prompt", code="context_length_exceeded")
         prompt_ids = (list(body.prompt) if isinstance(body.prompt, list)
                       else self.tokenizer(body.prompt)["input_ids"])
         if isinstance(body.prompt, list) and any(not 0 <= t < len(self.tokenizer) for t in prompt_ids):
@@ -174,6 +227,10 @@ class Router:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.config.max_prompt_chars:
+            raise OpenAIError(400, f"messages have {chars} characters; the limit is {self.config.max_prompt_chars}",
+                              param="messages", code="context_length_exceeded")
         prompt_ids = self._chat_prompt(messages, body.add_generation_prompt)
         top = (body.top_logprobs or 0) if body.logprobs else None
         return await self._serve("chat", body, prompt_ids, request, top)
@@ -195,25 +252,13 @@ class Router:
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
-        if prompt_len >= self.max_len:
-            raise OpenAIError(400, f"prompt has {prompt_len} tokens; the context limit is {self.max_len}",
-                              param="prompt" if isinstance(body, CompletionRequest) else "messages",
-                              code="context_length_exceeded")
-        max_new = (body.max_new() if isinstance(body, ChatCompletionRequest) else body.max_tokens)
-        limit = self.config.max_tokens_limit
-        if max_new is not None and max_new > limit:
-            raise OpenAIError(400, f"max_tokens {max_new} exceeds the server limit {limit}", param="max_tokens")
-        if max_new is None:
-            max_new = 16 if isinstance(body, CompletionRequest) else limit
-        max_new = min(max_new, self.max_len - prompt_len)
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                              max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
-                              verification=body.verification or self.config.verification)
+        return to_sampling_params(body, prompt_len=prompt_len, max_len=self.max_len, vocab_size=self.vocab_size,
+                                  max_tokens_limit=self.config.max_tokens_limit, defaults=self.defaults,
+                                  verification=self.config.verification, backend=self.config.verifier.backend)
 
     async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
         params = self._params(body, len(prompt_ids))
         if self.active >= self.config.max_active_requests:
-            metrics()["requests"].inc(tags={"endpoint": endpoint, "status": "429"})
             raise OpenAIError(429, f"server busy: {self.active} requests running; retry shortly",
                               type_="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
         slot = Admission(self)
@@ -229,8 +274,22 @@ class Router:
             k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
         timeout_s = min(body.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
-        steps = self._until_deadline(self._generate(rid, prompt_ids, params, k, logprobs), timeout_s)
-        meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body)
+        # n choices: each its own speculative sequence; choice i of a seeded request uses seed + i
+        choices = [self._generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
+                                  params if params.seed is None or i == 0
+                                  else params.model_copy(update={"seed": (params.seed + i) % 2**63}), k, logprobs)
+                   for i in range(body.n)]
+        steps = self._until_deadline(_merged(choices), timeout_s)
+        echo = ""
+        if endpoint == "completions" and body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
+        meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body, echo=echo,
+                    logprobs=logprobs, echo_logprobs=None)
+        if echo and logprobs is not None:  # the prompt's own logprobs lead the choice's (the first is None)
+            if self.config.verifier.backend == "vllm":
+                raise OpenAIError(400, "echo with logprobs is not supported with the vllm verifier backend",
+                                  param="echo")
+            meta["echo_logprobs"] = await self.verifier.prompt_logprobs.remote(prompt_ids, logprobs)
         if body.stream:  # the stream's generator gives the admission slot back when it ends
             # The first step runs before the headers go out, so that a request the system cannot
             # start (overloaded, deadline, context) gets a real status code, not an in-band error.
@@ -241,7 +300,7 @@ class Router:
             return StreamingResponse(self._sse(_prepend(first, steps), meta, request, slot),
                                      media_type="text/event-stream")
         try:
-            out = await self._collect(steps, request)
+            out = await self._collect(steps, request, body.n)
         finally:
             slot.release()
         return JSONResponse(self._final_body(meta, out))
@@ -479,18 +538,21 @@ class Router:
             except Exception:  # noqa: BLE001
                 pass
 
-    async def _collect(self, steps, request: Request) -> dict:
-        ids, text, lps, finish, stats = [], [], [], None, None
-        async for s in steps:
-            ids += s.token_ids
-            text.append(s.text)
-            lps += s.logprobs
-            finish = s.finish_reason or finish
-            stats = s.stats or stats
+    async def _collect(self, steps, request: Request, n: int) -> list[dict]:
+        outs = [{"ids": [], "text": [], "logprobs": [], "finish_reason": None, "stats": None} for _ in range(n)]
+        async for i, s in steps:
+            out = outs[i]
+            out["ids"] += s.token_ids
+            out["text"].append(s.text)
+            out["logprobs"] += s.logprobs
+            out["finish_reason"] = s.finish_reason or out["finish_reason"]
+            out["stats"] = s.stats or out["stats"]
             if await request.is_disconnected():
                 await steps.aclose()
                 raise OpenAIError(499, "client disconnected")
-        return {"ids": ids, "text": "".join(text), "logprobs": lps, "finish_reason": finish, "stats": stats}
+        for out in outs:
+            out["text"] = "".join(out["text"])
+        return outs
 
     async def _sse(self, steps, meta: dict, request: Request, slot: "Admission"):
         try:
@@ -500,26 +562,29 @@ class Router:
             slot.release()
 
     async def _sse_chunks(self, steps, meta: dict, body):
-        n_out, finish, stats, first = 0, None, None, True
+        n_out, status, started = 0, "200", set()
+        # a step that releases no text (a held-back multi-byte character or stop-string prefix)
+        # still carries tokens: sent when the client asked for their ids or logprobs
+        per_token = body.return_token_ids or meta["logprobs"] is not None
         try:
-            async for s in steps:
+            async for i, s in steps:
                 n_out += len(s.token_ids)
-                finish = s.finish_reason or finish
-                stats = s.stats or stats
-                if s.text or s.finish_reason or first or (body.return_token_ids and s.token_ids):
-                    chunk = self._chunk(meta, s, first)
-                    first = False
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                first = i not in started
+                if s.text or s.finish_reason or first or (per_token and s.token_ids):
+                    started.add(i)
+                    yield f"data: {json.dumps(self._chunk(meta, s, first, i))}\n\n"
         except OpenAIError as e:
+            status = str(e.status)
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
+            status = "500"
             log.exception("stream failed")
             yield f"data: {json.dumps(OpenAIError(500, f'generation failed: {type(e).__name__}', type_='internal_error').body())}\n\n"
         if body.stream_options and body.stream_options.include_usage:
-            usage = self._usage(meta, n_out, stats)
+            usage = self._usage(meta, n_out)
             yield f"data: {json.dumps({**self._envelope(meta), 'choices': [], **usage})}\n\n"
         yield "data: [DONE]\n\n"
-        metrics()["requests"].inc(tags={"endpoint": meta["endpoint"], "status": "200"})
+        metrics()["requests"].inc(tags={"endpoint": meta["endpoint"], "status": status})
         metrics()["request_latency"].observe(time.perf_counter() - meta["t0"], tags={"endpoint": meta["endpoint"]})
 
     def _envelope(self, meta: dict) -> dict:
@@ -527,8 +592,9 @@ class Router:
         obj = ("chat.completion.chunk" if meta["body"].stream else "chat.completion") if chat else "text_completion"
         return {"id": meta["rid"], "object": obj, "created": int(time.time()), "model": self.model_name}
 
-    def _logprobs_body(self, meta: dict, ids: list[int], lps: list) -> dict | None:
-        body = meta["body"]
+    def _logprobs_body(self, meta: dict, ids: list[int], lps: list, first: bool = False) -> dict | None:
+        if first and meta["echo_logprobs"] is not None:  # completions with echo: the prompt's come first
+            ids, lps = meta["prompt_ids"] + list(ids), meta["echo_logprobs"] + list(lps)
         if not lps:
             return None
         if meta["endpoint"] == "chat":
@@ -537,21 +603,23 @@ class Router:
                                  "top_logprobs": [{"token": self.tokenizer.decode([a]), "logprob": alp,
                                                    "bytes": list(self.tokenizer.decode([a]).encode())} for a, alp in top]}
                                 for t, (lp, top) in zip(ids, lps)]}
-        return {"tokens": [self.tokenizer.decode([t]) for t in ids], "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{self.tokenizer.decode([a]): alp for a, alp in top} for _, top in lps],
+        return {"tokens": [self.tokenizer.decode([t]) for t in ids],
+                "token_logprobs": [lp[0] if lp else None for lp in lps],
+                "top_logprobs": [{self.tokenizer.decode([a]): alp for a, alp in lp[1]} if lp else None for lp in lps],
                 "text_offset": None}
 
-    def _chunk(self, meta: dict, s: StepOutput, first: bool) -> dict:
+    def _chunk(self, meta: dict, s: StepOutput, first: bool, index: int = 0) -> dict:
         body = meta["body"]
         if meta["endpoint"] == "chat":
             delta = {"content": s.text}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": s.finish_reason,
+            choice = {"index": index, "delta": delta, "finish_reason": s.finish_reason,
                       "logprobs": self._logprobs_body(meta, s.token_ids, s.logprobs)}
         else:
-            choice = {"index": 0, "text": s.text, "finish_reason": s.finish_reason,
-                      "logprobs": self._logprobs_body(meta, s.token_ids, s.logprobs)}
+            text = meta["echo"] + s.text if first else s.text
+            choice = {"index": index, "text": text, "finish_reason": s.finish_reason,
+                      "logprobs": self._logprobs_body(meta, s.token_ids, s.logprobs, first)}
         if body.return_token_ids:
             choice["token_ids"] = s.token_ids
             if first:
@@ -561,22 +629,28 @@ class Router:
             out["speculation"] = s.stats
         return out
 
-    def _usage(self, meta: dict, n_out: int, stats: dict | None) -> dict:
+    def _usage(self, meta: dict, n_out: int) -> dict:
+        """The prompt counts once, the completion tokens of every choice add up (as OpenAI's)."""
         n_in = len(meta["prompt_ids"])
         return {"usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
 
-    def _final_body(self, meta: dict, out: dict) -> dict:
+    def _final_body(self, meta: dict, outs: list[dict]) -> dict:
         body = meta["body"]
-        lp = self._logprobs_body(meta, out["ids"], out["logprobs"])
-        if meta["endpoint"] == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                      "finish_reason": out["finish_reason"], "logprobs": lp}
-        else:
-            choice = {"index": 0, "text": out["text"], "finish_reason": out["finish_reason"], "logprobs": lp}
-        if body.return_token_ids:
-            choice["token_ids"] = out["ids"]
-            choice["prompt_token_ids"] = meta["prompt_ids"]
+        choices = []
+        for i, out in enumerate(outs):
+            lp = self._logprobs_body(meta, out["ids"], out["logprobs"])
+            if meta["endpoint"] == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
+                          "finish_reason": out["finish_reason"], "logprobs": lp}
+            else:
+                choice = {"index": i, "text": meta["echo"] + out["text"], "finish_reason": out["finish_reason"],
+                          "logprobs": self._logprobs_body(meta, out["ids"], out["logprobs"], first=True)}
+            if body.return_token_ids:
+                choice["token_ids"] = out["ids"]
+                choice["prompt_token_ids"] = meta["prompt_ids"]
+            choices.append(choice)
         metrics()["requests"].inc(tags={"endpoint": meta["endpoint"], "status": "200"})
         metrics()["request_latency"].observe(time.perf_counter() - meta["t0"], tags={"endpoint": meta["endpoint"]})
-        return {**self._envelope(meta), "choices": [choice], **self._usage(meta, len(out["ids"]), out["stats"]),
-                "speculation": out["stats"]}
+        usage = self._usage(meta, sum(len(out["ids"]) for out in outs))
+        stats = outs[0]["stats"] if len(outs) == 1 else [out["stats"] for out in outs]
+        return {**self._envelope(meta), "choices": choices, **usage, "speculation": stats}

@@ -3,6 +3,8 @@ requests, and decode by themselves when speculation is off (the no-round-trip fa
 
 from __future__ import annotations
 
+import asyncio
+
 from configs import SamplingParams, VerifierConfig
 from core.protocol import VerifyRequest, VerifyResult
 from core.sequence import Sequence
@@ -60,6 +62,12 @@ class VerifierServer(EngineServer):
         metrics()["batch_size"].observe(max((res.batch_size for res in out), default=0), tags={"role": self.role})
         self._report_cache()
         return out
+
+    async def prompt_logprobs(self, tokens: list[int], top: int) -> list:
+        """Log-probabilities of a prompt's tokens (``echo`` with ``logprobs``): transformers backend."""
+        if self.is_async:
+            raise ValueError("echo with logprobs is not supported with the vllm verifier backend")
+        return await asyncio.to_thread(self.engine.prompt_logprobs, tokens, top)
 
     async def release(self, seq_ids: list[str]) -> int:
         if not self.is_async:

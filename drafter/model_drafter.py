@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.kv_cache import SlotKVCache, batched_forward
-from core.models import DTYPES, load_causal_lm
+from core.models import DTYPES, eos_token_ids, load_causal_lm
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, uniform
+from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
+                           target_logits, uniform)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig
@@ -30,6 +31,7 @@ class ModelDrafter:
         self.dtype = DTYPES[config.dtype]
         self.model = (model or load_causal_lm(config.model, self.dtype, config.device)).to(
             device=config.device, dtype=self.dtype).eval()
+        self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
         mc = self.model.config.get_text_config()
         self.max_len = config.max_model_len or mc.max_position_embeddings
         self.cache = SlotKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20),
@@ -74,7 +76,7 @@ class ModelDrafter:
             still = []
             for (r, slot, _, k), lg in zip(active, logits):
                 prop = out[r.seq_id]
-                token = self._draw(r, lg, len(slot.tokens), prop)
+                token = self._draw(r, lg, slot.tokens, prop)
                 prop.tokens.append(token)
                 if step + 1 < k:
                     still.append((r, slot, [token], k))
@@ -87,11 +89,17 @@ class ModelDrafter:
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
 
-    def _draw(self, r: DraftRequest, logits: torch.Tensor, position: int, prop: Proposal) -> int:
-        """Draw the draft token at absolute ``position`` from q (logits [1, V])."""
+    def _draw(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], prop: Proposal) -> int:
+        """Draw the draft token after ``slot_tokens`` (the context and earlier drafts) from q (logits [1, V])."""
+        position = len(slot_tokens)
+        # q gets the target's processors too (penalties over the context and earlier drafts), so it tracks p
+        history = None
+        if r.sampling.processed:
+            stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else self.eos_ids)
+            history = History(slot_tokens, r.num_prompt, frozenset(stop))
         if r.sampling.greedy:
-            return int(logits[0].argmax())
-        q = processed_probs(logits, r.sampling)[0]  # [V]
+            return int(target_logits(logits, r.sampling, history)[0].argmax())
+        q = processed_probs(logits, r.sampling, history)[0]  # [V]
         if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
             return int(gumbel_argmax(q.unsqueeze(0), gumbel_noise(r.seed, [position], q.shape[0]))[0])
         K = min(self.config.draft_top_k, q.shape[0])

@@ -17,7 +17,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=6)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "n", "logprobs", "top_logprobs", "num_speculative_tokens", "return_token_ids", "ignore_eos",
-          "stream_options", "verification", "timeout", "echo", "unknown"]
+          "stream_options", "verification", "timeout", "echo", "unknown", "min_p", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 # mostly-valid bodies reach the generation path with odd but legal values
 valid_ish = st.fixed_dictionaries({
@@ -32,8 +33,30 @@ valid_ish = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(body=st.one_of(bodies, valid_ish), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+
+
+def around(lo, hi, integer=False):
+    """Values inside [lo, hi], at its edges and beyond them (and non-finite ones for floats)."""
+    if integer:
+        return st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, lo - 1, hi + 1, -2**63, 2**64, 2_000_000]))
+    return st.one_of(st.floats(lo, hi), st.sampled_from([lo, hi, lo - 1e-6, hi + 1e-6, hi * 10 + 1, -1e30]),
+                     st.floats(allow_nan=True, allow_infinity=True))
+
+
+# every numeric parameter, drawn across and beyond its bounds, on an otherwise valid request
+numeric = st.fixed_dictionaries({"prompt": st.just("def f(x):")}, optional={
+    "max_tokens": around(1, 12, True), "temperature": around(0.0, 2.0), "top_p": around(0.0, 1.0),
+    "top_k": around(-1, 500, True), "min_p": around(0.0, 1.0), "presence_penalty": around(-2.0, 2.0),
+    "frequency_penalty": around(-2.0, 2.0), "repetition_penalty": around(0.0, 10.0),
+    "min_tokens": around(0, 12, True), "n": around(1, 16, True), "logprobs": around(0, 20, True),
+    "seed": around(0, 2**63 - 1, True), "num_speculative_tokens": around(0, 16, True),
+    "timeout": around(0.0, 3600.0), "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "-1", "99999999", "x"]),
+                                                                   around(-100.0, 100.0), max_size=2),
+    "stop_token_ids": st.lists(around(0, 400, True), max_size=2)})
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(bodies, valid_ish, numeric), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_no_request_gets_a_5xx(serve_app, body, path):
     base, *_ = serve_app
     # encoded here: httpx refuses NaN/Infinity, which a client can still send (the server must say 400)

@@ -137,8 +137,8 @@ def batch_sizes(base) -> dict:
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
     ({"prompt": "x", "num_speculative_tokens": 99}, "num_speculative_tokens"),
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "n": 0}, "n"),  # n and logit_bias are supported now: out of bounds is the bad input
+    ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**7}, "max_tokens"),

@@ -44,6 +44,17 @@ class VerifierEngine:
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """The target's log-probability of each prompt token given the ones before it, with the top
+        ``top`` alternatives (``echo`` with logprobs); None for the first token, which has no context.
+        One forward pass outside the KV slots: an echo request's prompt is seen once."""
+        ids = torch.tensor([tokens], device=self.device)
+        lp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).cpu()  # [n-1, V]
+        best = lp.topk(top, -1) if top > 0 else None
+        return [None] + [(float(lp[i, t]), list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best else [])
+                         for i, t in enumerate(tokens[1:])]
+
     def num_cached(self) -> int:
         return len(self.cache)
 
@@ -81,7 +92,7 @@ class VerifierEngine:
                                      [r.k + 1 for r, _ in group], self.dtype)  # each [k+1, V]
             dt = time.perf_counter() - t0
             for (r, slot), lg in zip(group, logits):
-                res = decide(r, lg)
+                res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
                 res.forward_s = dt
                 # keep the accepted drafts' K/V; the recovered/bonus token was never fed
                 del slot.tokens[len(slot.tokens) - r.k + res.num_accepted:]

@@ -170,7 +170,7 @@ class VllmVerifierEngine:
             return VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
         t0 = time.perf_counter()
         try:
-            if r.sampling.greedy and r.logprobs is None:
+            if r.sampling.greedy and r.logprobs is None and not r.sampling.processed:
                 logprobs = await self._argmax_rows(r.seq_id, tokens, r.draft_tokens)
             else:
                 logprobs = await self._full_rows(r.seq_id, tokens, r.draft_tokens)
@@ -179,7 +179,7 @@ class VllmVerifierEngine:
             return VerifyResult(r.seq_id, error=f"vLLM engine: {e!r}", num_drafts=r.k)
         dt = time.perf_counter() - t0
         self.busy_s += dt
-        res = decide(r, logprobs)
+        res = decide(r, logprobs, tokens + r.draft_tokens, self.eos_ids)
         res.forward_s = dt
         res.batch_size = self.inflight
         kept = tokens + r.draft_tokens[: res.num_accepted]  # the recovered/bonus token was never fed
