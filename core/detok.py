@@ -24,7 +24,10 @@ class IncrementalDetokenizer:
         self.stopped_at: int | None = None  # index in self.text where a stop string begins
 
     def add(self, token_ids: list[int]) -> str:
-        """Add output tokens; return the newly final text (possibly empty)."""
+        """Add output tokens; return the newly final text (possibly empty). Without a tokenizer
+        (a verifier-side sequence: text is the router's business) it keeps nothing."""
+        if self.tokenizer is None:
+            return ""
         self.ids.extend(token_ids)
         self.text = self._decode(self.ids)
         if self.stop_floor is None and len(self.ids) >= self.min_tokens:
@@ -45,7 +48,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """All remaining text (generation ended for a reason other than a stop string)."""
-        if self.stopped_at is not None:
+        if self.stopped_at is not None or self.tokenizer is None:
             return ""
         return self._release_to(len(self.text))
 

@@ -1,17 +1,25 @@
-"""The speculative decoding loop, in process: draft -> verify -> emit.
+"""The speculative decoding loop: draft -> verify -> emit.
 
-``generate`` is the reference loop with no RPC: it steps a batch of sequences in
-lockstep, one batched drafter call and one batched verifier call per step. It is written
-against the ``Drafter`` and ``Verifier`` interfaces of ``core.protocol`` only, so any
-drafter and any verifier engine compose with it (``python -m offline.generate`` does).
+``speculate`` is one sequence's loop, the one that serves: the verifier replica runs it for
+each request beside its engine, with the drafter pool behind ``propose``, and
+``python -m offline.generate`` runs it in process. ``generate`` is the lockstep reference:
+it steps a batch of sequences together, one batched drafter call and one batched verifier
+call per step, with no policy and no pre-drafting (the tests' yardstick). Both are written
+against the ``Drafter`` and ``Verifier`` interfaces of ``core.protocol`` only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import TYPE_CHECKING
 
-from core.protocol import Drafter, Proposal, Verifier
+from core.policy import Breaker, FixedK
+from core.protocol import Drafter, Proposal, StepInfo, Verifier
 from core.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
@@ -70,3 +78,130 @@ def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingPar
 
 def _max_len(drafter, verifier) -> int:
     return min(verifier.max_len, getattr(drafter, "max_len", verifier.max_len))
+
+
+def own_cancel() -> bool:
+    """Whether the running task itself is being cancelled (not merely a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
+                    draft_timeout_s: float = 2.0, clock=time.perf_counter):
+    """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
+    ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
+    runs in process and served (where it runs beside the verifier, and only drafting crosses
+    the network): ``propose(requests) -> proposals`` (any drafter) and ``verify(requests) ->
+    results`` (a verifier engine, whose calls from many sequences share forward passes).
+
+    Pre-drafting: while block n is verified, the drafter drafts block n + 1 for the outcome
+    "block n accepted whole, then the drafter's own guess of the bonus token" (it drafts one
+    token more than it is verified on). The pre-draft is used only when the sequence is then
+    exactly its context; otherwise it is discarded.
+    """
+
+    async def draft(k: int, context: list[int]):
+        try:
+            (p,) = await asyncio.wait_for(propose([seq.draft_request(k, context=context)]), draft_timeout_s)
+            if p.cache_miss:
+                seq.cache_misses["drafter"] += 1
+                (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context)]),
+                                              draft_timeout_s)
+        except asyncio.CancelledError as e:
+            if own_cancel():
+                raise
+            failure = e  # the call was cancelled under us (the serving layer cancelling related calls)
+        except Exception as e:  # noqa: BLE001 - a failed drafter degrades speculation, never the request
+            failure = e
+        else:
+            failure = None
+        if failure is not None:
+            backoff = breaker.failed(time.monotonic())
+            log.warning("drafter call failed; decoding without speculation for %.1fs: %r", backoff, failure)
+            seq.drafter_held = []
+            return None
+        breaker.succeeded()
+        seq.note_proposal(p, context)
+        return p
+
+    async def verified(drafts, probs):
+        (res,) = await verify([seq.verify_request(drafts, probs)])
+        if res.cache_miss:  # evicted, or another replica: resend the whole sequence
+            seq.cache_misses["verifier"] += 1
+            (res,) = await verify([seq.verify_request(drafts, probs, full=True)])
+        if res.error:
+            raise ValueError(res.error)
+        return res
+
+    pre_ctx, pre_task, batch = None, None, 1
+    try:
+        while not seq.done:
+            t0 = clock()
+            misses = dict(seq.cache_misses)
+            k = seq.step_k(policy.next_k(batch))
+            info = StepInfo(0, 0)
+            proposal = None
+            if k > 0 and breaker.open(time.monotonic()):
+                k, info.degraded = 0, True
+            if k > 0:
+                if pre_task is not None and pre_ctx == seq.tokens:
+                    proposal, info.pre_draft = await pre_task, "hit"
+                else:
+                    if pre_task is not None:
+                        pre_task.cancel()  # drafted for a continuation that did not happen
+                        info.pre_draft = "miss"
+                    t = clock()
+                    proposal = await draft(k + 1 if pipeline else k, seq.tokens)
+                    info.draft_s = clock() - t
+                info.degraded = proposal is None
+            elif pre_task is not None:
+                pre_task.cancel()
+                info.pre_draft = "miss"
+            pre_ctx, pre_task = None, None
+            drafts = proposal.tokens[:k] if proposal else []
+            probs = proposal.probs.head(len(drafts)) if proposal and proposal.probs else None
+            step = asyncio.ensure_future(verified(drafts, probs))
+            left = seq.params.max_tokens - len(seq.output_ids)
+            if proposal and pipeline and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
+                pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
+                pre_task = asyncio.ensure_future(draft(max(1, policy.next_k(batch)) + 1, pre_ctx))
+            res = await step
+            batch = res.batch_size
+            n_lp = len(seq.logprobs)
+            new, _ = seq.apply(res)
+            info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch
+            info.step_s = clock() - t0
+            info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
+            if res.num_drafts:
+                policy.observe(res.num_drafts, res.num_accepted, proposal.draft_s if proposal else 0.0,
+                               res.forward_s, info.step_s)
+            yield new, seq.logprobs[n_lp:], info
+    finally:
+        if pre_task is not None:
+            pre_task.cancel()
+
+
+async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,
+                          pipeline: bool = True) -> Sequence:
+    """``speculate`` in process: the drafter and the verifier each on a thread of its own (torch
+    releases the GIL), so pre-drafting overlaps verification as it does across the pools. Each
+    engine's calls run one at a time, in order, as a served replica's batcher runs them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1, "drafter") as d_pool, ThreadPoolExecutor(1, "verifier") as v_pool:
+        async def propose(requests):
+            return await loop.run_in_executor(d_pool, drafter.propose, requests)
+
+        async def verify(requests):
+            return await loop.run_in_executor(v_pool, verifier.verify, requests)
+
+        try:
+            async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
+                                     Breaker(), pipeline):
+                pass
+        finally:
+            verifier.release(seq.seq_id)
+            if drafter is not None:
+                await loop.run_in_executor(d_pool, drafter.release, seq.seq_id)
+    return seq

@@ -149,6 +149,21 @@ class VerifyResult:
         return [i < self.num_accepted for i in range(self.num_drafts)]
 
 
+@dataclass
+class StepInfo:
+    """What one step of ``speculate`` did, for the caller's statistics and metrics."""
+
+    k: int  # drafts verified (0: a plain step)
+    accepted: int
+    pre_draft: str | None = None  # "hit": the step's drafts were ready when it began; "miss": discarded
+    degraded: bool = False  # speculation was wanted but no drafter answered (or its breaker is open)
+    forward_s: float = 0.0  # the verify forward pass
+    draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)
+    step_s: float = 0.0  # wall time of the step
+    batch_size: int = 1  # sequences in the verify batch
+    recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}
+
+
 class Drafter(Protocol):
     """A drafter pool replica, or an in-process drafter: propose k tokens for many sequences."""
 

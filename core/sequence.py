@@ -69,7 +69,10 @@ class Sequence:
     """One request: prompt, sampling, and everything needed to take its next step."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, k: int, tokenizer,
-                 eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None):
+                 eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None,
+                 output_ids: list[int] = ()):
+        """``tokenizer`` None: no text is kept (stop strings then belong to the caller);
+        ``output_ids``: resume a sequence that already generated these tokens."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= max_len:
@@ -78,7 +81,7 @@ class Sequence:
         self.params = params
         self.k = k
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.tokens = list(prompt_ids)
+        self.tokens = list(prompt_ids) + list(output_ids)
         self.num_prompt = len(prompt_ids)
         # ids that end generation: EOS (unless ignored) and the request's stop_token_ids
         self.eos_ids = (set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)

@@ -43,7 +43,8 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     drafter = drafter.options(**overrides.get("Drafter", {})).bind(
         cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue)
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
-        cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue)
+        cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
+        pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 

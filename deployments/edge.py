@@ -10,7 +10,6 @@ from __future__ import annotations
 import hmac
 import os
 
-from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deployments.metrics import metrics
@@ -25,34 +24,64 @@ def configure_edge(config) -> None:
     SETTINGS.update(keys=frozenset(list(config.api_keys) + env_keys), max_body_bytes=config.max_body_bytes)
 
 
-def count_status(request: Request, status: int):
+def count_status(path: str, status: int):
     """Every answered request is counted with its status (200s where the response is built)."""
-    path = request.url.path
     endpoint = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else None
     if endpoint is not None:
         metrics()["requests"].inc(tags={"endpoint": endpoint, "status": str(status)})
 
 
-def _reject(request: Request, err: OpenAIError, headers: dict | None = None) -> JSONResponse:
-    count_status(request, err.status)
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+class EdgeMiddleware:
+    """/v1 calls need a valid key when keys are set, and a body within the limit; /health stays
+    open. Plain ASGI, not Starlette's BaseHTTPMiddleware: that one wraps ``receive``, and an
+    endpoint polling ``request.is_disconnected()`` between steps could then block on it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "/v1/" not in scope["path"]:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        keys = SETTINGS["keys"]
+        if keys:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            # compare with every key, in constant time: no early exit tells which prefix matched
+            if not any([hmac.compare_digest(token.encode(), k.encode()) for k in keys]):
+                err = OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+                return await self._reject(scope, receive, send, err, {"WWW-Authenticate": "Bearer"})
+        if scope["method"] == "POST":
+            limit = SETTINGS["max_body_bytes"]
+            size = headers.get("content-length", "")
+            if size.isdigit():
+                if int(size) > limit:
+                    return await self._reject(scope, receive, send, _too_large(limit))
+            else:  # chunked: read it here, within the limit, and replay it to the app
+                messages, total = [], 0
+                while True:
+                    msg = await receive()
+                    messages.append(msg)
+                    total += len(msg.get("body", b""))
+                    if total > limit:
+                        return await self._reject(scope, receive, send, _too_large(limit))
+                    if msg["type"] != "http.request" or not msg.get("more_body"):
+                        break
+                receive = _replay(messages, receive)
+        return await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _reject(scope, receive, send, err: OpenAIError, headers: dict | None = None):
+        count_status(scope["path"], err.status)
+        await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
 
 
-async def edge_middleware(request: Request, call_next):
-    """/v1 calls need a valid key when keys are set, and a body within the limit; /health stays open."""
-    if "/v1/" not in request.url.path:
-        return await call_next(request)
-    keys = SETTINGS["keys"]
-    if keys:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        # compare with every key, in constant time: no early exit tells which prefix matched
-        if not any([hmac.compare_digest(token.encode(), k.encode()) for k in keys]):
-            return _reject(request, OpenAIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
-                                                code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
-    if request.method == "POST":
-        limit = SETTINGS["max_body_bytes"]
-        size = request.headers.get("content-length")
-        if (int(size) if size and size.isdigit() else len(await request.body())) > limit:
-            return _reject(request, OpenAIError(413, f"request body exceeds {limit} bytes", code="request_too_large"))
-    return await call_next(request)
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed

@@ -1,12 +1,15 @@
-"""Router deployment and HTTP ingress: runs each request's speculative loop over RPC.
+"""Router deployment and HTTP ingress: the request's edge.
 
-Per step: propose k tokens on a drafter replica, verify them on a verifier replica,
-stream what was accepted. The router holds each request's state (``Sequence``); the
-replicas hold only caches, named by the stateless protocol, so any replica can serve
-any step. With k = 0 the verifier decodes the request by itself and streams it back.
+The router keeps the request: HTTP, admission, deadlines, detokenisation and stop strings,
+failover and resume, streaming, statistics. Its speculative loop runs on a verifier replica
+(one streaming call per request, ``VerifierServer.speculate``), which drafts on the drafter
+pool and verifies beside its engine, so no step crosses back to the router. The replicas
+hold only caches, named by the stateless protocol: a request whose replica dies resumes on
+another one from its tokens.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -19,15 +22,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from configs import AppConfig, SamplingParams
+from core.loop import own_cancel
 from core.models import context_limit, eos_token_ids
-from core.protocol import VerifyResult
+from core.protocol import StepInfo, VerifyResult
 from core.sequence import Sequence
 from deployments.batcher import Overloaded
-from deployments.edge import configure_edge, count_status, edge_middleware
+from deployments.edge import EdgeMiddleware, configure_edge, count_status
 from deployments.metrics import metrics
 from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults,
                                     to_sampling_params)
-from deployments.policy import AdaptiveK, FixedK
 
 log = logging.getLogger("ray.serve")
 
@@ -44,28 +47,28 @@ class StepOutput:
 
 
 app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
-app.middleware("http")(edge_middleware)  # API keys and the body limit, before a body is parsed
+app.add_middleware(EdgeMiddleware)  # API keys and the body limit, before a body is parsed
 
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, e: OpenAIError):
-    count_status(request, e.status)
+    count_status(request.url.path, e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 @app.exception_handler(Exception)
 async def _internal_error(request: Request, e: Exception):
     log.exception("internal error")
-    count_status(request, 500)
+    count_status(request.url.path, 500)
     return JSONResponse(OpenAIError(500, f"internal error: {type(e).__name__}", type_="internal_error").body(),
                         status_code=500)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, e: RequestValidationError):
-    count_status(request, 400)
+    count_status(request.url.path, 400)
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
@@ -119,9 +122,11 @@ async def _merged(gens):
         try:
             async for s in gen:
                 await queue.put((i, s, None))
-            await queue.put((i, None, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which fails the request
-            await queue.put((i, None, e))
+            queue.put_nowait((i, None, None))
+        except BaseException as e:  # handed to the consumer: it never waits on a choice that is gone
+            queue.put_nowait((i, None, e))
+            if not isinstance(e, Exception):
+                raise
         finally:
             await gen.aclose()
 
@@ -195,10 +200,6 @@ class Router:
         self.model_name = self.config.model_name
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
-        # circuit breaker for the drafter pool: after a failed call, steps skip drafting (plain
-        # decoding on the verifier) until the back-off expires; the next call probes the pool
-        self.drafter_down_until = 0.0
-        self.drafter_backoff_s = 0.0
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -332,203 +333,106 @@ class Router:
             await steps.aclose()
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
-        if k == 0:
-            async for step in self._generate_plain(rid, prompt_ids, params, logprobs):
-                yield step
-            return
+        """The request's steps. Its loop runs on a verifier replica (``VerifierServer.speculate``:
+        draft, verify, accept beside the engine, no router round trip per step), which streams
+        each step's tokens; the router keeps the text (detokenisation, stop strings), the
+        statistics and the failover: if the stream breaks (the replica died), the sequence
+        resumes on another replica from its tokens, no token lost or repeated."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        policy = AdaptiveK(k) if self.config.k_policy == "adaptive" else FixedK(k)
-        m = metrics()
-        batch = 1
-        # The pre-draft: while a block is verified, the drafter already drafts the next block
-        # assuming the whole block and the drafter's own guess of the bonus token are accepted.
-        # It is used only if that is exactly what happened; otherwise discarded.
-        pre_ctx, pre_task = None, None
         timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
-                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "emit_s": 0.0, "emit_n": 0, "t_emit": 0.0}
+                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "emit_s": 0.0, "emit_n": 0,
+                  "plain_from_token": None}
+        deadline = time.monotonic() + self.config.verifier_retry_s
+        attempt = 0
         try:
             while not seq.done:
-                t_step = time.perf_counter()
-                if timing["t_emit"]:  # the previous speculative step's apply, detokenisation and streaming
-                    timing["emit_s"] += t_step - timing["t_emit"]
-                    timing["emit_n"] += 1
-                timing["t_emit"] = 0.0
-                k_now = policy.next_k(batch)
-                if k_now == 0 and k > 0 and self.config.k_policy == "adaptive":
-                    # Speculation does not pay for this request (measured, or modelled under load;
-                    # the policy's estimate stops changing once it stops speculating): the rest
-                    # goes through the verifier's own decoding loop, with no round trip per token.
-                    if pre_task is not None:
-                        pre_task.cancel()
-                        pre_task = None
-                    timing["plain_from_token"] = len(seq.output_ids)
-                    async for s in self._generate_plain(rid, None, params, logprobs, seq=seq):
-                        if s.stats is not None:
-                            s.stats = _spec_stats(seq, timing)
-                        yield s
-                    return
-                step_k = seq.step_k(k_now)
-                proposal, draft_on_path = None, 0.0
-                if step_k > 0 and time.monotonic() < self.drafter_down_until:
-                    step_k = 0  # the drafter pool is failing: decode plainly until it is probed again
-                    timing["degraded_steps"] += 1
-                    m["degraded"].inc()
-                if step_k > 0:
-                    # one extra draft token: the guess of the bonus token the next block starts from
-                    want = step_k + 1 if self.config.pipeline_drafts else step_k
-                    if pre_task is not None and pre_ctx == seq.tokens:
-                        proposal = await pre_task
-                        timing["pre_draft_hits"] += 1
-                        m["pre_draft"].inc(tags={"outcome": "hit"})
-                    else:
-                        if pre_task is not None:
-                            pre_task.cancel()  # drafted for a continuation that did not happen
-                            timing["pre_draft_misses"] += 1
-                            m["pre_draft"].inc(tags={"outcome": "miss"})
-                        t_d = time.perf_counter()
-                        proposal = await self._propose(seq, want, seq.tokens)
-                        draft_on_path = time.perf_counter() - t_d
-                    if proposal is None:  # no drafter answered in time: this step is plain decoding
-                        timing["degraded_steps"] += 1
-                        m["degraded"].inc()
-                elif pre_task is not None:
-                    pre_task.cancel()
-                    timing["pre_draft_misses"] += 1
-                    m["pre_draft"].inc(tags={"outcome": "miss"})
-                pre_ctx, pre_task = None, None
-                drafts = proposal.tokens[:step_k] if proposal else []
-                probs = proposal.probs.head(step_k) if proposal and proposal.probs else None
-                verify = asyncio.ensure_future(self._verify(seq, drafts, probs))
-                left = seq.params.max_tokens - len(seq.output_ids)
-                if (proposal and self.config.pipeline_drafts and len(proposal.tokens) > len(drafts)
-                        and left > len(drafts) + 1):
-                    pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
-                    next_k = max(1, policy.next_k(batch))
-                    pre_task = asyncio.ensure_future(self._propose(seq, next_k + 1, pre_ctx))
-                res = await verify
-                t_verify_done = time.perf_counter()
-                batch = res.batch_size
-                n_lp = len(seq.logprobs)
-                new, delta = seq.apply(res)
-                if res.num_drafts:
-                    policy.observe(res.num_drafts, res.num_accepted, proposal.draft_s if proposal else 0.0,
-                                   res.forward_s, t_verify_done - t_step)
-                    m["num_drafts"].inc()
-                    m["num_draft_tokens"].inc(res.num_drafts)
-                    if res.num_accepted:
-                        m["num_accepted_tokens"].inc(res.num_accepted)
-                    for pos in range(res.num_accepted):
-                        m["num_accepted_tokens_per_pos"].inc(tags={"position": str(pos)})
-                    # critical-path time outside the engines' compute: network, queueing, (de)serialisation
-                    engine = res.forward_s + (proposal.draft_s if draft_on_path else 0.0)
-                    exposed = max(0.0, t_verify_done - t_step - engine)
-                    m["exposed_rpc"].observe(exposed)
-                    timing["exposed_s"] += exposed
-                    timing["step_s"] += t_verify_done - t_step
-                    timing["spec_steps"] += 1
-                    timing["forward_s"] += res.forward_s
-                    timing["draft_s"] += proposal.draft_s if draft_on_path else 0.0
-                    timing["t_emit"] = t_verify_done
-                stats = _spec_stats(seq, timing) if seq.done else None
-                yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
+                stream = self.verifier.options(stream=True).speculate.remote(
+                    prompt_ids, params, rid, k, self.max_len, logprobs, seq.output_ids, self.config.k_policy)
+                ended = False  # the replica's loop finished by itself: nothing to cancel
+                try:
+                    t_prev = time.perf_counter()
+                    while not seq.done:
+                        try:  # only the stream's failures mean a lost replica; the router's own are bugs
+                            ids, lps, info = await anext(stream)
+                        except StopAsyncIteration:
+                            ended = True
+                            break
+                        t_got = time.perf_counter()
+                        n_lp = len(seq.logprobs)
+                        new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
+                                                            num_drafts=info.k,
+                                                            logprobs=lps if logprobs is not None else None))
+                        self._record(seq, info, timing, t_got - t_prev)
+                        stats = _spec_stats(seq, timing) if seq.done else None
+                        yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
+                        t_prev = time.perf_counter()
+                        timing["emit_s"] += t_prev - t_got  # apply, detokenise and stream, on the router
+                        timing["emit_n"] += 1
+                    if not ended and seq.detok.stopped_at is None:
+                        # done for the same reason as the replica's loop (EOS, length): let it end by
+                        # itself rather than cancel it (Serve cancels a request's related calls too)
+                        with contextlib.suppress(StopAsyncIteration):
+                            await anext(stream)
+                        ended = True
+                except (GeneratorExit, OpenAIError):
+                    raise
+                except asyncio.CancelledError as e:
+                    if own_cancel():  # the client went away, or the deadline passed
+                        raise
+                    failure = e  # the stream was cancelled under us: resume it
+                except Exception as e:  # noqa: BLE001 - replica died (or was full): resume elsewhere
+                    failure = e
+                else:
+                    failure = None
+                finally:
+                    if not ended:  # abandoned mid-way (stop string, failure): stop the replica's loop
+                        stream.cancel()
+                if failure is not None:
+                    e = failure
+                    attempt += 1
+                    if isinstance(e, Overloaded) and not seq.output_ids:
+                        raise _overloaded(e) from None
+                    if isinstance(e, ValueError):  # the engine refused the sequence: no replica will take it
+                        raise OpenAIError(400, str(e), code="context_length_exceeded") from None
+                    if time.monotonic() >= deadline:
+                        raise e
+                    seq.cache_misses["verifier"] += 1
+                    log.warning("verifier stream failed (attempt %d), resuming on another replica: %r", attempt, e)
+                    await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
         finally:
-            if pre_task is not None:
-                pre_task.cancel()
             self._release(rid)
 
-    async def _generate_plain(self, rid: str, prompt_ids, params: SamplingParams, logprobs: int | None,
-                              seq: Sequence | None = None):
-        """Speculation off: the verifier decodes by itself and streams token ids; the router
-        keeps the text (detokenisation, stop strings). If the verifier replica dies, the
-        sequence resumes on another one from the tokens so far: no token is lost or repeated,
-        and a seeded request continues exactly as it would have (randomness is keyed by position)."""
-        seq = seq or Sequence(prompt_ids, params, 0, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
-                              logprobs=logprobs)
-        deadline = time.monotonic() + self.config.verifier_retry_s
-        attempt = 0
-        while not seq.done:
-            resume = params.model_copy(update={"seed": seq.seed, "max_tokens": params.max_tokens - len(seq.output_ids)})
-            stream = self.verifier.options(stream=True).generate_plain.remote(
-                list(seq.tokens), resume, rid, self.max_len, logprobs)
-            try:
-                async for ids, lps in stream:
-                    n_lp = len(seq.logprobs)
-                    new, delta = seq.apply(VerifyResult(rid, tokens=ids, logprobs=lps if logprobs is not None else None))
-                    yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:],
-                                     seq.stats.as_dict() if seq.done else None)
-                    if seq.done:
-                        break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - replica died (or was full): resume elsewhere from the tokens
-                attempt += 1
-                if isinstance(e, Overloaded) and not seq.output_ids:
-                    raise _overloaded(e) from None
-                if time.monotonic() >= deadline:
-                    raise
-                seq.cache_misses["verifier"] += 1
-                log.warning("plain decoding stream failed (attempt %d), resuming: %r", attempt, e)
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
-            finally:
-                stream.cancel()
-        self._release(rid)
-
-    async def _propose(self, seq: Sequence, k: int, context: list[int]):
-        """Draft k tokens after context on a drafter replica; None if the drafter pool cannot
-        answer in time (the step is then decoded without speculation)."""
-        context = list(context)
-        try:
-            (p,) = await asyncio.wait_for(self.drafter.propose.remote([seq.draft_request(k, context=context)]),
-                                          self.config.drafter_timeout_s)
-            if p.cache_miss:
-                seq.cache_misses["drafter"] += 1
-                (p,) = await asyncio.wait_for(
-                    self.drafter.propose.remote([seq.draft_request(k, full=True, context=context)]),
-                    self.config.drafter_timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failed drafter degrades speculation, never the request
-            self.drafter_backoff_s = min(10.0, max(0.5, 2 * self.drafter_backoff_s))
-            self.drafter_down_until = time.monotonic() + self.drafter_backoff_s
-            log.warning("drafter call failed; decoding without speculation for %.1fs: %r", self.drafter_backoff_s, e)
-            seq.drafter_held = []
-            return None
-        self.drafter_backoff_s = 0.0
-        seq.note_proposal(p, context)
-        return p
-
-    async def _verify(self, seq: Sequence, drafts: list[int], probs):
-        deadline = time.monotonic() + self.config.verifier_retry_s
-        attempt = 0
-        while True:
-            try:
-                (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs)])
-                if res.cache_miss:
-                    seq.cache_misses["verifier"] += 1
-                    (res,) = await self.verifier.verify.remote([seq.verify_request(drafts, probs, full=True)])
-                if res.error:
-                    raise OpenAIError(400, res.error, code="context_length_exceeded")
-                return res
-            except OpenAIError:
-                raise
-            except Overloaded as e:
-                if not seq.output_ids:  # a new request: tell the client to come back
-                    raise _overloaded(e) from None
-                # a running request is never dropped: wait for room (or another replica)
-                attempt += 1
-                if time.monotonic() >= deadline:
-                    raise _overloaded(e) from None
-                await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - replica died: any other replica recomputes from tokens
-                attempt += 1
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("verifier call failed (attempt %d), retrying on another replica: %r", attempt, e)
-                seq.verifier_held = []
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+    def _record(self, seq: Sequence, info: StepInfo, timing: dict, wall_s: float):
+        """One step's statistics and metrics; ``wall_s``: the step as the router saw it (between
+        two stream items), so exposed time is measured from outside the verifier."""
+        m = metrics()
+        for pool, n in info.recomputes.items():
+            seq.cache_misses[pool] += n
+        if info.degraded:
+            timing["degraded_steps"] += 1
+            m["degraded"].inc()
+        if info.pre_draft is not None:
+            timing["pre_draft_hits" if info.pre_draft == "hit" else "pre_draft_misses"] += 1
+            m["pre_draft"].inc(tags={"outcome": info.pre_draft})
+        if not info.k:
+            if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:
+                timing["plain_from_token"] = len(seq.output_ids) - 1  # the policy chose plain decoding
+            return
+        m["num_drafts"].inc()
+        m["num_draft_tokens"].inc(info.k)
+        if info.accepted:
+            m["num_accepted_tokens"].inc(info.accepted)
+        for pos in range(info.accepted):
+            m["num_accepted_tokens_per_pos"].inc(tags={"position": str(pos)})
+        # critical-path time outside the engines' compute: network, queueing, (de)serialisation
+        exposed = max(0.0, wall_s - info.forward_s - info.draft_s)
+        m["exposed_rpc"].observe(exposed)
+        timing["exposed_s"] += exposed
+        timing["step_s"] += wall_s
+        timing["spec_steps"] += 1
+        timing["forward_s"] += info.forward_s
+        timing["draft_s"] += info.draft_s
 
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go

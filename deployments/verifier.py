@@ -1,11 +1,14 @@
-"""Verifier deployment: a pool of target-model replicas that verify drafts, batched across
-requests, and decode by themselves when speculation is off (the no-round-trip fast path)."""
+"""Verifier deployment: a pool of target-model replicas, each running the speculative loop of
+its requests beside its engine (drafts from the drafter pool), verification batched across
+requests."""
 
 from __future__ import annotations
 
 import asyncio
 
 from configs import SamplingParams, VerifierConfig
+from core.loop import speculate
+from core.policy import AdaptiveK, Breaker, FixedK
 from core.protocol import VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.server import EngineServer
@@ -18,7 +21,11 @@ class VerifierServer(EngineServer):
     role = "verifier"
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
-                 max_queue: int = 1024):
+                 max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, drafter_timeout_s: float = 2.0):
+        """``drafter``: a handle to the drafter pool (None: plain decoding only)."""
+        self.drafter = drafter
+        self.pipeline_drafts = pipeline_drafts
+        self.drafter_timeout_s = drafter_timeout_s
         if engine is None:
             cfg = VerifierConfig.model_validate(config)
             if cfg.backend == "vllm":
@@ -91,23 +98,46 @@ class VerifierServer(EngineServer):
         if self.engine.llm.errored:
             raise RuntimeError("vLLM engine is dead")
 
-    async def generate_plain(self, prompt_ids: list[int], params: SamplingParams, seq_id: str,
-                             max_len: int | None = None, logprobs: int | None = None):
-        """Plain decoding on this replica, streaming each step's new token ids (and logprobs):
-        no router round trip per token. Its steps share the batched forward passes with every
-        other request here. It stops at EOS, max_tokens or the context limit; stop strings and
-        detokenisation stay with the caller, which closes the stream when it is done, and which
-        can resume the sequence anywhere from its tokens (randomness is keyed by position)."""
+    async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
+                        max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
+                        k_policy: str = "fixed"):
+        """A request's whole speculative loop on this replica (``core.loop.speculate``), streaming
+        each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
+        network (to the drafter pool, overlapped with verification by pre-drafting); verification
+        shares the batched forward passes with every other sequence here. k = 0 (or no drafter
+        pool) is plain decoding. It stops at EOS, max_tokens or the context limit; stop strings
+        and text stay with the caller, which closes the stream when it is done, and which can
+        resume the sequence on any replica from its tokens (``output_ids``): randomness is keyed
+        by position, so a seeded request continues exactly as it would have."""
+        from deployments.batcher import Overloaded
+
         eng = self.engine
-        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), 0, eng.tokenizer, eng.eos_ids,
-                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs)
+        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
+                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
+                       output_ids=output_ids)
+        policy = AdaptiveK(k) if k_policy == "adaptive" else FixedK(k)
+        if self.drafter is None:
+            policy = FixedK(0)
+
+        async def verify(requests):
+            delay = 0.01
+            while True:
+                try:
+                    return await self.verify(requests)
+                except Overloaded:
+                    if not seq.output_ids:
+                        raise  # a new request: the caller tells the client to come back (503)
+                    await asyncio.sleep(delay)  # a running one is never dropped: it waits for room
+                    delay = min(0.5, 2 * delay)
+
         try:
-            while not seq.done:
-                (res,) = await self.verify([seq.verify_request()])
-                if res.cache_miss:  # evicted under memory pressure: recompute
-                    (res,) = await self.verify([seq.verify_request(full=True)])
-                n_before = len(seq.logprobs)
-                new, _ = seq.apply(res)
-                yield new, seq.logprobs[n_before:]
+            async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
+                                                  self.drafter_timeout_s):
+                yield new, lps, info
         finally:
+            if self.drafter is not None and k > 0:
+                self.drafter.release.remote([seq_id])
             await self.release([seq_id])
+
+    async def _propose(self, requests):
+        return await self.drafter.propose.remote(requests)

@@ -1,16 +1,20 @@
 """``python -m offline.generate``: generate text with speculative decoding, in process.
 
 Composes a drafter (a draft model or n-gram lookup) and the target's verifier engine
-around the reference loop ``core.loop.generate``; no Ray, no HTTP.
+around the loop that serves (``core.loop.speculate``: policy, pre-drafting, the drafter on a
+thread of its own); no Ray, no HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
-from core.loop import generate
+from core.loop import speculate_local
+from core.policy import AdaptiveK, FixedK
+from core.sequence import Sequence
 from drafter.model_drafter import ModelDrafter
 from drafter.ngram import NgramDrafter
 from verifier.engine import VerifierEngine
@@ -26,6 +30,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed", help="k per step: fixed, or adaptive (k the bound)")
+    ap.add_argument("--no-pipeline", action="store_true", help="do not pre-draft the next block during verification")
     args = ap.parse_args(argv)
 
     verifier = VerifierEngine(VerifierConfig(model=args.target))
@@ -36,7 +42,10 @@ def main(argv=None):
                             max_tokens=args.max_tokens)
     ids = verifier.tokenizer(args.prompt)["input_ids"]
     t0 = time.perf_counter()
-    (seq,) = generate([ids], params, k, drafter, verifier)
+    seq = Sequence(ids, params, k, verifier.tokenizer, verifier.eos_ids, min(verifier.max_len, drafter.max_len)
+                   if hasattr(drafter, "max_len") else verifier.max_len)
+    policy = AdaptiveK(k) if args.policy == "adaptive" else FixedK(k)
+    asyncio.run(speculate_local(seq, drafter if k else None, verifier, policy, not args.no_pipeline))
     dt = time.perf_counter() - t0
     print(args.prompt + seq.text)
     n = len(seq.output_ids)

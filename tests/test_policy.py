@@ -1,6 +1,6 @@
 """The adaptive speculation policy picks k from acceptance, drafter cost and load."""
 
-from deployments.policy import AdaptiveK
+from core.policy import AdaptiveK
 
 
 def test_high_acceptance_speculates_more():

@@ -83,7 +83,7 @@ def test_deadline_stops_the_request_with_504(strict_app):
     # streaming: the tokens so far, then an in-band error event and [DONE]
     with httpx.stream("POST", f"{strict_app}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "class A:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
-            "stream": True, "timeout": 0.5}) as r:
+            "stream": True, "timeout": 0.3}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "deadline_exceeded"

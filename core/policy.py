@@ -17,8 +17,8 @@ The model above sees engine time only. Across the network a speculative step als
 round trips and queueing, so the policy also compares what it measures end to end: the
 wall time per emitted token of the request's speculative steps against a plain decoding
 step's estimated cost (the verify forward pass scaled to one token). When speculation is
-measurably slower (after ``min_steps`` steps, by more than ``margin``), it answers 0; the
-router then hands the rest of the request to the verifier's own decoding loop.
+measurably slower (after ``min_steps`` steps, by more than ``margin``), it answers 0 for
+``recheck_steps`` steps, then measures speculation again: k = 0 is a choice it can return from.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class AdaptiveK:
     saturation_batch: int = 16  # verifier batch size at which extra verified tokens cost throughput
     margin: float = 0.1  # speculation must be this much slower than plain decoding, measured, to be stopped
     min_steps: int = 8  # speculative steps measured before that comparison counts
+    recheck_steps: int = 32  # plain steps before speculation is measured again
+    plain_left: int = 0  # plain steps still to go before the next measurement
     accepted_w: float = 0.0
     tested_w: float = 0.0
     steps: int = 0
@@ -54,7 +56,15 @@ class AdaptiveK:
                 and self.spec_s_per_token > (1 + self.margin) * self.plain_s_per_token)
 
     def next_k(self, batch_size: int = 1) -> int:
-        if self.bound == 0 or self.slower_than_plain:
+        if self.bound == 0:
+            return 0
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            if self.plain_left == 0:  # measure speculation afresh: conditions may have changed
+                self.steps, self.spec_s_per_token = 0, 0.0
+            return 0
+        if self.slower_than_plain:
+            self.plain_left = self.recheck_steps
             return 0
         a = min(max(self.acceptance, 1e-3), 0.999)
         load = max(1.0, 4.0 * batch_size / self.saturation_batch)
@@ -95,3 +105,26 @@ class FixedK:
 
     def observe(self, *args, **kwargs):
         pass
+
+
+@dataclass
+class Breaker:
+    """A circuit breaker around one sequence's drafter: after a failed or late call, steps skip
+    drafting (plain decoding) until the back-off expires, doubling up to ``max_backoff_s``; the
+    next call then probes the drafter. One request's slow call never turns speculation off for
+    others."""
+
+    max_backoff_s: float = 10.0
+    down_until: float = 0.0
+    backoff_s: float = 0.0
+
+    def open(self, now: float) -> bool:
+        return now < self.down_until
+
+    def failed(self, now: float) -> float:
+        self.backoff_s = min(self.max_backoff_s, max(0.5, 2 * self.backoff_s))
+        self.down_until = now + self.backoff_s
+        return self.backoff_s
+
+    def succeeded(self):
+        self.backoff_s = 0.0
