@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from core.policy import Breaker, FixedK
+from core.policy import Breaker, FixedK, PreDraftChoice
 from core.protocol import Drafter, Proposal, StepInfo, Verifier
 from core.sequence import Sequence
 
@@ -97,7 +97,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     Pre-drafting: while block n is verified, the drafter drafts block n + 1 for the outcome
     "block n accepted whole, then the drafter's own guess of the bonus token" (it drafts one
     token more than it is verified on). The pre-draft is used only when the sequence is then
-    exactly its context; otherwise it is discarded.
+    exactly its context; otherwise it is discarded. With ``pipeline`` on, whether to pre-draft
+    is measured per sequence (``PreDraftChoice``): it pays where drafter and verifier have
+    hardware of their own and the guess often holds, and costs where they share cores.
     """
 
     async def draft(k: int, context: list[int]):
@@ -134,6 +136,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         return res
 
     pre_ctx, pre_task, batch = None, None, 1
+    choice = PreDraftChoice() if pipeline else None
     try:
         while not seq.done:
             t0 = clock()
@@ -141,6 +144,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             k = seq.step_k(policy.next_k(batch))
             info = StepInfo(0, 0)
             proposal = None
+            pre_drafting = choice is not None and choice.use()
             if k > 0 and breaker.open(time.monotonic()):
                 k, info.degraded = 0, True
             if k > 0:
@@ -151,7 +155,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                         pre_task.cancel()  # drafted for a continuation that did not happen
                         info.pre_draft = "miss"
                     t = clock()
-                    proposal = await draft(k + 1 if pipeline else k, seq.tokens)
+                    proposal = await draft(k + 1 if pre_drafting else k, seq.tokens)
                     info.draft_s = clock() - t
                 info.degraded = proposal is None
             elif pre_task is not None:
@@ -162,7 +166,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             probs = proposal.probs.head(len(drafts)) if proposal and proposal.probs else None
             step = asyncio.ensure_future(verified(drafts, probs))
             left = seq.params.max_tokens - len(seq.output_ids)
-            if proposal and pipeline and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
+            if proposal and pre_drafting and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
                 pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
                 pre_task = asyncio.ensure_future(draft(max(1, policy.next_k(batch)) + 1, pre_ctx))
             res = await step
@@ -172,9 +176,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch
             info.step_s = clock() - t0
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
-            if res.num_drafts:
-                policy.observe(res.num_drafts, res.num_accepted, proposal.draft_s if proposal else 0.0,
-                               res.forward_s, info.step_s)
+            # every step, plain ones too: the policy compares what each k costs here, end to end
+            policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s)
+            if choice is not None and res.num_drafts:
+                choice.observe(pre_drafting, info.step_s, len(new))
             yield new, seq.logprobs[n_lp:], info
     finally:
         if pre_task is not None:

@@ -1,48 +1,56 @@
-"""How many tokens to speculate, step by step.
+"""How many tokens to speculate, step by step, from what each step costs where it runs.
 
 A request's ``num_speculative_tokens`` is an upper bound. Each step the policy picks the
-k in [0, bound] that maximises expected tokens per second of verifier time:
+k in [0, bound] that maximises expected tokens per second of wall time:
 
-    tokens(k) = (1 - a^(k+1)) / (1 - a)            (Leviathan et al., per-token acceptance a)
-    cost(k)   = 1 + k * (c_draft + c_verify * load)  (in units of one plain verify step)
+    tokens(k) = (1 - a^(k+1)) / (1 - a)     (Leviathan et al., per-token acceptance a; tokens(0) = 1)
+    value(k)  = tokens(k) / t(k) / (1 + c_verify * k * extra_load)
 
-a is the request's own acceptance so far (smoothed, starting from a neutral prior);
-c_draft is the drafter's cost per token relative to a verify step and c_verify the
-extra verification cost per extra token (both measured from the step timings the
-engines report). ``load`` grows with the verifier's batch size: when the verifier is
-saturated, every extra token it verifies is throughput taken from other requests, so
-speculation is cut back, down to k = 0 when it would cost throughput.
+a is the request's own acceptance so far (smoothed, from a neutral prior). t(k) is the wall
+time of a step with k drafts as this request measured it where its loop runs (on the
+verifier replica: queueing, batching, drafting on the critical path, everything), kept per k.
+A k not measured yet is read off a line through the measured ks (its slope is the measured
+extra cost per draft token), or, with one measured k, from it scaled by the engine model
+t0 (1 + c_verify k) + k d, with t0 the verify forward scaled to one token and d the drafter's
+time per token on the critical path; an unmeasured plain step is the model's t0, so
+speculation must beat plain decoding as measured (once chosen, plain steps are measured too);
+before ``min_steps`` steps only the model is used. No CPU or GPU constant decides: c_verify only shapes estimates
+until the measurements exist. ``extra_load`` grows with the verifier's batch beyond
+``saturation_batch``: there every extra verified token is throughput taken from other
+requests, so speculation is cut back.
 
-The model above sees engine time only. Across the network a speculative step also pays
-round trips and queueing, so the policy also compares what it measures end to end: the
-wall time per emitted token of the request's speculative steps against a plain decoding
-step's estimated cost (the verify forward pass scaled to one token). When speculation is
-measurably slower (after ``min_steps`` steps, by more than ``margin``), it answers 0 for
-``recheck_steps`` steps, then measures speculation again: k = 0 is a choice it can return from.
+k = 0 is one of the choices, and one it returns from: after ``recheck_steps`` plain steps the
+best speculative k is measured again. Every ``explore_every`` steps a neighbour of the best k
+is tried, so the table follows the cost curve as load changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class AdaptiveK:
     bound: int
     prior: float = 0.6  # per-token acceptance assumed before any evidence
-    c_draft: float = 0.05  # drafter cost per token / plain verify step (measured as steps come in)
-    c_verify: float = 0.12  # extra verify cost per extra token (0.12 measured on CPU; ~0.01 on a GPU)
+    c_verify: float = 0.12  # prior: extra verify cost per extra token, relative to a plain step (until measured)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
-    saturation_batch: int = 16  # verifier batch size at which extra verified tokens cost throughput
-    margin: float = 0.1  # speculation must be this much slower than plain decoding, measured, to be stopped
-    min_steps: int = 8  # speculative steps measured before that comparison counts
-    recheck_steps: int = 32  # plain steps before speculation is measured again
-    plain_left: int = 0  # plain steps still to go before the next measurement
+    step_weight: float = 0.2  # weight of the newest step in a k's step time
+    saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
+    min_steps: int = 8  # steps measured before measured step times are trusted over the model
+    recheck_steps: int = 16  # plain steps before speculation is measured again
+    margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
+    plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
+    explore_every: int = 16  # steps between tries of a neighbour of the best k
     accepted_w: float = 0.0
     tested_w: float = 0.0
     steps: int = 0
-    spec_s_per_token: float = 0.0  # smoothed wall seconds per emitted token of speculative steps
-    plain_s_per_token: float = 0.0  # smoothed estimate of a plain decoding step
+    plain_run: int = 0
+    step_s: dict[int, float] = field(default_factory=dict)  # k -> smoothed wall seconds of a step
+    plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
+    draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
+    _explore_up: bool = True
+    current: int | None = None  # the k chosen last (None: not yet)
 
     @property
     def acceptance(self) -> float:
@@ -50,48 +58,94 @@ class AdaptiveK:
         all before it were accepted), smoothed towards the prior with two pseudo-observations."""
         return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
 
+    def model_s(self, k: int) -> float:
+        """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
+        return self.plain_est_s * (1 + self.c_verify * k) + k * self.draft_per_token_s
+
+    def cost_s(self, k: int) -> float:
+        """Wall time of a step with k drafts: measured, else a measured neighbour scaled by the model."""
+        if self.steps >= self.min_steps and self.step_s:
+            if k in self.step_s:
+                return self.step_s[k]
+            if k == 0:  # not measured: the engine's plain step, so speculation must beat it measured
+                return self.model_s(0)
+            spec = [m for m in self.step_s if m > 0]
+            if len(spec) >= 2:  # the measured curve's own slope: a line through the measured ks
+                n = len(spec)
+                mk = sum(spec) / n
+                mt = sum(self.step_s[m] for m in spec) / n
+                var = sum((m - mk) ** 2 for m in spec)
+                slope = sum((m - mk) * (self.step_s[m] - mt) for m in spec) / var
+                return max(1e-6, mt + max(0.0, slope) * (k - mk))
+            near = min(self.step_s, key=lambda m: (abs(m - k), m))
+            if self.model_s(near) > 0:
+                return self.step_s[near] * self.model_s(k) / self.model_s(near)
+        return self.model_s(k)
+
+    def values(self, batch_size: int = 1) -> list[float]:
+        a = min(max(self.acceptance, 1e-3), 0.999)
+        extra_load = max(0.0, batch_size / self.saturation_batch - 1)
+        out = []
+        for k in range(self.bound + 1):
+            cost = self.cost_s(k)
+            if cost <= 0:  # nothing measured at all yet
+                cost = 1 + self.c_verify * k
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            out.append(tokens / cost / (1 + self.c_verify * k * extra_load))
+        return out
+
     @property
     def slower_than_plain(self) -> bool:
-        return (self.steps >= self.min_steps and self.plain_s_per_token > 0
-                and self.spec_s_per_token > (1 + self.margin) * self.plain_s_per_token)
+        """Measured: a plain step brings more tokens per second than any speculative k."""
+        v = self.values()
+        return self.steps >= self.min_steps and len(v) > 1 and v[0] > max(v[1:])
 
     def next_k(self, batch_size: int = 1) -> int:
         if self.bound == 0:
             return 0
-        if self.plain_left > 0:
-            self.plain_left -= 1
-            if self.plain_left == 0:  # measure speculation afresh: conditions may have changed
-                self.steps, self.spec_s_per_token = 0, 0.0
-            return 0
-        if self.slower_than_plain:
-            self.plain_left = self.recheck_steps
-            return 0
-        a = min(max(self.acceptance, 1e-3), 0.999)
-        load = max(1.0, 4.0 * batch_size / self.saturation_batch)
-        best_k, best = 0, 1.0
-        for k in range(1, self.bound + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (self.c_draft + self.c_verify * load))
-            if value > best * 1.0001:
-                best_k, best = k, value
-        return best_k
+        v = self.values(batch_size)
+        best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
+        best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
+        cur = self.current
+        if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
+            best = cur  # not clearly better: stay, measurements are noisy
+        self.current = best
+        if best == 0:
+            self.plain_run += 1
+            if self.plain_run < self.recheck_steps or 0 not in self.step_s:
+                return 0
+            self.plain_run = 0  # measure speculation again: conditions may have changed
+            self.current = best_spec
+            return best_spec
+        self.plain_run = 0
+        if self.steps >= self.min_steps and self.steps % self.explore_every == 0:
+            self._explore_up = not self._explore_up
+            step = 1 if self._explore_up else -1
+            if 1 <= best + step <= self.bound:
+                return best + step
+        return best
 
     def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
                 step_s: float = 0.0):
-        """One speculative step: k drafts, num_accepted accepted; the drafter's and the
-        verifier's engine seconds, and the step's wall seconds on the request's critical path."""
+        """One step: k drafts, num_accepted accepted; drafting on the critical path and the verify
+        forward pass (engine seconds), and the step's wall seconds where the loop runs."""
+        w = self.step_weight
+        if verify_s > 0:
+            plain = verify_s / (1 + self.c_verify * k)
+            self.plain_est_s = plain if self.plain_est_s == 0 else self.plain_est_s + w * (plain - self.plain_est_s)
+        if k > 0:
+            per = draft_s / k
+            self.draft_per_token_s += w * (per - self.draft_per_token_s)
+        wall = step_s if step_s > 0 else verify_s + draft_s
+        if wall > 0:
+            old = self.step_s.get(k)
+            self.step_s[k] = wall if old is None else old + w * (wall - old)
         if k <= 0:
             return
-        if step_s > 0 and verify_s > 0:
-            w = 1.0 if self.steps == 0 else 1 - self.decay
-            self.spec_s_per_token += w * (step_s / (num_accepted + 1) - self.spec_s_per_token)
-            self.plain_s_per_token += w * (verify_s / (1 + self.c_verify * k) - self.plain_s_per_token)
         self.steps += 1
         tested = num_accepted + (1 if num_accepted < k else 0)
         self.accepted_w = self.decay * self.accepted_w + num_accepted
         self.tested_w = self.decay * self.tested_w + tested
-        if draft_s > 0 and verify_s > 0:
-            plain = verify_s / (1 + self.c_verify * k)
-            self.c_draft += 0.3 * (draft_s / k / plain - self.c_draft)
 
 
 @dataclass
@@ -128,3 +182,35 @@ class Breaker:
 
     def succeeded(self):
         self.backoff_s = 0.0
+
+
+@dataclass
+class PreDraftChoice:
+    """Whether to pre-draft the next block, chosen by what it measures: seconds per emitted token
+    of the steps taken with and without pre-drafting. A pre-draft saves the drafting on the next
+    step's critical path when it hits; when it misses its compute was wasted, and where drafter
+    and verifier share cores (one CPU machine) that compute slows verification. Both arms are
+    measured first, then the faster one is used, the other retried every ``explore_every`` steps."""
+
+    explore_every: int = 16
+    first: int = 4  # steps measured per arm before choosing
+    weight: float = 0.2  # of the newest step in an arm's seconds per token
+    s_per_token: dict[bool, float] = field(default_factory=dict)
+    n: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    steps: int = 0
+
+    def use(self) -> bool:
+        self.steps += 1
+        for arm in (True, False):
+            if self.n[arm] < self.first:
+                return arm
+        best = min((True, False), key=lambda arm: self.s_per_token[arm])
+        return (not best) if self.steps % self.explore_every == 0 else best
+
+    def observe(self, arm: bool, step_s: float, tokens: int):
+        if tokens <= 0 or step_s <= 0:
+            return
+        x = step_s / tokens
+        old = self.s_per_token.get(arm)
+        self.s_per_token[arm] = x if old is None else old + self.weight * (x - old)
+        self.n[arm] += 1
