@@ -131,8 +131,8 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         if res.cache_miss:  # evicted, or another replica: resend the whole sequence
             seq.cache_misses["verifier"] += 1
             (res,) = await verify([seq.verify_request(drafts, probs, full=True)])
-        if res.error:
-            raise ValueError(res.error)
+        if res.error:  # the request's fault (no replica will take it) or the engine's (another may)
+            raise (RuntimeError if res.retryable else ValueError)(res.error)
         return res
 
     pre_ctx, pre_task, batch = None, None, 1
@@ -168,7 +168,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             left = seq.params.max_tokens - len(seq.output_ids)
             if proposal and pre_drafting and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
                 pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
-                pre_task = asyncio.ensure_future(draft(max(1, policy.next_k(batch)) + 1, pre_ctx))
+                pre_task = asyncio.ensure_future(draft(max(1, k) + 1, pre_ctx))  # sized like this step
             res = await step
             batch = res.batch_size
             n_lp = len(seq.logprobs)

@@ -136,6 +136,7 @@ class VerifyResult:
     cached: int = 0  # tokens the replica now holds for the sequence (the next call's `start`)
     cache_miss: bool = False  # the replica lacked the assumed prefix: resend with full=True
     error: str | None = None  # this sequence could not be verified (the rest of the batch was)
+    retryable: bool = False  # the error was the engine's (another replica may succeed), not the request's
     num_drafts: int = 0  # k of this step
     forward_s: float = 0.0  # time in the batched forward pass this step was part of
     batch_size: int = 1  # sequences in the batch this step was verified with

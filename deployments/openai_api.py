@@ -199,6 +199,8 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
                               param="stop_token_ids")
     if body.min_tokens > max_new:
         raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
+    if backend == "vllm" and "repetition_penalty" not in given:
+        fields["repetition_penalty"] = 1.0  # a model default the vLLM backend cannot apply: not imposed
     if backend == "vllm" and fields["repetition_penalty"] != 1.0:
         # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
         raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",

@@ -240,7 +240,10 @@ class Router:
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok.chat_template:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # noqa: BLE001 - the template refused these messages (e.g. roles must alternate)
+                raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         else:
             text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages)
             if add_generation_prompt:
@@ -359,6 +362,8 @@ class Router:
                             ended = True
                             break
                         t_got = time.perf_counter()
+                        # progress: a later failure gets the whole retry window again
+                        deadline, attempt = time.monotonic() + self.config.verifier_retry_s, 0
                         n_lp = len(seq.logprobs)
                         new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
                                                             num_drafts=info.k,
@@ -388,7 +393,9 @@ class Router:
                 finally:
                     if not ended:  # abandoned mid-way (stop string, failure): stop the replica's loop
                         stream.cancel()
-                if failure is not None:
+                if failure is not None and seq.done:  # the replica failed while ending: nothing is lost
+                    log.warning("verifier stream failed after the request completed: %r", failure)
+                elif failure is not None:
                     e = failure
                     attempt += 1
                     if isinstance(e, Overloaded) and not seq.output_ids:

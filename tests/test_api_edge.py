@@ -314,3 +314,14 @@ def test_api_keys_body_and_prompt_limits(keyed_app):
     assert r.status_code == 413, r.text
     r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": "y" * 600}, headers=ok, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_vllm_backend_drops_a_default_repetition_penalty_but_refuses_a_requested_one():
+    from deployments.openai_api import CompletionRequest, OpenAIError, to_sampling_params
+
+    kw = dict(prompt_len=3, max_len=64, vocab_size=100, max_tokens_limit=32, defaults={"repetition_penalty": 1.05},
+              verification="gumbel", backend="vllm")
+    assert to_sampling_params(CompletionRequest(prompt="x"), **kw).repetition_penalty == 1.0
+    with pytest.raises(OpenAIError) as e:
+        to_sampling_params(CompletionRequest(prompt="x", repetition_penalty=1.3), **kw)
+    assert e.value.status == 400 and e.value.param == "repetition_penalty"

@@ -144,3 +144,24 @@ def test_policy_on_cpu_like_and_gpu_like_curves():
     assert any(k > 0 for k in ks[first_plain + 10:]), ks  # it returns from k = 0
     # and a cheap drafter with good acceptance keeps speculating
     assert 0 not in simulate(AdaptiveK(4), lambda k: 0.010 * (1 + 0.12 * k), 0.8, steps=60)
+
+
+def test_engine_failures_are_retryable_request_faults_are_not(engines):
+    """A verify result with an engine error raises RuntimeError (the router fails over); a
+    request the engine refuses raises ValueError (the router answers 400)."""
+    from core.protocol import VerifyResult
+
+    tok, target, ver, drafter = engines
+    p = prompts(tok, 1)[0]
+    for retryable, exc in ((True, RuntimeError), (False, ValueError)):
+        seq = new_seq(tok, ver, p, 0)
+
+        async def verify(requests, retryable=retryable):
+            return [VerifyResult(requests[0].seq_id, error="boom", retryable=retryable)]
+
+        async def drive():
+            async for _ in speculate(seq, None, verify, FixedK(0), Breaker(), pipeline=False):
+                pass
+
+        with pytest.raises(exc, match="boom"):
+            asyncio.run(drive())

@@ -176,7 +176,7 @@ class VllmVerifierEngine:
                 logprobs = await self._full_rows(r.seq_id, tokens, r.draft_tokens)
         except Exception as e:  # this sequence only; the others in the call go on
             self.seqs.pop(r.seq_id, None)
-            return VerifyResult(r.seq_id, error=f"vLLM engine: {e!r}", num_drafts=r.k)
+            return VerifyResult(r.seq_id, error=f"vLLM engine: {e!r}", num_drafts=r.k, retryable=True)
         dt = time.perf_counter() - t0
         self.busy_s += dt
         res = decide(r, logprobs, tokens + r.draft_tokens, self.eos_ids)
