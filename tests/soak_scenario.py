@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     })
     print(json.dumps(report, indent=1))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # build/ does not exist on a fresh clone
         Path(args.out).write_text(json.dumps(report, indent=1))
     serve.shutdown()
     ray.shutdown()
