@@ -17,6 +17,18 @@ def tiny_pair():
     return tok, target, noisy_copy(target, 0.15)
 
 
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_pair):
+    """(tokenizer, target, VerifierEngine, ModelDrafter) on the tiny pair, in process."""
+    from configs import DraftModelConfig, VerifierConfig
+    from drafter.model_drafter import ModelDrafter
+    from verifier.engine import VerifierEngine
+
+    tok, target, draft = tiny_pair
+    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=64), model=target, tokenizer=tok)
+    return tok, target, ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=draft)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -33,8 +33,6 @@ valid_ish = st.fixed_dictionaries({
 })
 
 
-
-
 def around(lo, hi, integer=False):
     """Values inside [lo, hi], at its edges and beyond them (and non-finite ones for floats)."""
     if integer:

@@ -6,22 +6,13 @@ import asyncio
 
 import pytest
 
-from configs import DraftModelConfig, SamplingParams, VerifierConfig
+from configs import SamplingParams
 from core.loop import speculate, speculate_local
 from core.policy import AdaptiveK, Breaker, FixedK
 from core.sequence import Sequence
-from drafter.model_drafter import ModelDrafter
 from tests.test_greedy_equivalence import compare, prompts, reference
-from verifier.engine import VerifierEngine
 
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_pair):
-    tok, target, draft = tiny_pair
-    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=64), model=target, tokenizer=tok)
-    return tok, target, ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=draft)
 
 
 def new_seq(tok, ver, prompt, k, **params):
@@ -52,8 +43,8 @@ async def run(seq, drafter, ver, policy, pipeline=True, fail_drafter=False):
 
 @pytest.mark.parametrize("pipeline", [True, False])
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_equals_target_and_pre_drafts_are_used_on_exact_match_only(engines, k, pipeline):
-    tok, target, ver, drafter = engines
+def test_greedy_equals_target_and_pre_drafts_are_used_on_exact_match_only(tiny_engines, k, pipeline):
+    tok, target, ver, drafter = tiny_engines
     hits = misses = 0
     near_ties = []
     for p in prompts(tok, 8):
@@ -84,8 +75,8 @@ def drafter_agrees(drafter, tokens, drafts) -> bool:
     return tuple(p.tokens) == tuple(drafts)
 
 
-def test_a_failing_drafter_degrades_steps_not_the_request(engines):
-    tok, target, ver, drafter = engines
+def test_a_failing_drafter_degrades_steps_not_the_request(tiny_engines):
+    tok, target, ver, drafter = tiny_engines
     p = prompts(tok, 1)[0]
     seq = new_seq(tok, ver, p, 4)
     _, infos = asyncio.run(run(seq, drafter, ver, FixedK(4), fail_drafter=True))
@@ -104,8 +95,8 @@ def test_breaker_backs_off_doubles_and_resets():
     assert not Breaker().open(20.1)
 
 
-def test_speculate_local_matches_the_lockstep_reference(engines):
-    tok, target, ver, drafter = engines
+def test_speculate_local_matches_the_lockstep_reference(tiny_engines):
+    tok, target, ver, drafter = tiny_engines
     from core.loop import generate
 
     ps = prompts(tok, 4)
@@ -146,12 +137,12 @@ def test_policy_on_cpu_like_and_gpu_like_curves():
     assert 0 not in simulate(AdaptiveK(4), lambda k: 0.010 * (1 + 0.12 * k), 0.8, steps=60)
 
 
-def test_engine_failures_are_retryable_request_faults_are_not(engines):
+def test_engine_failures_are_retryable_request_faults_are_not(tiny_engines):
     """A verify result with an engine error raises RuntimeError (the router fails over); a
     request the engine refuses raises ValueError (the router answers 400)."""
     from core.protocol import VerifyResult
 
-    tok, target, ver, drafter = engines
+    tok, target, ver, drafter = tiny_engines
     p = prompts(tok, 1)[0]
     for retryable, exc in ((True, RuntimeError), (False, ValueError)):
         seq = new_seq(tok, ver, p, 0)

@@ -12,30 +12,24 @@ lossless. Checked three ways:
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from configs import DraftModelConfig, SamplingParams, VerifierConfig
+from configs import SamplingParams
 from core.loop import generate
 from core.protocol import DraftProbs, VerifyRequest
 from core.rejection import decide
 from core.sampling import History, Stream, apply_processors, processed_probs, sample_inverse_cdf, uniform
-from drafter.model_drafter import ModelDrafter
 from tests.test_greedy_equivalence import compare, prompts
-from verifier.engine import VerifierEngine
+from tests.test_rejection import min_p_value_of
 
 MAX_NEW = 32
 
-@pytest.fixture(scope="module")
-def engines(tiny_pair):
-    tok, target, draft = tiny_pair
-    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=64), model=target, tokenizer=tok)
-    return tok, target, ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=draft)
 
 def hf_greedy(model, prompt, n, **kw):
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                          min_new_tokens=n, pad_token_id=2, **kw)
     return out[0, len(prompt):].tolist()
+
 
 def naive_greedy(model, prompt, n, params: SamplingParams, stop_ids=()):
     """One token at a time over the full context, the processors written out longhand."""
@@ -56,9 +50,10 @@ def naive_greedy(model, prompt, n, params: SamplingParams, stop_ids=()):
             toks.append(int(logits.argmax()))
     return toks[len(prompt):]
 
+
 @pytest.mark.parametrize("k", [0, 1, 4])
-def test_greedy_repetition_penalty_equals_transformers(engines, k):
-    tok, target, ver, drafter = engines
+def test_greedy_repetition_penalty_equals_transformers(tiny_engines, k):
+    tok, target, ver, drafter = tiny_engines
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)
     ps = prompts(tok, 10)
     seqs = generate(ps, params, k, drafter, ver)
@@ -71,9 +66,10 @@ def test_greedy_repetition_penalty_equals_transformers(engines, k):
     if k:
         assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
 
+
 @pytest.mark.parametrize("k", [0, 4])
-def test_greedy_logit_bias_equals_transformers_sequence_bias(engines, k):
-    tok, target, ver, drafter = engines
+def test_greedy_logit_bias_equals_transformers_sequence_bias(tiny_engines, k):
+    tok, target, ver, drafter = tiny_engines
     ps = prompts(tok, 10)
     plain = generate(ps, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), 0, None, ver)
     # push down a token the target likes, push up a few it does not
@@ -86,9 +82,10 @@ def test_greedy_logit_bias_equals_transformers_sequence_bias(engines, k):
         assert compare(target, p, s.output_ids, want, near_ties), p
     assert any(a.output_ids != b.output_ids for a, b in zip(seqs, plain))
 
+
 @pytest.mark.parametrize("k", [0, 3])
-def test_greedy_frequency_presence_min_tokens_equal_naive_reference(engines, k):
-    tok, target, ver, drafter = engines
+def test_greedy_frequency_presence_min_tokens_equal_naive_reference(tiny_engines, k):
+    tok, target, ver, drafter = tiny_engines
     ps = prompts(tok, 6)
     stop_id = 9
     params = SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.8, presence_penalty=0.4,
@@ -101,8 +98,9 @@ def test_greedy_frequency_presence_min_tokens_equal_naive_reference(engines, k):
         assert s.output_ids == want, p
         assert stop_id not in s.output_ids[:10]
 
-def test_stop_token_ids_end_generation_and_are_returned(engines):
-    tok, target, ver, drafter = engines
+
+def test_stop_token_ids_end_generation_and_are_returned(tiny_engines):
+    tok, target, ver, drafter = tiny_engines
     p = prompts(tok, 1)[0]
     free = generate([p], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), 0, None, ver)[0]
     stop = free.output_ids[5]
@@ -116,9 +114,10 @@ def test_stop_token_ids_end_generation_and_are_returned(engines):
                                             stop_token_ids=(stop,), min_tokens=first + 2), k, drafter, ver)
         assert stop not in m.output_ids[: first + 2]
 
-def test_stop_string_inside_an_accepted_block_reports_only_kept_tokens(engines):
+
+def test_stop_string_inside_an_accepted_block_reports_only_kept_tokens(tiny_engines):
     """Defect: a stop string found inside a block trimmed seq.tokens but returned every new id."""
-    tok, target, ver, drafter = engines
+    tok, target, ver, drafter = tiny_engines
     p = prompts(tok, 1)[0]
     (free,) = generate([p], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), 0, None, ver)
     text = tok.decode(free.output_ids[:12], skip_special_tokens=True)
@@ -134,13 +133,16 @@ def test_stop_string_inside_an_accepted_block_reports_only_kept_tokens(engines):
     assert reported == seq.output_ids and len(seq.logprobs) == len(reported)
     assert stop not in seq.text and seq.finish_reason == "stop"
 
+
 # ---------------------------------------------------------------- distribution (production path)
 V, K, N, TOP_K = 6, 3, 12_000, 4
+
 
 def _model(seed=1):
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(V, V, generator=g) * 1.5  # logits after token x: row x
     return target, target + torch.randn(V, V, generator=g) * 1.0
+
 
 def exact_marginals(target, params, prompt=(0,), n=K + 1):
     """Per position, the exact distribution of the target's output under the processors,
@@ -157,6 +159,7 @@ def exact_marginals(target, params, prompt=(0,), n=K + 1):
                     out[j][t] += mass * p[t]
         frontier = nxt
     return out
+
 
 def run_production(target, draft, params, n=N, k=K, stale_verifier=False):
     """n sequences of k+1 tokens after the prompt [0], each step drafted from q (the drafter's
@@ -185,15 +188,6 @@ def run_production(target, draft, params, n=N, k=K, stale_verifier=False):
         rows.append(seq[1:k + 2])
     return torch.tensor(rows)
 
-def min_pvalue(tokens, marginals):
-    pvals = []
-    for j, expected in enumerate(marginals):
-        observed = torch.bincount(tokens[:, j], minlength=V).double()
-        support = expected > 0
-        assert observed[~support].sum() == 0, f"position {j}: a token of probability 0 was emitted"
-        exp = expected[support] / expected[support].sum() * len(tokens)
-        pvals.append(chisquare(observed[support].numpy(), exp.numpy()).pvalue)
-    return min(pvals)
 
 DIST_PARAMS = {
     # the production path without processors (test_rejection.py tests the sampler's maths alone)
@@ -208,24 +202,27 @@ DIST_PARAMS = {
                                                      verification="gumbel"),
 }
 
+
 @pytest.mark.parametrize("name", list(DIST_PARAMS))
 def test_distribution_with_processors_production_path(name):
     params = DIST_PARAMS[name]
     target, draft = _model()
     tokens = run_production(target, draft, params)
-    assert min_pvalue(tokens, exact_marginals(target, params)) > 1e-3
+    assert min_p_value_of(tokens, exact_marginals(target, params)) > 1e-3
     if not params.processed and params.min_p == 0.0:
         return
     # the processors matter here: without them the marginals differ measurably
     plain = params.model_copy(update={"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
                                       "repetition_penalty": 1.0, "logit_bias": {}})
-    assert min_pvalue(tokens, exact_marginals(target, plain)) < 1e-6
+    assert min_p_value_of(tokens, exact_marginals(target, plain)) < 1e-6
+
 
 def test_a_verifier_that_forgets_the_drafts_in_its_penalties_is_caught():
     params = DIST_PARAMS["t0.8-presence-frequency"]
     target, draft = _model()
     tokens = run_production(target, draft, params, stale_verifier=True)
-    assert min_pvalue(tokens, exact_marginals(target, params)) < 1e-6
+    assert min_p_value_of(tokens, exact_marginals(target, params)) < 1e-6
+
 
 def test_processors_order_and_neutral_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])

@@ -91,9 +91,15 @@ def marginals(P, k: int = K):
 
 
 def min_p_value(tokens, P, k: int = K) -> float:
+    return min_p_value_of(tokens, marginals(P, k))
+
+
+def min_p_value_of(tokens, expected_marginals) -> float:
+    """Smallest chi-square p-value over positions: tokens [n, positions] against each position's
+    exact distribution; a token of probability 0 emitted anywhere fails at once."""
     pvals = []
-    for j, expected in enumerate(marginals(P, k)):
-        observed = torch.bincount(tokens[:, j], minlength=V).double()
+    for j, expected in enumerate(expected_marginals):
+        observed = torch.bincount(tokens[:, j], minlength=len(expected)).double()
         support = expected > 0
         assert observed[~support].sum() == 0, f"position {j}: a token the target can never emit was emitted"
         exp = expected[support] / expected[support].sum() * len(tokens)
