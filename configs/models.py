@@ -74,9 +74,11 @@ class DraftModelConfig(_Config):
     model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM with the target's vocabulary.")
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
     draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The drafter samples from its own top draft_top_k tokens, so q is exactly sparse and only these entries travel to the verifier.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype (float32 recommended on CPU).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere.")
+    forward: Literal["auto", "compact", "transformers"] = Field("auto", description="Decoder forward: compact (a fused Llama-family forward over the model's weights) where the architecture allows (auto), else the model's own transformers modules.")
     device: str = Field("cpu", description="torch device of the drafter model.")
-    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the drafter's per-sequence KV cache slots; the least recently used sequence is evicted when full.")
+    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when full.")
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
 
@@ -104,9 +106,11 @@ class VerifierConfig(_Config):
     """The target model that verifies drafts."""
 
     model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM (config, weights, tokenizer).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype; weights stored in 16 bits are upcast (float32 on CPU).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere.")
+    forward: Literal["auto", "compact", "transformers"] = Field("auto", description="Decoder forward: compact (a fused Llama-family forward over the model's weights) where the architecture allows (auto), else the model's own transformers modules.")
     device: str = Field("cpu", description="torch device of the target model.")
-    cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description="Memory for per-sequence KV cache slots; the least recently used sequence is evicted when full.")
+    cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description="Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when full.")
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")

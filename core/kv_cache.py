@@ -1,20 +1,31 @@
-"""Per-sequence KV cache slots and the batched forward pass that uses them.
+"""Paged KV memory for many sequences, and the batched forward pass that reads and writes it.
 
-Each sequence owns a preallocated slot: one [kv_heads, max_len, head_dim] key and value
-buffer per layer, indexed by absolute position (as in gpt-fast). A slot's valid length
-is simply the number of tokens recorded for it: rolling back rejected drafts moves that
-pointer and nothing else, and the stale entries past it are overwritten by the next
-forward pass. Sequences of different lengths are batched in one forward pass with
-explicit position ids and a 4D attention mask; each row reads its own slot.
+Memory is a pool of fixed-size blocks (``block_size`` tokens of K and V for every layer),
+one [rows, kv_heads, head_dim] buffer per layer and per K/V, where rows = blocks x block_size.
+A sequence holds a list of blocks (its block table); position p lives in row
+``blocks[p // block_size] * block_size + p % block_size``. So the number of sequences held
+at once is bounded by the tokens they actually hold, not by ``max_model_len`` per sequence,
+and the budget stays in bytes.
 
-The cache is only an optimisation. A call names the sequence, the position where its
-new tokens start and a hash of the tokens before them (``prefix_hash``); a slot that
-does not hold exactly that prefix is a miss, and the caller resends the full token ids.
-Memory is bounded by a budget: a fixed number of slots, least recently used evicted.
+Rolling back rejected drafts moves a sequence's length and nothing else; the stale rows past
+it are overwritten by the next forward pass. Block 0 is never handed out: padded tokens of a
+batched pass write there, and padded key positions read from it (they are masked).
+
+Reading K/V for attention gathers each sequence's rows into one [B, S, kv_heads, head_dim]
+tensor, a copy proportional to the tokens held. At batch 1 a sequence whose blocks are
+consecutive (the allocator extends a sequence into the block after its last one whenever that
+block is free, which is the common case) is read as a view, with no copy: the shape of a
+single-stream decode step is the same as with one preallocated slot per sequence.
+
+The cache is only an optimisation. A call names the sequence, the position where its new
+tokens start and a hash of the tokens before them (``prefix_hash``); a sequence whose rows do
+not hold exactly that prefix is a miss, and the caller resends the full token ids. When the
+pool is full, the least recently used sequences outside the current batch are evicted.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,35 +33,58 @@ import torch
 
 from core.protocol import CacheMiss, common_prefix_len, prefix_hash
 
+TRASH_ROW = 0  # in block 0, which no sequence owns
+
+
+class CacheFull(RuntimeError):
+    """The pool cannot hold this sequence's tokens even after evicting every sequence outside the batch."""
+
 
 @dataclass
 class Slot:
-    index: int
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are valid, in order
+    blocks: list[int] = field(default_factory=list)  # the block table
+
+    def rows(self, n: int, block_size: int) -> torch.Tensor:
+        """The pool rows of positions 0..n-1: [n]."""
+        b = torch.tensor(self.blocks[: -(-n // block_size)], dtype=torch.long)
+        return (b.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:n]
+
+    def first_row_if_contiguous(self, n: int, block_size: int) -> int | None:
+        """The first row when positions 0..n-1 lie in consecutive blocks (read as a view), else None."""
+        nb = -(-n // block_size)
+        if nb and self.blocks[nb - 1] - self.blocks[0] == nb - 1:
+            return self.blocks[0] * block_size
+        return None
 
 
-class SlotKVCache:
-    """Fixed slots of K/V memory, handed to sequences by id, evicted least-recently-used."""
+class PagedKVCache:
+    """Blocks of K/V memory handed to sequences by id; least recently used sequences evicted when full."""
 
-    def __init__(self, model_config, max_len: int, budget_bytes: int, dtype: torch.dtype, device="cpu"):
+    def __init__(self, model_config, max_len: int, budget_bytes: int, dtype: torch.dtype, device="cpu",
+                 block_size: int = 16):
         text_config = getattr(model_config, "get_text_config", lambda: model_config)()
         self.num_layers = text_config.num_hidden_layers
         self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.max_len = max_len
+        self.block_size = block_size
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.slot_bytes = 2 * self.num_layers * self.kv_heads * max_len * self.head_dim * itemsize
-        self.num_slots = budget_bytes // self.slot_bytes
-        if self.num_slots < 1:
+        self.token_bytes = 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
+        self.block_bytes = self.token_bytes * block_size
+        self.num_blocks = budget_bytes // self.block_bytes
+        per_sequence = -(-max_len // block_size)
+        if self.num_blocks < per_sequence + 1:  # one sequence at the context limit must fit (block 0 is reserved)
             raise ValueError(
-                f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds no slot: one sequence of "
-                f"{max_len} tokens needs {self.slot_bytes / 2**20:.1f} MiB")
-        shape = (self.num_slots, self.kv_heads, max_len, self.head_dim)
+                f"KV cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one sequence of {max_len} tokens: "
+                f"that needs {(per_sequence + 1) * self.block_bytes / 2**20:.1f} MiB")
+        shape = (self.num_blocks * block_size, self.kv_heads, self.head_dim)
         # zeros, not empty: masked positions still enter the attention matmul, and NaN * 0 is NaN
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
-        self.free = list(range(self.num_slots - 1, -1, -1))
+        self._free = set(range(1, self.num_blocks))
+        self._heap = list(range(1, self.num_blocks))  # smallest free block first (lazy deletion)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0}
 
     def __contains__(self, seq_id: str) -> bool:
@@ -59,22 +93,29 @@ class SlotKVCache:
     def __len__(self) -> int:
         return len(self.slots)
 
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def held_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.slots.values())
+
     def cached_tokens(self, seq_id: str) -> list[int]:
         slot = self.slots.get(seq_id)
         return list(slot.tokens) if slot else []
 
     def claim(self, seq_id: str, start: int, prefix: str | None, full_tokens: list[int] | None,
               pinned: set[str]) -> Slot:
-        """Find or make the slot for seq_id, rolled back to hold exactly the tokens before `start`.
+        """Find or make the entry for seq_id, rolled back to hold exactly the tokens before `start`.
 
         With ``full_tokens`` (the caller resent everything, start 0), the longest common
-        prefix with what the slot holds is kept; otherwise the slot must hold at least
+        prefix with what the entry holds is kept; otherwise it must hold at least
         ``start`` tokens hashing to ``prefix``, or CacheMiss is raised.
         """
         slot = self.slots.get(seq_id)
         if full_tokens is not None:
             if slot is None:
-                slot = self._new_slot(seq_id, pinned)
+                slot = self.slots[seq_id] = Slot()
             # keep at least one token to feed, so the forward pass has a position to predict from
             keep = min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1)
             del slot.tokens[keep:]
@@ -84,102 +125,137 @@ class SlotKVCache:
                 raise CacheMiss(seq_id)
             del slot.tokens[start:]
             self.stats["hits"] += 1
+        self._trim(slot)
         self.slots.move_to_end(seq_id)
         return slot
+
+    def reserve(self, seq_id: str, n_tokens: int, pinned: set[str]) -> None:
+        """Give seq_id blocks for n_tokens positions, evicting least recently used sequences outside
+        ``pinned`` if needed; CacheFull (the sequence is released) when even that is not enough."""
+        slot = self.slots[seq_id]
+        if n_tokens > self.max_len:
+            raise ValueError(f"sequence of {n_tokens} tokens exceeds the context limit of {self.max_len}")
+        while len(slot.blocks) * self.block_size < n_tokens:
+            if not self._free:
+                victim = next((s for s in self.slots if s not in pinned), None)
+                if victim is None:
+                    self.release(seq_id)
+                    raise CacheFull(f"the KV cache ({self.num_blocks} blocks of {self.block_size} tokens) is held "
+                                    f"by the current batch; {seq_id} needs {n_tokens} tokens")
+                self.release(victim)
+                self.stats["evictions"] += 1
+                continue
+            nxt = slot.blocks[-1] + 1 if slot.blocks else None
+            if nxt in self._free:  # stay contiguous: read as a view at batch 1
+                self._free.remove(nxt)
+            else:
+                nxt = heapq.heappop(self._heap)
+                while nxt not in self._free:
+                    nxt = heapq.heappop(self._heap)
+                self._free.remove(nxt)
+            slot.blocks.append(nxt)
 
     def release(self, seq_id: str) -> bool:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
-            self.free.append(slot.index)
+            self._give_back(slot.blocks)
+            slot.blocks = []
         return slot is not None
 
-    def _new_slot(self, seq_id: str, pinned: set[str]) -> Slot:
-        if not self.free:
-            victim = next((s for s in self.slots if s not in pinned), None)
-            if victim is None:
-                raise RuntimeError("every KV cache slot is in use by the current batch")
-            self.release(victim)
-            self.stats["evictions"] += 1
-        slot = Slot(self.free.pop())
-        self.slots[seq_id] = slot
-        return slot
+    def _trim(self, slot: Slot) -> None:
+        """Free the blocks past the tokens held, keeping one block of headroom for the next step."""
+        keep = -(-len(slot.tokens) // self.block_size) + 1
+        if len(slot.blocks) > keep:
+            self._give_back(slot.blocks[keep:])
+            del slot.blocks[keep:]
+
+    def _give_back(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._free.add(b)
+            heapq.heappush(self._heap, b)
+        if len(self._heap) > 4 * self.num_blocks:  # lazy deletion left too many stale entries
+            self._heap = sorted(self._free)
 
 
-class _BatchView:
-    """What the model sees as ``past_key_values`` during one batched forward pass.
+class KVAccess:
+    """Where one batched forward pass writes its new K/V and reads each row's K/V from.
 
-    ``update`` writes the new keys/values of the valid (unpadded) tokens into their slots
-    at their absolute positions, then returns every row's slot up to the longest length.
+    Either as slices (batch 1, consecutive blocks: views, no copy) or as row indices:
+    ``write_rows`` [B * n] (padded tokens go to the trash row), ``read_rows`` [B, S]
+    (positions past a row's length read the trash row; the mask hides them).
     """
 
-    def __init__(self, cache: SlotKVCache, slot_ids: torch.Tensor, positions: torch.Tensor,
-                 valid: torch.Tensor, kv_len: int):
+    def __init__(self, cache: PagedKVCache, write_rows=None, read_rows=None, write_start=0, n=0, read_start=0, S=0):
         self.cache = cache
-        self.slot_ids = slot_ids  # [B]
-        self.kv_len = kv_len
-        b_idx, t_idx = valid.nonzero(as_tuple=True)  # valid [B, n]
-        self.b_idx, self.t_idx = b_idx, t_idx  # [N] rows and columns of valid tokens
-        self.write_slots = slot_ids[b_idx]  # [N]
-        self.write_pos = positions[b_idx, t_idx]  # [N]
-        self.single = slot_ids.numel() == 1
+        self.write_rows, self.read_rows = write_rows, read_rows
+        self.write_start, self.n, self.read_start, self.S = write_start, n, read_start, S
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states [B, kv_heads, n, head_dim]
-        k_all, v_all = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        new_k = key_states.transpose(1, 2)[self.b_idx, self.t_idx]  # [N, kv_heads, head_dim]
-        new_v = value_states.transpose(1, 2)[self.b_idx, self.t_idx]
-        k_all[self.write_slots, :, self.write_pos] = new_k.to(k_all.dtype)
-        v_all[self.write_slots, :, self.write_pos] = new_v.to(v_all.dtype)
-        if self.single:  # a view, no copy
-            s = int(self.slot_ids[0])
-            return k_all[s : s + 1, :, : self.kv_len], v_all[s : s + 1, :, : self.kv_len]
-        return (k_all.index_select(0, self.slot_ids)[:, :, : self.kv_len],
-                v_all.index_select(0, self.slot_ids)[:, :, : self.kv_len])  # [B, kv_heads, S, head_dim]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-    def is_compileable(self):
-        return False
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [B, n, kv_heads, head_dim] new entries -> every row's K/V: [B, S, kv_heads, head_dim]."""
+        K, V = self.cache.k[layer], self.cache.v[layer]
+        if self.read_rows is None:
+            a, b = self.write_start, self.write_start + self.n
+            K[a:b] = k[0]
+            V[a:b] = v[0]
+            a, b = self.read_start, self.read_start + self.S
+            return K[a:b].unsqueeze(0), V[a:b].unsqueeze(0)
+        K.index_copy_(0, self.write_rows, k.flatten(0, 1).to(K.dtype))
+        V.index_copy_(0, self.write_rows, v.flatten(0, 1).to(V.dtype))
+        return K[self.read_rows], V[self.read_rows]
 
 
 @torch.inference_mode()
-def batched_forward(model, cache: SlotKVCache, slots: list[Slot], new_tokens: list[list[int]],
-                    keep_last: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: list[list[int]],
+                    keep_last: list[int], capture: tuple[int, ...] = ()):
     """One forward pass over the new tokens of several sequences.
 
-    slots[i] holds sequence i's cached prefix; new_tokens[i] (non-empty) follow it.
-    Returns, per sequence, the logits [keep_last[i], V] of its last keep_last[i] new tokens.
-    The slots then also hold the new tokens.
+    slots[i] holds sequence i's cached prefix and has blocks reserved for its new tokens;
+    new_tokens[i] (non-empty) follow it. ``runner`` is a ``core.llama`` forward.
+    Returns, per sequence, the logits [keep_last[i], V] of its last keep_last[i] new tokens
+    (and, with ``capture``, the hidden states of the captured layers at every new token:
+    {layer: [len(new_tokens[i]), hidden]}). The slots then also hold the new tokens.
     """
     device = cache.k[0].device
     B = len(slots)
     n = max(len(t) for t in new_tokens)
-    starts = torch.tensor([len(s.tokens) for s in slots])  # [B]
-    lengths = torch.tensor([len(t) for t in new_tokens])  # [B]
+    starts = [len(s.tokens) for s in slots]
+    lengths = [len(t) for t in new_tokens]
+    S = max(a + b for a, b in zip(starts, lengths))
+    if S > cache.max_len:
+        raise ValueError(f"sequence of {S} tokens exceeds the context limit of {cache.max_len}")
+    bs = cache.block_size
     # Right-align the new tokens (pad on the left) so every row's last positions line up
     # and the LM head runs on the last max(keep_last) columns only.
+    starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
     col = torch.arange(n).unsqueeze(0)  # [1, n]
-    pad = (n - lengths).unsqueeze(1)  # [B, 1]
+    pad = (n - lengths_t).unsqueeze(1)  # [B, 1]
     valid = col >= pad  # [B, n]
-    positions = torch.where(valid, starts.unsqueeze(1) + col - pad, 0)  # [B, n]
+    positions = torch.where(valid, starts_t.unsqueeze(1) + col - pad, 0)  # [B, n]
     input_ids = torch.zeros(B, n, dtype=torch.long)
     for i, toks in enumerate(new_tokens):
         input_ids[i, n - len(toks):] = torch.tensor(toks)
-    kv_len = int((starts + lengths).max())
-    if kv_len > cache.max_len:
-        raise ValueError(f"sequence of {kv_len} tokens exceeds the context limit of {cache.max_len}")
-    # key position t is visible to a query at position pos when t <= pos; pad queries
-    # (position 0) see key 0 only, so no row is fully masked
-    key_pos = torch.arange(kv_len).view(1, 1, 1, kv_len)
-    visible = key_pos <= positions.view(B, 1, n, 1)  # [B, 1, n, S]
-    mask = torch.zeros(B, 1, n, kv_len, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    slot_ids = torch.tensor([s.index for s in slots])
-    view = _BatchView(cache, slot_ids.to(device), positions.to(device), valid, kv_len)
+    first = slots[0].first_row_if_contiguous(S, bs) if B == 1 else None
+    if first is not None:
+        kv = KVAccess(cache, write_start=first + starts[0], n=n, read_start=first, S=S)
+    else:
+        rows = [s.rows(a + b, bs) for s, a, b in zip(slots, starts, lengths)]
+        read = torch.full((B, S), TRASH_ROW, dtype=torch.long)
+        for i, r in enumerate(rows):
+            read[i, : r.numel()] = r
+        write = torch.where(valid, read.gather(1, positions), TRASH_ROW)  # [B, n]
+        kv = KVAccess(cache, write_rows=write.flatten().to(device), read_rows=read.to(device))
+    # key t is visible to a query at position pos when t <= pos; a pad query (position 0)
+    # sees key 0 only, so no row is fully masked. One new token at batch 1 sees everything.
+    mask = None
+    if B > 1 or n > 1:
+        mask = (torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, n, 1)).to(device)  # [B, 1, n, S]
     m = max(keep_last)
-    out = model(input_ids=input_ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
-                past_key_values=view, use_cache=True, logits_to_keep=m)
-    logits = out.logits.float().cpu()  # [B, m, V]
+    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, mask, m, capture)  # [B, m, V]
+    logits = logits.float().cpu()
     for s, toks in zip(slots, new_tokens):
         s.tokens.extend(toks)
-    return [logits[i, m - keep:] for i, keep in enumerate(keep_last)]
+    out = [logits[i, m - keep:] for i, keep in enumerate(keep_last)]
+    if not capture:
+        return out
+    states = [{L: h[i, n - lengths[i]:].cpu() for L, h in hidden.items()} for i in range(B)]
+    return out, states

@@ -5,9 +5,49 @@ Everything here reads local files only; nothing fetches from a model hub.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): then bf16 halves the bytes a
+    memory-bound decode step reads. Elsewhere bf16 is emulated and slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: assume no
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
+    """The compute dtype for ``name``; ``auto`` is bf16 on GPUs that support it and on CPUs with
+    native bf16, float32 elsewhere."""
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported()
+    else:
+        fast = device.type == "cpu" and cpu_has_fast_bf16()
+    chosen = "bfloat16" if fast else "float32"
+    log.info("dtype auto on %s: %s", device, chosen)
+    return chosen
+
+
+def resolve_kv_dtype(name: str, compute: str, device: str | torch.device = "cpu") -> str:
+    """The KV cache's dtype; ``auto`` is float32 on CPUs (their bf16 attention kernels are 3-8x
+    slower than float32 ones at decode shapes, measured in core/llama.py), the compute dtype elsewhere."""
+    if name != "auto":
+        return name
+    return "float32" if torch.device(device).type == "cpu" else compute
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.kv_cache import SlotKVCache, batched_forward
-from core.models import DTYPES, eos_token_ids, load_causal_lm
+from core.kv_cache import CacheFull, batched_forward
+from core.llama import EngineModel
+from core.models import eos_token_ids
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
 from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
                            target_logits, uniform)
@@ -28,14 +29,9 @@ class ModelDrafter:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.dtype = DTYPES[config.dtype]
-        self.model = (model or load_causal_lm(config.model, self.dtype, config.device)).to(
-            device=config.device, dtype=self.dtype).eval()
+        em = EngineModel(config, model)
+        self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
-        mc = self.model.config.get_text_config()
-        self.max_len = config.max_model_len or mc.max_position_embeddings
-        self.cache = SlotKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20),
-                                 self.dtype, config.device)
 
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
@@ -44,9 +40,6 @@ class ModelDrafter:
         return len(self.cache)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        n = self.cache.num_slots  # a batch larger than the cache goes in parts
-        if len(requests) > n:
-            return [p for i in range(0, len(requests), n) for p in self.propose(requests[i:i + n])]
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
         pinned = {r.seq_id for r in requests}
@@ -62,6 +55,11 @@ class ModelDrafter:
             feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
             # feeding context + k-1 drafts must fit in the drafter's context
             k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
+            try:
+                self.cache.reserve(r.seq_id, len(slot.tokens) + len(feed) + max(k - 1, 0), pinned)
+            except CacheFull:  # no drafts is still lossless: the verifier decodes one token
+                out[r.seq_id] = Proposal(r.seq_id, [])
+                continue
             sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"  # coupled verification needs no q
             out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None)
             if k > 0:
@@ -71,8 +69,8 @@ class ModelDrafter:
 
         step = 0
         while active:
-            logits = batched_forward(self.model, self.cache, [a[1] for a in active], [a[2] for a in active],
-                                     [1] * len(active), self.dtype)
+            logits = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
+                                     [1] * len(active))
             still = []
             for (r, slot, _, k), lg in zip(active, logits):
                 prop = out[r.seq_id]

@@ -104,22 +104,61 @@ def test_sequence_at_the_context_limit(tiny_pair):
         Sequence(list(range(3, 51)), SamplingParams(), 4, tok, set(), 48)
 
 
+def block_budget_mb(ver, blocks):
+    return blocks * ver.cache.block_bytes / 2**20
+
+
+def make_limited(tiny_pair, blocks, max_len):
+    tok, t, d = tiny_pair
+    probe = VerifierEngine(VerifierConfig(model="tiny", max_model_len=max_len), model=t, tokenizer=tok)
+    mb = block_budget_mb(probe, blocks)
+    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=mb, max_model_len=max_len), model=t, tokenizer=tok)
+    dr = ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=mb * d.config.num_hidden_layers
+                                       / t.config.num_hidden_layers, max_model_len=max_len), model=d)
+    return tok, ver, dr
+
+
 def test_eviction_and_recompute_give_the_same_output(tiny_pair):
     tok, big_ver, big_dr = make(tiny_pair)
-    slot_mb = big_ver.cache.slot_bytes / 2**20
-    _, ver, dr = make(tiny_pair, budget_mb=2.5 * slot_mb, drafter_budget_mb=2.5 * slot_mb)
-    assert ver.cache.num_slots == dr.cache.num_slots == 2
-    ps = prompts(tok, 3)
+    # one sequence at the context limit (4 blocks) plus two blocks: three sequences do not fit
+    _, ver, dr = make_limited(tiny_pair, blocks=7, max_len=64)
+    assert ver.cache.num_blocks == dr.cache.num_blocks == 7
+    ps = [p[:20] for p in prompts(tok, 3)]
     want = [s.output_ids for s in generate(ps, SAMPLED, 3, big_dr, big_ver)]
     seqs = [Sequence(p, SAMPLED, 3, tok, ver.eos_ids, ver.max_len) for p in ps]
     while not all(s.done for s in seqs):
-        for s in seqs:  # round robin: each step evicts another sequence's slot
+        for s in seqs:  # round robin: each step evicts another sequence's blocks
             if not s.done:
                 step([s], dr, ver)
     assert [s.output_ids for s in seqs] == want
     assert ver.cache.stats["evictions"] > 0 and ver.cache.stats["misses"] > 0
-    # a batch larger than the cache is split, not refused
-    assert [s.output_ids for s in generate(ps, SAMPLED, 3, dr, ver)] == want
+
+
+def test_paged_cache_holds_sequences_by_tokens_used(tiny_pair):
+    """More concurrent short sequences than budget / (max_model_len x bytes per token): memory is
+    bounded by the tokens held, and nothing is evicted."""
+    tok, big_ver, big_dr = make(tiny_pair)
+    _, ver, dr = make_limited(tiny_pair, blocks=3 * 16 + 1, max_len=256)  # 3 sequences at the context limit
+    per_sequence_at_limit = ver.cache.num_blocks * ver.cache.block_bytes // (256 * ver.cache.token_bytes)
+    assert per_sequence_at_limit == 3
+    ps = [p[:16] for p in prompts(tok, 8)]
+    want = [s.output_ids for s in generate(ps, SAMPLED, 3, big_dr, big_ver)]
+    seqs = [Sequence(p, SAMPLED, 3, tok, ver.eos_ids, ver.max_len) for p in ps]
+    most = 0
+    while not all(s.done for s in seqs):
+        step([s for s in seqs if not s.done], dr, ver)  # one batch of all 8
+        most = max(most, len(ver.cache))
+    assert [s.output_ids for s in seqs] == want
+    assert most == 8 > per_sequence_at_limit
+    assert ver.cache.stats["evictions"] == 0 and dr.cache.stats["evictions"] == 0
+    held = ver.cache.held_tokens()
+    used = ver.cache.num_blocks - 1 - ver.cache.free_blocks
+    assert used * ver.cache.block_size < held + 2 * 8 * ver.cache.block_size  # at most two partial blocks each
+    # a batch that needs more than the whole pool fails those sequences alone, retryably
+    greedy = SamplingParams(temperature=0)
+    reqs = [VerifyRequest(f"big{i}", 0, None, [5 + j % 50 for j in range(240)], [], greedy, 0) for i in range(4)]
+    res = ver.verify(reqs)
+    assert [bool(r.error and r.retryable) for r in res] == [False, False, False, True], [r.error for r in res]
 
 
 def test_any_replica_can_serve_any_step(tiny_pair):

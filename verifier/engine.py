@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.kv_cache import SlotKVCache, batched_forward
-from core.models import DTYPES, eos_token_ids, load_causal_lm
+from core.kv_cache import CacheFull, batched_forward
+from core.llama import EngineModel
+from core.models import eos_token_ids
 from core.protocol import CacheMiss, VerifyRequest, VerifyResult
 from core.rejection import decide
 
@@ -30,15 +31,11 @@ class VerifierEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.dtype = DTYPES[config.dtype]
-        self.device = torch.device(config.device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
-        self.model = (model or load_causal_lm(config.model, self.dtype, self.device)).to(
-            device=self.device, dtype=self.dtype).eval()
-        mc = self.model.config
-        self.vocab_size = mc.get_text_config().vocab_size
-        self.max_len = config.max_model_len or mc.get_text_config().max_position_embeddings
-        self.cache = SlotKVCache(mc, self.max_len, int(config.cache_budget_mb * 2**20), self.dtype, self.device)
+        em = EngineModel(config, model)
+        self.model, self.runner, self.cache, self.dtype, self.device, self.max_len = (
+            em.model, em.runner, em.cache, em.dtype, em.device, em.max_len)
+        self.vocab_size = self.model.config.get_text_config().vocab_size
         self.eos_ids = eos_token_ids(self.tokenizer, model=self.model)
 
     def release(self, seq_id: str) -> bool:
@@ -60,9 +57,6 @@ class VerifierEngine:
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         """Verify the drafts of many sequences in (normally) one batched forward pass."""
-        n = self.cache.num_slots  # a batch larger than the cache goes in parts
-        if len(requests) > n:
-            return [res for i in range(0, len(requests), n) for res in self.verify(requests[i:i + n])]
         results: dict[str, VerifyResult] = {}
         live: list[tuple[VerifyRequest, object]] = []
         pinned = {r.seq_id for r in requests}
@@ -79,8 +73,13 @@ class VerifierEngine:
                     r.draft_probs = r.draft_probs.head(room)
             try:
                 slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+                # the sequence through its drafts: blocks for them now, so a full pool fails this sequence only
+                self.cache.reserve(r.seq_id, (0 if r.full else r.start) + len(r.new_tokens) + r.k, pinned)
             except CacheMiss:
                 results[r.seq_id] = VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
+                continue
+            except CacheFull as e:  # the batch holds the whole pool: another replica, or a later step, may succeed
+                results[r.seq_id] = VerifyResult(r.seq_id, error=str(e), retryable=True)
                 continue
             live.append((r, slot))
 
@@ -88,8 +87,8 @@ class VerifierEngine:
             feeds = [(r.new_tokens[len(slot.tokens):] if r.full else r.new_tokens) + r.draft_tokens
                      for r, slot in group]
             t0 = time.perf_counter()
-            logits = batched_forward(self.model, self.cache, [s for _, s in group], feeds,
-                                     [r.k + 1 for r, _ in group], self.dtype)  # each [k+1, V]
+            logits = batched_forward(self.runner, self.cache, [s for _, s in group], feeds,
+                                     [r.k + 1 for r, _ in group])  # each [k+1, V]
             dt = time.perf_counter() - t0
             for (r, slot), lg in zip(group, logits):
                 res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
@@ -106,7 +105,7 @@ class VerifierEngine:
         def n_feed(item):
             r, slot = item
             return (len(r.new_tokens) - len(slot.tokens) if r.full else len(r.new_tokens)) + r.k
-        group, widest = [], 0
+        group = []
         for item in sorted(live, key=n_feed):
             n = n_feed(item)
             real = sum(map(n_feed, group)) + n

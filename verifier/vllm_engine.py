@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.models import eos_token_ids
+from core.models import eos_token_ids, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
 
@@ -102,7 +102,7 @@ class VllmVerifierEngine:
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=config.model)
         self._stats_cls = _stat_logger_class()
         args = AsyncEngineArgs(
-            model=config.model, tokenizer=config.model, dtype=config.dtype, seed=0,
+            model=config.model, tokenizer=config.model, dtype=resolve_dtype(config.dtype, config.device), seed=0,
             max_model_len=self.max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm_block_size,
             kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
             max_num_batched_tokens=max(config.max_batch_tokens, self.max_len),

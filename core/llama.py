@@ -1,0 +1,203 @@
+"""The decoder forward pass the engines run: a compact Llama-family forward over Hugging Face weights.
+
+Hugging Face's modules spend most of a small-batch decode step outside the matmuls (on this
+CPU, bf16, batch 1: 6.6 ms for the shipped target against 4.1 ms in its linear layers): mask
+building, cache objects, three q/k/v and two gate/up matmuls where one each would do. This
+forward keeps only what a step needs: the fused projections, RMSNorm and rotary embedding as
+Hugging Face computes them (so outputs match the model's own ``generate``), attention over
+the paged cache (``core.kv_cache.KVAccess``), the LM head on the kept positions only. It can
+also return the residual stream entering chosen layers (EAGLE-3's auxiliary hidden states) from
+the same pass.
+
+Architectures with anything else (another norm, sliding windows in use, a rotary embedding
+that depends on the length) run through ``HFRunner``: the model's own modules over the same
+paged cache. ``make_runner`` chooses and says which.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+COMPACT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the position only
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm: statistics in float32, scaled in the weight's dtype."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def compact_unsupported(model, max_len: int) -> str | None:
+    """Why the compact forward cannot run this model (None when it can)."""
+    c = model.config.get_text_config()
+    if c.model_type not in COMPACT_TYPES:
+        return f"model_type {c.model_type!r}"
+    rope = (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rope_type {rope!r}"
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"hidden_act {c.hidden_act!r}"
+    window = getattr(c, "sliding_window", None)
+    if window and getattr(c, "use_sliding_window", True) and window < max_len:
+        return f"sliding_window {window} < max_model_len {max_len}"
+    return None
+
+
+class CompactLlama:
+    """One decoder forward over a Llama-family model's weights (the module itself is not called)."""
+
+    kind = "compact"
+
+    def __init__(self, model, max_len: int):
+        c = model.config.get_text_config()
+        inner = model.model
+        self.eps = c.rms_norm_eps
+        self.heads = c.num_attention_heads
+        self.kv_heads = c.num_key_value_heads or self.heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
+        self.num_layers = c.num_hidden_layers
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = []
+        for L in inner.layers:
+            a, p = L.self_attn, L.mlp
+            bias = a.q_proj.bias
+            self.layers.append(dict(
+                ln1=L.input_layernorm.weight, ln2=L.post_attention_layernorm.weight,
+                wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                bqkv=None if bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                wo=a.o_proj.weight, bo=a.o_proj.bias,
+                q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
+                k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
+                wgu=torch.cat([p.gate_proj.weight, p.up_proj.weight]), wd=p.down_proj.weight))
+        # cos/sin for every position once, from the model's own rotary module (rope scaling included)
+        pos = torch.arange(max_len, device=self.embed.device).unsqueeze(0)
+        cos, sin = inner.rotary_emb(self.embed[:1].unsqueeze(0), pos)  # [1, max_len, head_dim]
+        self.cos, self.sin = cos[0], sin[0]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
+        """input_ids, positions [B, n]; mask [B, 1, n, S] bool or None (attend to all) ->
+        (logits [B, keep, V], {layer: residual stream entering it [B, n, hidden]})."""
+        B, n = input_ids.shape
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(input_ids, self.embed)  # [B, n, hidden]
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, n, 1, D]
+        hidden = {}
+        for i, w in enumerate(self.layers):
+            if i in capture:
+                hidden[i] = x
+            h = _rms_norm(x, w["ln1"], self.eps)
+            qkv = F.linear(h, w["wqkv"], w["bqkv"])  # [B, n, (H + 2 KV) D]
+            q, k, v = qkv.view(B, n, H + 2 * KV, D).split([H, KV, KV], dim=2)  # [B, n, heads, D]
+            if w["q_norm"] is not None:
+                q, k = _rms_norm(q, w["q_norm"], self.eps), _rms_norm(k, w["k_norm"], self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            K, V = kv.update(i, k, v)  # [B, S, KV, D], in the cache's dtype
+            # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are 3-8x slower
+            a = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
+                                               attn_mask=mask, enable_gqa=KV != H)  # [B, H, n, D]
+            x = x + F.linear(a.transpose(1, 2).reshape(B, n, H * D).to(x.dtype), w["wo"], w["bo"])
+            gate, up = F.linear(_rms_norm(x, w["ln2"], self.eps), w["wgu"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["wd"])
+        if self.num_layers in capture:
+            hidden[self.num_layers] = x
+        logits = F.linear(_rms_norm(x[:, n - keep:], self.norm, self.eps), self.lm_head)  # [B, keep, V]
+        return logits, hidden
+
+
+class _HFCacheView:
+    """``past_key_values`` for a Hugging Face module: writes and reads the paged cache."""
+
+    def __init__(self, kv, S: int):
+        self.kv, self.S = kv, S
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # [B, kv_heads, n, head_dim] in and out, in the module's dtype
+        K, V = self.kv.update(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+        return K.transpose(1, 2).to(key_states.dtype), V.transpose(1, 2).to(value_states.dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.S
+
+    def is_compileable(self):
+        return False
+
+
+class HFRunner:
+    """Any causal LM through its own modules over the paged cache (slower: see the module docstring)."""
+
+    kind = "transformers"
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
+        B, n = input_ids.shape
+        S = kv.S if kv.read_rows is None else kv.read_rows.shape[1]
+        if mask is None:
+            mask = torch.ones(B, 1, n, S, dtype=torch.bool, device=input_ids.device)
+        dtype = self.model.dtype
+        fmask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=fmask,
+                         past_key_values=_HFCacheView(kv, S), use_cache=True, logits_to_keep=keep,
+                         output_hidden_states=bool(capture))
+        # hidden_states[L] is the residual stream entering layer L (index 0: the embeddings)
+        hidden = {L: out.hidden_states[L] for L in capture} if capture else {}
+        return out.logits, hidden
+
+
+def make_runner(model, max_len: int, forward: str = "auto"):
+    """The forward for this model: ``compact`` when supported (``auto``), else the model's own modules."""
+    why = compact_unsupported(model, max_len)
+    if forward == "compact" and why:
+        raise ValueError(f"forward: compact does not support this model ({why}); use auto or transformers")
+    if forward == "transformers" or why:
+        log.info("decoder forward: transformers modules%s", f" ({why})" if why else "")
+        return HFRunner(model)
+    log.info("decoder forward: compact (%s, %d layers)", model.config.get_text_config().model_type,
+             model.config.get_text_config().num_hidden_layers)
+    return CompactLlama(model, max_len)
+
+
+class EngineModel:
+    """What an engine runs: the model in its resolved dtype, its forward, and its paged KV cache.
+
+    ``config`` is a drafter or verifier model config (dtype, kv_cache_dtype, forward, device,
+    cache_budget_mb, max_model_len). A module passed in (tests, embedding in another program)
+    keeps its own dtype under ``dtype: auto``.
+    """
+
+    def __init__(self, config, model=None):
+        from core.kv_cache import PagedKVCache
+        from core.models import DTYPES, load_causal_lm, resolve_dtype, resolve_kv_dtype
+
+        self.device = torch.device(config.device)
+        if model is not None and config.dtype == "auto":
+            name = next(k for k, v in DTYPES.items() if v == model.dtype)
+        else:
+            name = resolve_dtype(config.dtype, self.device)
+        self.dtype = DTYPES[name]
+        self.model = (model or load_causal_lm(config.model, self.dtype, self.device)).to(
+            device=self.device, dtype=self.dtype).eval()
+        text = self.model.config.get_text_config()
+        self.max_len = config.max_model_len or text.max_position_embeddings
+        self.runner = make_runner(self.model, self.max_len, config.forward)
+        kv = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, self.device)]
+        self.cache = PagedKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20), kv, self.device)
+        log.info("engine for %s: %s compute, %s KV cache (%d blocks of %d tokens), %s forward", config.model, name,
+                 kv, self.cache.num_blocks, self.cache.block_size, self.runner.kind)
