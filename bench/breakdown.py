@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import time
 
-from bench.common import (DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
                           rnd, serving, set_threads, stream_completion, write_json)
 from bench.latency import ints
 
@@ -29,6 +29,7 @@ def parse(argv=None):
     ap.add_argument("--ks", type=ints, default=list(range(1, 9)))
     ap.add_argument("--default-k", type=int, default=DEFAULT_K)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     return ap.parse_args(argv)
 
@@ -91,8 +92,8 @@ def run(args, urls: dict | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         if urls is None:
             urls = stack.enter_context(serving({
-                "adaptive": app_args(args.threads, "adaptive", args.default_k),
-                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]))}, args.threads))
+                "adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
+                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}, args.threads))
         per = asyncio.run(_measure(urls, prompts, args))
     return {"scenario": "breakdown",
             "config": {"prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,

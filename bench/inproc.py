@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import DRAFTER, MAX_MODEL_LEN, TARGET
+from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, TARGET
 
 
 class _Timed:
@@ -40,14 +40,14 @@ class Reference:
 
     name = "reference loop (in-process, no RPC)"
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, dtype: str = BENCH_DTYPE):
         from configs import DraftModelConfig, VerifierConfig
         from drafter.model_drafter import ModelDrafter
         from verifier.engine import VerifierEngine
 
-        self.verifier = VerifierEngine(VerifierConfig(model=TARGET, num_threads=threads, cache_budget_mb=64,
+        self.verifier = VerifierEngine(VerifierConfig(model=TARGET, num_threads=threads, cache_budget_mb=64, dtype=dtype,
                                                       max_model_len=MAX_MODEL_LEN))
-        self.drafter = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=threads, cache_budget_mb=8,
+        self.drafter = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=threads, cache_budget_mb=8, dtype=dtype,
                                                      max_model_len=MAX_MODEL_LEN))
         self.tokenizer = self.verifier.tokenizer
 
@@ -73,14 +73,14 @@ class Transformers:
 
     name = "transformers"
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, dtype: str = BENCH_DTYPE):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(TARGET)
-        self.target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
-        self.drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=torch.float32).eval()
+        self.target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=getattr(torch, dtype)).eval()
+        self.drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=getattr(torch, dtype)).eval()
         # ignore_eos as the other systems do it: an EOS is emitted like any token and generation goes on
         # (min_new_tokens would instead mask EOS out of the distribution and change the output)
         for m in (self.target, self.drafter):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import (DEFAULT_K, DEFAULT_OUT, app_args, complete, completion_body, environment, expected_tokens,
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, complete, completion_body, environment, expected_tokens,
                           load_prompts, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
                           write_json)
 
@@ -64,6 +64,7 @@ def parse(argv=None):
     ap.add_argument("--hf-ks", type=ints, default=[DEFAULT_K], help="k of transformers assisted generation")
     ap.add_argument("--vllm-ks", type=ints, default=[DEFAULT_K], help="k of vLLM speculation (one engine each)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
@@ -280,19 +281,19 @@ def run(args, urls: dict | None = None) -> dict:
             try:
                 for k in [0] + sorted(set(args.vllm_ks)):
                     log(f"starting vLLM engine k={k} ({vpy})")
-                    vllms[k] = VllmPeer(vpy, k, args.threads)
+                    vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
                     stack.callback(vllms[k].close)
             except Exception as e:  # noqa: BLE001 - reported, not hidden
                 skipped["vllm"] = f"failed: {str(e)[-2000:]}"
                 vllms = {}
         if urls is None and not args.no_serve:
             urls = stack.enter_context(serving({
-                "adaptive": app_args(args.threads, "adaptive", args.default_k),
-                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]))}, args.threads))
+                "adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
+                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}, args.threads))
         client = stack.enter_context(httpx.Client(timeout=600))
         log("loading in-process engines")
-        ref = Reference(args.threads)
-        hf = None if args.no_hf else Transformers(args.threads)
+        ref = Reference(args.threads, args.dtype)
+        hf = None if args.no_hf else Transformers(args.threads, args.dtype)
         if args.no_hf:
             skipped["transformers"] = "skipped: --no-hf"
         prompts = load_prompts(args.prompts, ref.tokenizer)
@@ -312,7 +313,7 @@ def run(args, urls: dict | None = None) -> dict:
             "config": {"prompts": args.prompts, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "temperatures": args.temperatures, "sweep_temperatures": args.sweep_temperatures,
                        "ks": args.ks, "default_k": args.default_k, "hf_ks": args.hf_ks, "vllm_ks": args.vllm_ks,
-                       "threads": args.threads, "prompt_tokens": [len(ids) for _, ids in prompts],
+                       "threads": args.threads, "dtype": args.dtype, "prompt_tokens": [len(ids) for _, ids in prompts],
                        "vllm_python": vpy, "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None},
             "environment": environment(args.threads), "skipped": skipped, "temperatures": temps,
             "duration_s": round(time.perf_counter() - t_start, 1)}

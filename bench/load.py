@@ -16,7 +16,7 @@ import asyncio
 import math
 import time
 
-from bench.common import (DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
                           percentile, rnd, serving, set_threads, stream_completion, write_json)
 from bench.latency import ints
 
@@ -33,6 +33,7 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--default-k", type=int, default=DEFAULT_K)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     return ap.parse_args(argv)
 
@@ -111,13 +112,13 @@ def run(args, url: str | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         if url is None:
             url = stack.enter_context(serving(
-                {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency))},
+                {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency), dtype=args.dtype)},
                 args.threads))["load"]
         levels = asyncio.run(_measure(url, prompts, args))
     return {"scenario": "load",
             "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "prompts": args.prompts,
                        "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
-                       "threads": args.threads, "verifier_replicas": 1, "drafter_replicas": 1},
+                       "threads": args.threads, "dtype": args.dtype, "verifier_replicas": 1, "drafter_replicas": 1},
             "environment": environment(args.threads), "levels": levels,
             "duration_s": round(time.perf_counter() - t0, 1)}
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 
-from bench.common import DRAFTER, MAX_MODEL_LEN, ROOT, TARGET
+from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, ROOT, TARGET
 
 PREFIX = "@@"
 
@@ -46,6 +46,7 @@ def worker(argv=None):
     ap.add_argument("--drafter", default=DRAFTER)
     ap.add_argument("--k", type=int, default=0, help="speculative tokens (0: no speculation)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE)
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     args = ap.parse_args(argv)
@@ -61,7 +62,7 @@ def worker(argv=None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.target, tokenizer=args.target, dtype="float32", max_model_len=args.max_model_len,
+    kw = dict(model=args.target, tokenizer=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
               seed=0, disable_log_stats=False, enable_prefix_caching=False)
     if args.k > 0:
         kw["speculative_config"] = {"method": "draft_model", "model": args.drafter,
@@ -99,12 +100,12 @@ class VllmPeer:
     """The parent's side: start a worker, send requests, read results."""
 
     def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
-                 start_timeout_s: float = 900):
+                 start_timeout_s: float = 900, dtype: str = BENCH_DTYPE):
         self.k = k
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
             [python, "-m", "bench.vllm_peer", "--k", str(k), "--threads", str(threads),
-             "--max-model-len", str(max_model_len)],
+             "--max-model-len", str(max_model_len), "--dtype", dtype],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, bufsize=1)
         self.tail: deque[str] = deque(maxlen=40)  # the worker's last log lines, for errors

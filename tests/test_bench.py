@@ -29,7 +29,7 @@ def bench_urls(serve_app):
     stands in for both of the full run's apps (adaptive and fixed k): half the start-up time."""
     from bench.common import app_args, serving
 
-    with serving({"fixed": app_args(1, "fixed", 2, streams=2)}, 1) as urls:
+    with serving({"fixed": app_args(1, "fixed", 2, streams=2, dtype="float32")}, 1) as urls:
         yield {"adaptive": urls["fixed"], "fixed": urls["fixed"]}
 
 
@@ -46,7 +46,7 @@ def test_bench_smoke(bench_urls, tmp_path):
 
     out = tmp_path
     # --- single-stream latency: every system but vLLM (its engine start takes minutes: see the slow test)
-    args = latency.parse(["--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--temperatures", "0,0.8",
+    args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--temperatures", "0,0.8",
                           "--ks", "1,2", "--default-k", "2", "--hf-ks", "2", "--no-vllm", "--out", str(out)])
     lat = latency.run(args, urls=bench_urls)
     assert lat["skipped"]["vllm"].startswith("skipped")
@@ -78,7 +78,7 @@ def test_bench_smoke(bench_urls, tmp_path):
     assert set(lat["temperatures"]["0.8"]["systems"]) >= {"splitspec_default", "splitspec_k2", "reference_k2"}
 
     # --- per-step time breakdown
-    bd = breakdown.run(breakdown.parse(["--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
+    bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
                                         "--default-k", "2", "--out", str(out)]), urls=bench_urls)
     (out / "breakdown.json").write_text(json.dumps(bd))
     assert set(bd["per_config"]) == {"default", "k1", "k2"}
@@ -89,7 +89,7 @@ def test_bench_smoke(bench_urls, tmp_path):
         assert 0 <= e["exposed_fraction"] < 1 and e["ms_per_token"] > 0, name
 
     # --- load: two concurrency levels, speculation on and off
-    ld = load.run(load.parse(["--concurrency", "1,2", "--min-requests", "2", "--prompts", "2",
+    ld = load.run(load.parse(["--dtype", "float32", "--concurrency", "1,2", "--min-requests", "2", "--prompts", "2",
                               "--max-tokens", str(TOKENS), "--default-k", "2", "--out", str(out)]),
                   url=bench_urls["adaptive"])
     (out / "load.json").write_text(json.dumps(ld))
@@ -141,9 +141,9 @@ def test_vllm_peer_smoke():
     if py is None:
         pytest.skip("vllm not importable")
     (_, ids), = load_prompts(1, AutoTokenizer.from_pretrained(TARGET))
-    want = Reference(1).run(ids, TOKENS, 0.0, 1, 0)["output_ids"]
+    want = Reference(1, "float32").run(ids, TOKENS, 0.0, 1, 0)["output_ids"]
     for k in (0, 2):
-        peer = VllmPeer(py, k, 1)
+        peer = VllmPeer(py, k, 1, dtype="float32")
         try:
             r = peer.run(ids, TOKENS, 0.0, 1)
         finally:
@@ -152,3 +152,16 @@ def test_vllm_peer_smoke():
         assert r["output_ids"] == want, k
         if k:
             assert r["spec"]["spec_decode_num_draft_tokens"] > 0
+
+
+def test_engine_bench_quick(tmp_path, capsys):
+    """bench.engine at its quick setting: the forward against the model's own linear layers."""
+    from bench import engine
+
+    r = engine.main(["--quick", "--dtypes", "bfloat16", "--out", str(tmp_path)])
+    t = r["target"]["bfloat16"]
+    assert t["forward"] == "compact" and t["kv_cache_dtype"] == "float32"
+    assert set(t["verify_ratio"]) == {"0", "4", "8"} and t["verify_ratio"]["0"]["engine"] == 1.0
+    assert all(v > 0 for row in t["ms"].values() for v in row.values())
+    assert 0 < t["engine_over_linear_1"] < 10 and r["startup"]["bfloat16"]["cold_s"] > 0
+    assert "engine / linear" in capsys.readouterr().out and (tmp_path / "engine.json").exists()

@@ -1,0 +1,170 @@
+"""Engine forward cost against the hardware's floor: one target forward vs its own linear layers.
+
+For each dtype (bf16 first, float32 as the second table) and each number of new tokens n
+(1 = a decode step, k + 1 = verifying k drafts), at a fixed context, one process measures,
+interleaved round by round (medians over rounds, one torch thread):
+- ``linear``: the model's linear layers alone (``F.linear`` over each weight, the same inputs
+  shapes a forward of n tokens feeds them): the work that must be done;
+- ``hf``: the model's own transformers modules, eager, with a ``DynamicCache`` (the baseline);
+- ``engine``: the engine's forward (``core.kv_cache.batched_forward`` with the runner the engine
+  chose, over its paged cache), what every verify and draft call runs.
+
+Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
+linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
+process (cold: imports, weights, first forward) and again in the same process (warm).
+
+    python -m bench.engine [--quick] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from bench.common import DEFAULT_OUT, DRAFTER, TARGET, environment, log, median, rnd, write_json
+
+
+def _linear_time(model, n, dtype, timer):
+    import torch
+    import torch.nn.functional as F
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(1, n, w.shape[1], dtype=dtype) for w in weights}
+    return timer(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+
+
+def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds: int, calls: int) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    from configs import VerifierConfig
+    from core.kv_cache import batched_forward
+    from verifier.engine import VerifierEngine
+
+    torch.set_num_threads(1)
+    engine = VerifierEngine(VerifierConfig(model=model_dir, dtype=dtype_name, cache_budget_mb=64, max_model_len=context + 64))
+    model, dtype = engine.model, engine.dtype
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    ctx = torch.randint(5, vocab, (context,), generator=g).tolist()
+
+    def timer(fn):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e3
+
+    rows = {n: {"linear": [], "hf": [], "engine": []} for n in ns}
+    with torch.inference_mode():
+        cache = engine.cache
+        slot = cache.claim("bench", 0, None, ctx + [1], set())
+        cache.reserve("bench", context + max(ns), set())
+        batched_forward(engine.runner, cache, [slot], [ctx], [1])
+        hf_cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ctx]), past_key_values=hf_cache)
+        for _ in range(rounds):
+            for n in ns:
+                new = torch.randint(5, vocab, (n,), generator=g).tolist()
+                x = torch.tensor([new])
+
+                def eng():
+                    del slot.tokens[context:]
+                    batched_forward(engine.runner, cache, [slot], [new], [n])
+
+                def hf():
+                    extra = hf_cache.get_seq_length() - context
+                    if extra > 0:
+                        hf_cache.crop(-extra)
+                    model(input_ids=x, past_key_values=hf_cache, logits_to_keep=n)
+
+                rows[n]["linear"].append(_linear_time(model, n, dtype, timer))
+                rows[n]["hf"].append(timer(hf))
+                rows[n]["engine"].append(timer(eng))
+    table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
+    one = table[ns[0]]
+    return {
+        "dtype": dtype_name, "kv_cache_dtype": str(cache.k[0].dtype).replace("torch.", ""), "forward": engine.runner.kind,
+        "context": context, "rounds": rounds, "calls_per_round": calls,
+        "ms": {str(n): {k: rnd(v, 3) for k, v in r.items()} for n, r in table.items()},
+        "engine_over_linear_1": rnd(one["engine"] / one["linear"], 3),
+        "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
+        "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
+                                      "linear": rnd(table[n]["linear"] / one["linear"], 3),
+                                      "hf": rnd(table[n]["hf"] / one["hf"], 3)} for n in ns},
+    }
+
+
+STARTUP = """
+import time, sys
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads(1)
+from configs import VerifierConfig
+from verifier.engine import VerifierEngine
+def build():
+    t = time.perf_counter()
+    e = VerifierEngine(VerifierConfig(model=sys.argv[1], dtype=sys.argv[2], cache_budget_mb=64))
+    e.verify([])
+    from core.kv_cache import batched_forward
+    s = e.cache.claim("w", 0, None, [5, 6], set()); e.cache.reserve("w", 2, set())
+    batched_forward(e.runner, e.cache, [s], [[5]], [1])
+    return time.perf_counter() - t
+first = build()
+cold = time.perf_counter() - t0
+print(cold, build())
+"""
+
+
+def startup(model_dir: str, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", STARTUP, model_dir, dtype], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.split()
+    return {"cold_s": rnd(float(out[-2]), 3), "warm_s": rnd(float(out[-1]), 3)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Engine forward cost against the model's own linear layers.")
+    ap.add_argument("--quick", action="store_true", help="few rounds, n in {1, 5, 9} (the test suite's mode)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--context", type=int, default=120)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=20, help="forwards per timing")
+    ap.add_argument("--model", default=TARGET)
+    ap.add_argument("--drafter", default=DRAFTER)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    ns = [1, 5, 9] if args.quick else list(range(1, 10))
+    rounds, calls = (2, 3) if args.quick else (args.rounds, args.calls)
+    result = {"environment": environment(1), "target": {}, "drafter": {}, "startup": {}}
+    for dtype in args.dtypes.split(","):
+        log(f"engine forward: target, {dtype}")
+        result["target"][dtype] = measure(args.model, dtype, ns, args.context, rounds, calls)
+        result["drafter"][dtype] = measure(args.drafter, dtype, [1], args.context, rounds, calls)
+        result["startup"][dtype] = startup(args.model, dtype)
+    path = write_json(args.out, "engine", result)
+    print(table(result))
+    log(f"wrote {path}")
+    return result
+
+
+def table(result: dict) -> str:
+    lines = []
+    for dtype, r in result["target"].items():
+        lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
+                     f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']})")
+        lines.append(f"{'k':>3} {'linear ms':>10} {'hf ms':>8} {'engine ms':>10} {'engine k+1/1':>13} {'linear k+1/1':>13}")
+        for k, ratio in r["verify_ratio"].items():
+            ms = r["ms"][str(int(k) + 1)]
+            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['hf']:>8.2f} {ms['engine']:>10.2f} {ratio['engine']:>13.2f} "
+                         f"{ratio['linear']:>13.2f}")
+        d = result["drafter"][dtype]["ms"]["1"]
+        s = result["startup"][dtype]
+        lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms, hf {d['hf']:.2f}, linear {d['linear']:.2f}; "
+                     f"target engine start: cold {s['cold_s']} s, warm {s['warm_s']} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

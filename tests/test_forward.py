@@ -1,0 +1,138 @@
+"""The engines' decoder forward (core.llama) and paged cache (core.kv_cache) against the models'
+own transformers modules: same logits, same captured hidden states, bf16 greedy up to near-ties."""
+
+import pytest
+import torch
+
+from core.kv_cache import PagedKVCache, batched_forward
+from core.llama import CompactLlama, HFRunner, compact_unsupported, make_runner
+from core.models import cpu_has_fast_bf16, resolve_dtype, resolve_kv_dtype
+
+
+def tiny(kind: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None)).eval()
+    if kind == "qwen2":  # q/k/v biases
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False)).eval()
+    if kind == "qwen3":  # per-head q/k RMSNorm
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16)).eval()
+    raise ValueError(kind)
+
+
+def run_steps(runner, model, feeds, capture=()):
+    """Two batched passes over three sequences (a prefill of different lengths, then 1-3 new
+    tokens each, so rows are padded): the logits of every new token, per pass."""
+    cache = PagedKVCache(model.config, 128, 8 * 2**20, torch.float32)
+    slots = []
+    for i in range(len(feeds[0])):
+        slots.append(cache.claim(f"s{i}", 0, None, feeds[0][i] + [0], set()))
+    out = []
+    for feed in feeds:
+        for i, toks in enumerate(feed):
+            cache.reserve(f"s{i}", len(slots[i].tokens) + len(toks), set())
+        out.append(batched_forward(runner, cache, slots, feed, [len(t) for t in feed], capture))
+    return out
+
+
+FEEDS = [[[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]],
+         [[40], [41, 42, 43], [44, 45]]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_compact_forward_equals_the_models_modules(kind):
+    model = tiny(kind)
+    assert compact_unsupported(model, 128) is None
+    compact = run_steps(CompactLlama(model, 128), model, FEEDS)
+    hf = run_steps(HFRunner(model), model, FEEDS)
+    for step_c, step_h in zip(compact, hf):
+        for c, h in zip(step_c, step_h):
+            torch.testing.assert_close(c, h, atol=2e-5, rtol=1e-4)
+    # and against one uncached pass over each whole sequence
+    for i in range(3):
+        ids = torch.tensor([FEEDS[0][i] + FEEDS[1][i]])
+        with torch.inference_mode():
+            full = model(input_ids=ids).logits[0]
+        torch.testing.assert_close(compact[1][i], full[-len(FEEDS[1][i]):], atol=2e-5, rtol=1e-4)
+
+
+def test_captured_hidden_states_are_the_residual_stream_entering_each_layer():
+    """EAGLE-3's auxiliary states: layer id L is the stream entering decoder layer L, which is
+    transformers' ``hidden_states[L]`` (index 0: the embeddings)."""
+    model = tiny("llama")
+    capture = (0, 1, 2)
+    (_, states), = run_steps(CompactLlama(model, 128), model, FEEDS[:1], capture)
+    (_, hf_states), = run_steps(HFRunner(model), model, FEEDS[:1], capture)
+    for i, toks in enumerate(FEEDS[0]):
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([toks]), output_hidden_states=True).hidden_states
+        for L in capture:
+            assert states[i][L].shape == (len(toks), 64)
+            torch.testing.assert_close(states[i][L], want[L][0], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(hf_states[i][L], want[L][0], atol=2e-5, rtol=1e-4)
+
+
+def test_runner_choice_and_unsupported_models():
+    model = tiny("llama")
+    assert make_runner(model, 128).kind == "compact"
+    assert make_runner(model, 128, "transformers").kind == "transformers"
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert "dynamic" in compact_unsupported(model, 128)
+    assert make_runner(model, 128).kind == "transformers"
+    with pytest.raises(ValueError, match="compact does not support"):
+        make_runner(model, 128, "compact")
+
+
+def test_dtype_auto():
+    want = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    assert resolve_dtype("auto", "cpu") == want
+    assert resolve_dtype("float16", "cpu") == "float16"
+    assert resolve_kv_dtype("auto", "bfloat16", "cpu") == "float32"  # CPU attention kernels are fast in float32
+    assert resolve_kv_dtype("auto", "bfloat16", "cuda") == "bfloat16"
+    assert resolve_kv_dtype("bfloat16", "bfloat16", "cpu") == "bfloat16"
+
+
+def test_bf16_greedy_equals_target_generate_up_to_the_first_near_tie():
+    """The shipped target in bf16: the engine's greedy tokens equal the model's own bf16 ``generate``
+    until a position where the top two logits are within bf16's resolution (ties break by rounding
+    order there, and both continuations are the target's greedy choice up to rounding)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from configs import DraftModelConfig, SamplingParams, VerifierConfig
+    from core.loop import generate
+    from drafter.model_drafter import ModelDrafter
+    from offline.training.corpus import held_out_prompts
+    from verifier.engine import VerifierEngine
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    tok = AutoTokenizer.from_pretrained(root / "tiny-code-target")
+    target = AutoModelForCausalLM.from_pretrained(root / "tiny-code-target", dtype=torch.bfloat16).eval()
+    ver = VerifierEngine(VerifierConfig(model=str(root / "tiny-code-target"), dtype="bfloat16", cache_budget_mb=64),
+                         tokenizer=tok)
+    dr = ModelDrafter(DraftModelConfig(model=str(root / "tiny-code-drafter"), dtype="bfloat16", cache_budget_mb=16))
+    assert ver.dtype == torch.bfloat16 and ver.runner.kind == "compact"
+    prompts = [tok(p)["input_ids"] for p in held_out_prompts(4)]
+    seqs = generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), 4, dr, ver)
+    identical = 0
+    for p, s in zip(prompts, seqs):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                                   min_new_tokens=48, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(s.output_ids, want)) if a != b), None)
+        if first is None:
+            identical += 1
+            continue
+        with torch.inference_mode():
+            logits = target(input_ids=torch.tensor([p + want[:first]])).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.125, (first, top2)  # within two bf16 steps at this magnitude
+    assert identical >= 2
