@@ -73,8 +73,8 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
     target_dir, drafter_dir = tiny_model_dirs
     app = build_app_with({
         "model_name": "tiny",
-        "verifier": {"model": str(target_dir), "cache_budget_mb": 64, "num_threads": 1},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
+        "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 512,
         "max_active_requests": 24,  # small, so a burst test can exceed it

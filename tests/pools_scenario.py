@@ -39,8 +39,8 @@ def main(target_dir: str, drafter_dir: str):
     fast = {"upscale_delay_s": 0.5, "downscale_delay_s": 4, "metrics_interval_s": 0.2, "look_back_period_s": 1}
     app = build_app_with({
         "model_name": "tiny",
-        "verifier": {"model": target_dir, "cache_budget_mb": 32, "num_threads": 1},
-        "drafter": {"method": "draft_model", "model": drafter_dir, "num_speculative_tokens": 3,
+        "verifier": {"model": target_dir, "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": drafter_dir, "dtype": "float32", "num_speculative_tokens": 3,
                     "cache_budget_mb": 16, "num_threads": 1},
         "k_policy": "fixed",
     }, overrides={

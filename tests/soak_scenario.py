@@ -7,7 +7,8 @@ shipped model pair, then runs ``--clients`` streaming clients in a loop. Every
 ``--kill-every`` seconds one replica (drafter and verifier in turn) is killed; Serve replaces
 it. Every request is greedy or seeded Gumbel-coupled sampling, whose exact tokens are known
 in advance (computed in this process by plain decoding with the same engine code, no Ray),
-so each completed stream is checked token for token. Prints a JSON report and exits non-zero
+so each completed stream is checked token for token (in float32: in bf16 the target has exact
+top-2 ties, where a different batch composition may round the other way). Prints a JSON report and exits non-zero
 if any request failed or any output differed.
 """
 
@@ -43,7 +44,7 @@ def references(target: str, prompts: list[str], modes: list[dict], max_tokens: i
     from verifier.engine import VerifierEngine
 
     torch.set_num_threads(1)
-    engine = VerifierEngine(VerifierConfig(model=target, cache_budget_mb=256))
+    engine = VerifierEngine(VerifierConfig(model=target, dtype="float32", cache_budget_mb=256))
     out = {}
     for mi, mode in enumerate(modes):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **mode)
@@ -84,8 +85,8 @@ def main(argv=None) -> int:
     base = f"http://127.0.0.1:{port}"
     serve.run(build_app_with({
         "model_name": "soak",
-        "verifier": {"model": args.target, "cache_budget_mb": 1024, "num_threads": 1},  # 32 slots of 1,024 tokens
-        "drafter": {"method": "draft_model", "model": args.drafter, "num_speculative_tokens": 4,
+        "verifier": {"model": args.target, "dtype": "float32", "cache_budget_mb": 1024, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": args.drafter, "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_active_requests": 4 * args.clients,
     }, overrides={"Verifier": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},

@@ -289,8 +289,8 @@ def keyed_app(ray_cluster, serve_app, tiny_model_dirs):
     target_dir, drafter_dir = tiny_model_dirs
     serve.run(build_app_with({
         "model_name": "tiny", "api_keys": ["sk-test-1"], "max_body_bytes": 4096, "max_prompt_chars": 500,
-        "verifier": {"model": str(target_dir), "cache_budget_mb": 16, "num_threads": 1},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "cache_budget_mb": 16, "num_threads": 1},
+        "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
         "k_policy": "fixed"}), name="keyed", route_prefix="/keyed")
     yield serve_app[0] + "/keyed"
     serve.delete("keyed")

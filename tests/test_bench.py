@@ -165,3 +165,39 @@ def test_engine_bench_quick(tmp_path, capsys):
     assert all(v > 0 for row in t["ms"].values() for v in row.values())
     assert 0 < t["engine_over_linear_1"] < 10 and r["startup"]["bfloat16"]["cold_s"] > 0
     assert "engine / linear" in capsys.readouterr().out and (tmp_path / "engine.json").exists()
+
+
+def test_gpu_kit_runs_at_tiny_shapes_without_the_serving_stack(tmp_path):
+    """bench.gpu at tiny shapes on the CPU, in a process where ray, pydantic, vllm, fastapi and yaml
+    cannot be imported (the GPU machine has torch and transformers, which brings yaml): it prints its
+    table and its oracle drafter lands near the acceptance it was set to."""
+    import subprocess
+    import sys
+
+    from tests.test_layers import ROOT
+    blocked = ("ray", "fastapi", "starlette", "pydantic", "vllm")
+
+    probe = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+from bench import gpu
+gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--acceptance", "0.6,0.8", "--ks", "2,4", "--tokens", "48",
+          "--repeats", "1", "--out", {str(tmp_path)!r}])
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "plain decoding" in out.stdout and "ratio" in out.stdout
+    r = json.loads((tmp_path / "gpu.json").read_text())
+    assert [f["forward"] for f in r["by_forward"]] == ["compact", "transformers"]
+    for f in r["by_forward"]:
+        assert f["plain_ms_per_token"] > 0
+        assert [(row["a_set"], row["k"]) for row in f["rows"]] == [(0.6, 2), (0.6, 4), (0.8, 2), (0.8, 4)]
+        for row in f["rows"]:
+            assert abs(row["a_measured"] - row["a_set"]) < 0.25, row
+            assert row["bound_ms_per_token"] > 0 and row["ratio_to_bound"] > 0
+            assert 1 <= row["tokens_per_step"] <= row["k"] + 1
+            assert row["same_tokens_as_plain"] is True  # float32: greedy speculation is the target's greedy

@@ -27,8 +27,8 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
     target_dir, drafter_dir = tiny_model_dirs
     app = build_app_with({
         "model_name": "tiny",
-        "verifier": {"model": str(target_dir), "cache_budget_mb": 32, "num_threads": 1},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
+        "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
         "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1,  # adaptive k: the default
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},

@@ -68,9 +68,9 @@ def vllm_app(ray_cluster, vllm_pair):
     port = _get_global_client().http_config.port
     app = build_app_with({
         "model_name": "tiny",
-        "verifier": {"model": str(target_dir), "backend": "vllm", "vllm_kv_cache_gib": 0.25,
+        "verifier": {"model": str(target_dir), "dtype": "float32", "backend": "vllm", "vllm_kv_cache_gib": 0.25,
                      "vllm_max_num_seqs": 64, "max_model_len": 512},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": 4,
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 256,
         "k_policy": "fixed",

@@ -31,7 +31,7 @@ class VerifierEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if tokenizer is None else tokenizer
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.device, self.max_len = (
             em.model, em.runner, em.cache, em.dtype, em.device, em.max_len)

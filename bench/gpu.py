@@ -1,0 +1,310 @@
+"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights.
+
+The machine this runs on (a GPU lent now and then) has torch and transformers only: no Ray,
+pydantic or vLLM, and nothing to download. So this imports the engine level only (``core``,
+``verifier``, ``drafter``; their configs are plain dataclass stand-ins here), builds
+random-weight models from the shape configs in ``bench/shapes/`` (a Llama-3.1-8B-shaped
+verifier and a Llama-3.2-1B-shaped drafter, bf16), and drafts with an **oracle**: it replays the
+verifier's own greedy continuation, computed first by plain decoding, each token replaced by a
+wrong one with probability 1 - a. The drafter model still runs its k forward passes per step
+(their cost is real); only its tokens are replaced. So the acceptance is set, and what is
+measured is the system: the loop, the engines, the paged cache, the forward.
+
+For each forward implementation (``compact``, ``transformers``), acceptance a and k it reports:
+- ms/token of plain decoding (k = 0) and of the in-process speculative loop;
+- the zero-overhead bound: (k drafter forwards + one (k+1)-token verification forward, both as
+  measured in the run) / E[tokens per step] at the measured acceptance (Leviathan et al.);
+- the ratio measured / bound, and the step breakdown (verify, draft, the rest per step).
+
+    python -m bench.gpu                # 8B/1B shapes, bf16, about 2-4 minutes on one H200
+    python -m bench.gpu --quick        # one (a, k), fewer tokens
+    python -m bench.gpu --shapes tiny --device cpu --quick   # what the test suite runs
+
+No compiled or CUDA-graph path exists yet (the forward is eager): the table says so rather
+than leaving the column out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
+SHAPES = {"real": ("llama-3.1-8b", "llama-3.2-1b"), "tiny": ("tiny-verifier", "tiny-drafter")}
+
+
+@dataclass
+class EngineSettings:
+    """The fields the engines read from their (pydantic) configs, without pydantic."""
+
+    model: str
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    forward: str = "auto"
+    cache_budget_mb: float = 4096
+    max_model_len: int | None = 2048
+    max_batch_tokens: int = 8192
+    num_threads: int | None = None
+    draft_top_k: int = 64
+
+
+def build_model(name: str, device: str, dtype: str, seed: int):
+    """A random-weight causal LM of the named shape, in ``dtype`` on ``device``."""
+    import torch
+    from transformers import AutoConfig
+
+    spec = json.loads((SHAPES_DIR / f"{name}.json").read_text())
+    spec.pop("_comment", None)
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # peaked outputs: greedy continuations that are not ties of noise
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+class OracleDrafter:
+    """Runs a real drafter's forward passes and replaces its tokens by the verifier's own greedy
+    continuation, each corrupted with probability 1 - a (deterministically, by position)."""
+
+    def __init__(self, inner, truth: list[int], a: float, vocab: int, seed: int = 0):
+        self.inner, self.truth, self.a, self.vocab, self.seed = inner, truth, a, vocab, seed
+        self.max_len = inner.max_len
+        self.calls: list[float] = []
+
+    def propose(self, requests):
+        props = self.inner.propose(requests)
+        if props:
+            self.calls.append(props[0].draft_s)
+        for r, p in zip(requests, props):
+            base = (0 if r.full else r.start) + len(r.new_tokens)
+            p.tokens = [self._token(base + i) for i in range(len(p.tokens)) if base + i < len(self.truth)]
+            p.probs = None  # one-hot: greedy verification
+        return props
+
+    def _token(self, pos: int) -> int:
+        right = self.truth[pos]
+        if random.Random(self.seed * 1_000_003 + pos).random() < self.a:
+            return right
+        return (right + 1) % self.vocab
+
+    def release(self, seq_id):
+        return self.inner.release(seq_id)
+
+    def num_cached(self):
+        return self.inner.num_cached()
+
+
+class TimedVerifier:
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls: list[tuple[int, float]] = []  # (k, forward seconds)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def verify(self, requests):
+        out = self.engine.verify(requests)
+        if out:
+            self.calls.append((max(r.k for r in requests), out[0].forward_s))
+        return out
+
+
+def expected_tokens(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(frozen=True)
+class GreedyParams:
+    """Greedy sampling as ``configs.SamplingParams(temperature=0, ignore_eos=True)`` reads to the
+    engines (pydantic is not on the GPU machine)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = 0
+    stop: tuple = ()
+    ignore_eos: bool = True
+    stop_token_ids: tuple = ()
+    min_tokens: int = 0
+    logit_bias: dict | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    verification: str = "rejection"
+    greedy: bool = True
+    history_dependent: bool = False
+    processed: bool = False
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def measure(args, forward: str) -> dict:
+    """Plain decoding, then the speculative loop for every (a, k), with one forward implementation."""
+    import torch
+
+    from core.loop import generate
+    from drafter.model_drafter import ModelDrafter
+    from verifier.engine import VerifierEngine
+
+    vname, dname = SHAPES[args.shapes]
+    target = build_model(vname, args.device, args.dtype, seed=0)
+    drafter_model = build_model(dname, args.device, args.dtype, seed=1)
+    vocab = target.config.vocab_size
+    ver = TimedVerifier(VerifierEngine(EngineSettings(vname, args.device, args.dtype, forward=forward,
+                                                      cache_budget_mb=args.cache_mb), model=target, tokenizer=False))
+    ver.engine.tokenizer, ver.engine.eos_ids = None, set()  # token ids only: no text, no EOS
+    inner = ModelDrafter(EngineSettings(dname, args.device, args.dtype, forward=forward,
+                                        cache_budget_mb=args.cache_mb / 4), model=drafter_model)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
+    params = GreedyParams(max_tokens=args.tokens)
+
+    def timed(k, drafter):
+        ver.calls.clear()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (seq,) = generate([prompt], params, k, drafter, ver)
+        wall = time.perf_counter() - t0
+        return seq, wall
+
+    timed(0, None)  # warm-up: allocator, kernels
+    plain_runs = [timed(0, None) for _ in range(args.repeats)]
+    seq, _ = plain_runs[0]
+    truth = prompt + seq.output_ids
+    plain_ms = _median([w / len(s.output_ids) * 1e3 for s, w in plain_runs])
+    # forward cost per new-token count, from the verify calls of plain decoding and of each k
+    decode_fwd = _median([s for k, s in ver.calls if k == 0][1:]) * 1e3 if ver.calls else 0.0
+    rows = []
+    for a in args.acceptance:
+        for k in args.ks:
+            oracle = OracleDrafter(inner, truth, a, vocab)
+            timed(k, oracle)  # warm-up at this k
+            runs, verify_ms, draft_ms, steps, same = [], [], [], [], []
+            for _ in range(args.repeats):
+                oracle.calls.clear()
+                s, wall = timed(k, oracle)
+                # in bf16 a (k+1)-token pass may round a near-tie the other way than 1-token decoding
+                same.append(s.output_ids == seq.output_ids)
+                n_steps = len(ver.calls)
+                runs.append(wall / len(s.output_ids) * 1e3)
+                verify_ms.append(_median([x for kk, x in ver.calls if kk == k]) * 1e3)
+                draft_ms.append(_median(oracle.calls) * 1e3)
+                steps.append((wall * 1e3, n_steps, s.stats))
+            wall_ms, n_steps, stats = steps[len(steps) // 2]
+            a_meas = measured_acceptance(stats, k)
+            v_ms, d_ms = _median(verify_ms), _median(draft_ms)
+            e = expected_tokens(a_meas, k)
+            bound = (v_ms + d_ms) / e
+            ms = _median(runs)
+            rest = wall_ms / max(n_steps, 1) - v_ms - d_ms
+            rows.append({"a_set": a, "a_measured": round(a_meas, 3), "k": k, "ms_per_token": round(ms, 3),
+                         "speedup_vs_plain": round(plain_ms / ms, 3), "bound_ms_per_token": round(bound, 3),
+                         "ratio_to_bound": round(ms / bound, 3), "same_tokens_as_plain": all(same), "tokens_per_step": round(len(seq.output_ids) / max(n_steps, 1), 3),
+                         "step_ms": {"verify": round(v_ms, 3), "draft": round(d_ms, 3), "rest": round(rest, 3)}})
+    del ver, inner, target, drafter_model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"forward": forward, "plain_ms_per_token": round(plain_ms, 3), "decode_forward_ms": round(decode_fwd, 3),
+            "rows": rows}
+
+
+def measured_acceptance(stats, k: int) -> float:
+    """Per-token acceptance a of the geometric model: accepted / tested draft positions, where
+    position i is tested in the steps that accepted positions 0..i-1 (``core.sequence.SpecStats``)."""
+    tested = stats.num_drafts + sum(stats.accepted_per_pos[: k - 1])
+    return stats.num_accepted_tokens / tested if tested else 0.0
+
+
+def run(args) -> dict:
+    import torch
+
+    result = {"machine": machine(args.device), "shapes": dict(zip(("verifier", "drafter"), SHAPES[args.shapes])),
+              "dtype": args.dtype, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+              "repeats": args.repeats, "compiled": "none: the forward is eager (no torch.compile or CUDA graphs yet)",
+              "torch": torch.__version__, "by_forward": []}
+    t0 = time.perf_counter()
+    for forward in args.forwards:
+        result["by_forward"].append(measure(args, forward))
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def machine(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or platform.machine()
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['machine']}: verifier {result['shapes']['verifier']}, drafter {result['shapes']['drafter']}, "
+             f"{result['dtype']}, {result['tokens']} tokens, compiled path: {result['compiled']}"]
+    for f in result["by_forward"]:
+        lines.append(f"forward {f['forward']}: plain decoding {f['plain_ms_per_token']:.2f} ms/token")
+        lines.append(f"{'a':>5} {'a meas':>6} {'k':>2} {'ms/tok':>7} {'vs plain':>8} {'bound':>7} {'ratio':>6} "
+                     f"{'tok/step':>8} {'verify':>7} {'draft':>7} {'rest':>7}")
+        for r in f["rows"]:
+            s = r["step_ms"]
+            lines.append(f"{r['a_set']:>5} {r['a_measured']:>6} {r['k']:>2} {r['ms_per_token']:>7.2f} "
+                         f"{r['speedup_vs_plain']:>7.2f}x {r['bound_ms_per_token']:>7.2f} {r['ratio_to_bound']:>6.2f} "
+                         f"{r['tokens_per_step']:>8.2f} {s['verify']:>7.2f} {s['draft']:>7.2f} {s['rest']:>7.2f}")
+    lines.append(f"(whole run {result['wall_s']} s)")
+    return "\n".join(lines)
+
+
+def floats(text):
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="System overhead of the speculative loop at real model shapes, random weights.")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="real")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quick", action="store_true", help="a = 0.8, k = 4, 32 tokens, one repeat")
+    ap.add_argument("--acceptance", type=floats, default=[0.6, 0.8])
+    ap.add_argument("--ks", type=ints, default=[2, 4, 6])
+    ap.add_argument("--forwards", default="compact,transformers")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache-mb", type=float, default=4096)
+    ap.add_argument("--out", default=None, help="write gpu.json here (a folder)")
+    args = ap.parse_args(argv)
+    args.forwards = [f for f in args.forwards.split(",") if f]
+    if args.quick:
+        args.acceptance, args.ks, args.tokens, args.repeats = [0.8], [4], 32, 1
+    result = run(args)
+    print(table(result))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
