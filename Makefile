@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all soak test-cluster serve models clean
+.PHONY: install test test-all soak test-cluster serve models models-eagle3 clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ models: $(STAMP)
 	$(PY) -m offline.training.pretrain
 	$(PY) -m offline.training.distill
 
+# Retrain the EAGLE-3 head for the shipped target from scratch (seeded; about 50 minutes on 2 CPU cores).
+# Checkpoints go to build/eagle3; rerunning resumes.
+EAGLE3_STEPS ?= 2000
+models-eagle3: $(STAMP)
+	rm -rf build/eagle3 models/tiny-code-eagle3
+	$(PY) -m offline.training.eagle3 --target models/tiny-code-target --out models/tiny-code-eagle3 --steps $(EAGLE3_STEPS)
+
 clean:
 	rm -rf $(VENV) build
 
@@ -56,10 +63,18 @@ clean:
 # (estimated 20-25 min on 2 idle cores; see README "Benchmarks"). Measure on a quiet machine.
 BENCH_OUT ?= bench/results
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
-.PHONY: bench bench-latency bench-breakdown bench-load bench-cost bench-report
+.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-load bench-cost bench-report
 
 bench: $(STAMP)
-	$(MAKE) bench-latency bench-breakdown bench-load bench-cost bench-report
+	$(MAKE) bench-engine bench-latency bench-breakdown bench-load bench-cost bench-report
+
+# The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).
+bench-engine: $(STAMP)
+	$(PY) -m bench.engine --out $(BENCH_OUT)
+
+# The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only.
+bench-gpu:
+	$(PYTHON) -m bench.gpu --out $(BENCH_OUT)
 
 bench-latency: $(STAMP)
 	$(BENCH_RUN) bench.latency --out $(BENCH_OUT)

@@ -45,6 +45,8 @@ def worker(argv=None):
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--drafter", default=DRAFTER)
     ap.add_argument("--k", type=int, default=0, help="speculative tokens (0: no speculation)")
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3"],
+                    help="vLLM's speculative method; --drafter is a draft model or a Speculators eagle3 directory")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE)
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
@@ -65,7 +67,7 @@ def worker(argv=None):
     kw = dict(model=args.target, tokenizer=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
               seed=0, disable_log_stats=False, enable_prefix_caching=False)
     if args.k > 0:
-        kw["speculative_config"] = {"method": "draft_model", "model": args.drafter,
+        kw["speculative_config"] = {"method": args.method, "model": args.drafter,
                                     "num_speculative_tokens": args.k}
     t0 = time.perf_counter()
     llm = LLM(**kw)
@@ -100,12 +102,13 @@ class VllmPeer:
     """The parent's side: start a worker, send requests, read results."""
 
     def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
-                 start_timeout_s: float = 900, dtype: str = BENCH_DTYPE):
+                 start_timeout_s: float = 900, dtype: str = BENCH_DTYPE, method: str = "draft_model",
+                 drafter: str = DRAFTER):
         self.k = k
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
             [python, "-m", "bench.vllm_peer", "--k", str(k), "--threads", str(threads),
-             "--max-model-len", str(max_model_len), "--dtype", dtype],
+             "--max-model-len", str(max_model_len), "--dtype", dtype, "--method", method, "--drafter", drafter],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, bufsize=1)
         self.tail: deque[str] = deque(maxlen=40)  # the worker's last log lines, for errors
