@@ -69,7 +69,9 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
 
 
 def check_models(config: AppConfig):
-    """Fail at build time, with a clear message, on a missing model or mismatched vocabularies."""
+    """Fail at build time, with a clear message, on a missing model or a drafter whose tokenizer is not
+    the verifier's. Tokenizers are compared token by token, not by ``vocab_size``: padded embedding
+    tables of one tokenizer differ in size and are compatible; two tokenizers of one size are not."""
     from pathlib import Path
 
     from transformers import AutoConfig
@@ -77,10 +79,32 @@ def check_models(config: AppConfig):
     paths = [("verifier", config.verifier.model)]
     if config.drafter.method == "draft_model":
         paths.append(("drafter", config.drafter.model))
-    vocab = {}
+    sizes = {}
     for role, path in paths:
         if not (Path(path) / "config.json").exists():
             raise ValueError(f"{role} model directory {path!r} has no config.json (models load from local files only)")
-        vocab[role] = AutoConfig.from_pretrained(path).get_text_config().vocab_size
-    if len(set(vocab.values())) > 1:
-        raise ValueError(f"drafter and verifier vocabularies differ: {vocab}")
+        sizes[role] = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    vocab = tokenizer_vocab(config.verifier.model)
+    if vocab is None:
+        raise ValueError(f"verifier model directory {config.verifier.model!r} has no tokenizer")
+    if len(paths) > 1:
+        theirs = tokenizer_vocab(paths[1][1])  # a drafter without tokenizer files uses the verifier's
+        if theirs is not None and theirs != vocab:
+            differ = sum(1 for t in set(vocab) | set(theirs) if vocab.get(t) != theirs.get(t))
+            raise ValueError(f"drafter and verifier tokenizers differ ({differ} tokens map to different ids): "
+                             "a drafter must use the verifier's tokenizer")
+    needed = max(vocab.values()) + 1
+    for role, size in sizes.items():
+        if size < needed:
+            raise ValueError(f"{role} model's vocab_size {size} does not cover the tokenizer's {needed} ids")
+
+
+def tokenizer_vocab(path: str) -> dict[str, int] | None:
+    """A model directory's tokenizer as {token: id} (added tokens included), None without one."""
+    from pathlib import Path
+
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).get_vocab()

@@ -80,3 +80,42 @@ def test_gpu_cluster_config_places_pools_apart():
     assert deps["Verifier"]["ray_actor_options"]["resources"] == {"verifier_pool": 1}
     assert deps["Drafter"]["ray_actor_options"]["resources"] == {"drafter_pool": 1}
     assert deps["Verifier"]["ray_actor_options"]["accelerator_type"] != deps["Drafter"]["ray_actor_options"]["accelerator_type"]
+
+
+def test_drafter_compatibility_compares_tokenizers_not_vocab_size(tmp_path):
+    """A drafter with the verifier's tokenizer and a padded embedding table is accepted; a drafter whose
+    tokenizer has the same size but other tokens is refused at build time, naming the problem."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from configs import AppConfig
+    from deployments.app import check_models
+    from tests.helpers import TINY_TEXT, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tiny_llama(len(tok), layers=1).save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    tiny_llama(len(tok) + 64, layers=1).save_pretrained(tmp_path / "padded")  # same tokenizer, padded table
+    tok.save_pretrained(tmp_path / "padded")
+    tiny_llama(len(tok), layers=1).save_pretrained(tmp_path / "bare")  # no tokenizer files: uses the verifier's
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator([TINY_TEXT], trainers.BpeTrainer(  # the same text, special tokens in another order
+        vocab_size=len(tok), special_tokens=["<|pad|>", "<|eos|>", "<|bos|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other = PreTrainedTokenizerFast(tokenizer_object=other, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    assert len(other) == len(tok)  # the same size: vocab_size alone cannot tell them apart
+    tiny_llama(len(other), layers=1).save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+
+    def app(drafter):
+        return AppConfig.model_validate({"verifier": {"model": str(tmp_path / "target")},
+                                         "drafter": {"method": "draft_model", "model": str(tmp_path / drafter)}})
+
+    check_models(app("padded"))
+    check_models(app("bare"))
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        check_models(app("other"))
+    tiny_llama(len(tok) - 10, layers=1).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="does not cover"):
+        check_models(app("small"))
