@@ -3,9 +3,17 @@
 Text is released only when it is final: never half of a multi-byte character (the
 decoder shows an incomplete one as U+FFFD), and never a tail that could still grow
 into a stop string. So the concatenation of streamed deltas equals the final text.
+
+Work per token is constant, whatever the length of the output: fast tokenizers decode
+through ``tokenizers``' ``DecodeStream`` (each token's text from a few tokens of context),
+the stop-string search reads only the new text plus the longest stop string, and the text
+length after each token is kept so that the token that completed a stop string is found by
+bisection. (A tokenizer without a Rust backend falls back to decoding the whole output.)
 """
 
 from __future__ import annotations
+
+import bisect
 
 REPLACEMENT = "\ufffd"
 
@@ -20,6 +28,13 @@ class IncrementalDetokenizer:
         self.stop_floor: int | None = 0 if min_tokens <= 1 else None
         self.ids: list[int] = []
         self.text = ""  # decoded text of all ids, as of the last update
+        self.ends: list[int] = []  # len(self.text) after each id
+        backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
+        self._backend, self._stream = None, None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
         self.released = 0  # characters of self.text already handed out
         self.stopped_at: int | None = None  # index in self.text where a stop string begins
 
@@ -29,9 +44,20 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         self.ids.extend(token_ids)
-        self.text = self._decode(self.ids)
+        if self._stream is not None:
+            pieces = []
+            for t in token_ids:
+                piece = self._stream.step(self._backend, t)  # None until a character is complete
+                if piece:
+                    pieces.append(piece)
+                self.ends.append(len(self.text) + sum(map(len, pieces)))
+            self.text += "".join(pieces)
+        else:
+            for i in range(len(self.ids) - len(token_ids), len(self.ids)):
+                self.ends.append(len(self._decode(self.ids[: i + 1])))
+            self.text = self._decode(self.ids)
         if self.stop_floor is None and len(self.ids) >= self.min_tokens:
-            self.stop_floor = len(self._decode(self.ids[: self.min_tokens - 1]))
+            self.stop_floor = self.ends[self.min_tokens - 2]  # the text of the first min_tokens - 1 tokens
         if self.stop and self.stop_floor is not None:
             # a stop string may straddle the previous release boundary
             search_from = max(0, self.released - max(map(len, self.stop)) + 1)
@@ -50,17 +76,18 @@ class IncrementalDetokenizer:
         """All remaining text (generation ended for a reason other than a stop string)."""
         if self.stopped_at is not None or self.tokenizer is None:
             return ""
+        if self._stream is not None:  # bytes of a character that never completed show as U+FFFD, as in decode
+            full = self._decode(self.ids)
+            if full.startswith(self.text):
+                self.text = full
         return self._release_to(len(self.text))
 
     def tokens_through_stop(self) -> int:
         """How many output tokens it took to produce the stop string (for token-id output)."""
         if self.stopped_at is None:
             return len(self.ids)
-        for n in range(1, len(self.ids) + 1):
-            t = self._decode(self.ids[:n])
-            if any(t.find(s, self.stopped_at) == self.stopped_at for s in self.stop):
-                return n
-        return len(self.ids)
+        end = min(self.stopped_at + len(s) for s in self.stop if self.text.startswith(s, self.stopped_at))
+        return min(bisect.bisect_left(self.ends, end) + 1, len(self.ids))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

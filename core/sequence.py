@@ -92,7 +92,7 @@ class Sequence:
         # what each pool's replica is believed to hold for this sequence; a wrong belief costs a
         # cache miss and a resend, never a wrong token
         self.drafter_held: list[int] = []
-        self.verifier_held: list[int] = []
+        self.verifier_cached = 0  # the verifier replica holds tokens[:verifier_cached]
         self._verifying: list[int] = []  # drafts of the step in flight
         self.cache_misses = {"drafter": 0, "verifier": 0}  # calls resent in full (recomputes)
         self.text = ""
@@ -104,13 +104,17 @@ class Sequence:
         return self.tokens[self.num_prompt:]
 
     @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def step_k(self, k: int | None = None) -> int:
         """Draft tokens for the next step: no more than could be emitted or fit the context."""
         k = self.k if k is None else min(k, self.k)
-        left = self.params.max_tokens - len(self.output_ids)
+        left = self.params.max_tokens - self.num_output
         return max(0, min(k, left - 1, self.max_len - len(self.tokens) - 1))
 
     def draft_request(self, k: int, full: bool = False, context: list[int] | None = None) -> DraftRequest:
@@ -133,15 +137,17 @@ class Sequence:
                   draft_probs=probs if drafts else None, num_prompt=self.num_prompt)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
-        return VerifyRequest.for_tokens(self.seq_id, self.tokens, common_prefix_len(self.verifier_held, self.tokens), **kw)
+        return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)), **kw)
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
         """Emit a verified step. Returns (new token ids, newly final text): only the tokens kept,
         so a stop string, EOS or max_tokens inside an accepted block drops the ones after it."""
         self.stats.record(result.num_drafts, result.num_accepted)
-        self.verifier_held = (self.tokens + self._verifying)[: result.cached]
+        # the verifier holds the sequence and the drafts it accepted, which the emitted tokens start
+        # with: a prefix of the tokens from here on (a length, not a copy: O(1) per step)
+        self.verifier_cached = result.cached
         new = list(result.tokens)
-        left = self.params.max_tokens - len(self.output_ids)
+        left = self.params.max_tokens - self.num_output
         new = new[:left]
         for i, t in enumerate(new):
             if t in self.eos_ids:
@@ -155,11 +161,11 @@ class Sequence:
         if self.detok.stopped_at is not None:
             self.finish_reason = "stop"
             keep = self.detok.tokens_through_stop()
-            dropped = len(self.output_ids) - keep
+            dropped = self.num_output - keep
             del self.tokens[self.num_prompt + keep:]
             del self.logprobs[keep:]
             new = new[: len(new) - dropped]
-        elif self.finish_reason is None and (len(self.output_ids) >= self.params.max_tokens
+        elif self.finish_reason is None and (self.num_output >= self.params.max_tokens
                                              or len(self.tokens) >= self.max_len):
             self.finish_reason = "length"
         if self.finish_reason is not None:

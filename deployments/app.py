@@ -35,16 +35,21 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     # request keeps one step in flight on each pool, and replicas batch them, so replicas
     # take many concurrent calls. The serve config's `deployments:` section overrides these.
     affinity = RequestRouterConfig(request_router_class=ROUTER_PATH)
+    # health checked every 2 s (Serve: 10) and a stopping replica waits 5 s for its calls (Serve: 20):
+    # a stalled engine (stall_timeout_s) is replaced quickly, and the streams of a stopping replica
+    # resume on another one from their tokens anyway
+    health = {"health_check_period_s": 2, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 5}
     drafter = serve.deployment(DrafterServer, name="Drafter", max_ongoing_requests=128,
-                               ray_actor_options={"num_cpus": 0.5}, request_router_config=affinity)
+                               ray_actor_options={"num_cpus": 0.5}, request_router_config=affinity, **health)
     verifier = serve.deployment(VerifierServer, name="Verifier", max_ongoing_requests=128,
-                                ray_actor_options={"num_cpus": 1}, request_router_config=affinity)
+                                ray_actor_options={"num_cpus": 1}, request_router_config=affinity, **health)
     router = serve.deployment(Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
     drafter = drafter.options(**overrides.get("Drafter", {})).bind(
-        cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue)
+        cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue, stall_timeout_s=config.stall_timeout_s)
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
-        pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s)
+        pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s,
+        stall_timeout_s=config.stall_timeout_s)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 

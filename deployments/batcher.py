@@ -2,7 +2,10 @@
 into the next one. No timer: an idle replica starts a batch the moment a call arrives.
 
 The engine runs on a single worker thread, off the replica's event loop, so health
-checks, streaming and cancellation stay responsive during a forward pass.
+checks, streaming and cancellation stay responsive during a forward pass; ``stalled_s``
+tells the health check how long the current batch has been running (a hung engine thread
+cannot be interrupted: the replica must be replaced). If the batch loop itself dies, every
+caller waiting on it gets the error at once.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ class ContinuousBatcher(Generic[T, R]):
         self.worker: asyncio.Task | None = None
         self.busy_s = 0.0  # time spent in the engine, for utilisation metrics
         self.max_seen = 0  # largest batch so far
+        self.running_since: float | None = None  # monotonic start of the batch in the engine now
+
+    def stalled_s(self) -> float:
+        """Seconds the batch now in the engine has been running (0 when idle)."""
+        return 0.0 if self.running_since is None else time.monotonic() - self.running_since
 
     @property
     def queued(self) -> int:
@@ -51,12 +59,25 @@ class ContinuousBatcher(Generic[T, R]):
         return list(await asyncio.gather(*futures))
 
     async def _loop(self):
+        live: list = []
+        try:
+            await self._batches(live)
+        except BaseException as e:  # noqa: BLE001 - the loop died (or the replica shuts down): nobody waits forever
+            err = e if isinstance(e, Exception) else RuntimeError(f"batch loop stopped: {e!r}")
+            for _, fut in live + self.pending:
+                if not fut.done():
+                    fut.set_exception(err)
+            self.pending = []
+            raise
+
+    async def _batches(self, live: list):
         loop = asyncio.get_running_loop()
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
             while self.pending:
-                live, rest, keys = [], [], set()
+                live.clear()
+                rest, keys = [], set()
                 for item, fut in self.pending:
                     if fut.cancelled():
                         continue
@@ -71,6 +92,7 @@ class ContinuousBatcher(Generic[T, R]):
                     continue
                 self.max_seen = max(self.max_seen, len(live))
                 t0 = time.perf_counter()
+                self.running_since = time.monotonic()
                 try:
                     results = await loop.run_in_executor(self.executor, self.run, [i for i, _ in live])
                 except Exception as e:  # noqa: BLE001 - every caller in the batch gets the error
@@ -79,6 +101,7 @@ class ContinuousBatcher(Generic[T, R]):
                             fut.set_exception(e)
                     continue
                 finally:
+                    self.running_since = None
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
                     if self.on_batch:
@@ -86,3 +109,4 @@ class ContinuousBatcher(Generic[T, R]):
                 for (_, fut), res in zip(live, results):
                     if not fut.done():
                         fut.set_result(res)
+                live.clear()

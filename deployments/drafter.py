@@ -22,9 +22,10 @@ class DrafterServer(EngineServer):
 
     role = "drafter"
 
-    def __init__(self, config: dict, engine=None, max_batch: int = 64, max_queue: int = 1024):
+    def __init__(self, config: dict, engine=None, max_batch: int = 64, max_queue: int = 1024,
+                 stall_timeout_s: float = 30.0):
         engine = engine or build_drafter(TypeAdapter(DrafterConfig).validate_python(config))
-        super().__init__(engine, engine.propose, max_batch, max_queue)
+        super().__init__(engine, engine.propose, max_batch, max_queue, stall_timeout_s)
 
     async def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         return await self.batcher.submit(requests)

@@ -4,6 +4,9 @@ cache metrics, release, stats and health."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import time
 from typing import Callable
 
 from deployments.autoscaling import LoadWindow
@@ -11,17 +14,27 @@ from deployments.batcher import ContinuousBatcher
 from deployments.metrics import metrics, where
 
 
+log = logging.getLogger(__name__)
+FAULT_INJECTION_ENV = "SPLITSPEC_FAULT_INJECTION"  # "1" enables ``inject_fault`` (tests, chaos drills)
+
+
 class EngineServer:
     role = "engine"
 
-    def __init__(self, engine, call: Callable[[list], list], max_batch: int, max_queue: int):
+    def __init__(self, engine, call: Callable[[list], list], max_batch: int, max_queue: int,
+                 stall_timeout_s: float = 30.0):
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._stall_next = 0.0  # injected: the next batch hangs this long in the engine thread
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
         self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id)
         self.load = LoadWindow()  # engine load since the last autoscaling report
 
     def _run(self, requests: list) -> list:
+        if self._stall_next:
+            hang, self._stall_next = self._stall_next, 0.0
+            time.sleep(hang)  # an engine thread stuck in a kernel, as far as anyone can tell
         self.load.begin()
         try:
             out = self._call(requests)
@@ -75,6 +88,25 @@ class EngineServer:
         return self.batcher.queued
 
     def check_health(self):
+        """Serve calls this every ``health_check_period_s``: a replica whose engine has made no
+        progress for ``stall_timeout_s`` is unhealthy, so Serve replaces it and its requests fail
+        over (a hung engine thread cannot be interrupted from Python)."""
         worker = self.batcher.worker
-        if worker is not None and worker.done() and worker.exception():
+        if worker is not None and worker.done() and not worker.cancelled() and worker.exception():
             raise RuntimeError(f"batch loop died: {worker.exception()!r}")
+        stalled = self.batcher.stalled_s()
+        if stalled > self.stall_timeout_s:
+            log.error("%s engine made no progress for %.1f s: reporting unhealthy", self.role, stalled)
+            raise RuntimeError(f"{self.role} engine made no progress for {stalled:.1f} s "
+                               f"(stall_timeout_s {self.stall_timeout_s})")
+
+    async def inject_fault(self, kind: str, seconds: float) -> str:
+        """Fault injection for tests and drills, enabled by SPLITSPEC_FAULT_INJECTION=1 in the
+        replica's environment: ``stall`` makes the next batch hang in the engine for ``seconds``."""
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in the replica's environment)")
+        if kind != "stall":
+            raise ValueError(f"unknown fault {kind!r}")
+        self._stall_next = float(seconds)
+        from deployments.metrics import where
+        return where().get("replica_id", "")

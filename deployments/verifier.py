@@ -21,7 +21,8 @@ class VerifierServer(EngineServer):
     role = "verifier"
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
-                 max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, drafter_timeout_s: float = 2.0):
+                 max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, drafter_timeout_s: float = 2.0,
+                 stall_timeout_s: float = 30.0):
         """``drafter``: a handle to the drafter pool (None: plain decoding only)."""
         self.drafter = drafter
         self.pipeline_drafts = pipeline_drafts
@@ -36,7 +37,7 @@ class VerifierServer(EngineServer):
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
-        super().__init__(engine, engine.verify, max_batch, max_queue)
+        super().__init__(engine, engine.verify, max_batch, max_queue, stall_timeout_s)
 
     def queued(self) -> int:
         return self.engine.inflight if self.is_async else super().queued()

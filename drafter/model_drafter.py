@@ -8,6 +8,7 @@ its q is exactly sparse and only those entries travel to the verifier.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, process
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class ModelDrafter:
@@ -69,12 +72,14 @@ class ModelDrafter:
 
         step = 0
         while active:
-            logits = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
-                                     [1] * len(active))
             still = []
-            for (r, slot, _, k), lg in zip(active, logits):
+            for (r, slot, _, k), lg in self._forward(active, out):
                 prop = out[r.seq_id]
-                token = self._draw(r, lg, slot.tokens, prop)
+                try:
+                    token = self._draw(r, lg, slot.tokens, prop)
+                except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
+                    self._fail(r, e, out)
+                    continue
                 prop.tokens.append(token)
                 if step + 1 < k:
                     still.append((r, slot, [token], k))
@@ -86,6 +91,24 @@ class ModelDrafter:
         for p in out.values():
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
+
+    def _forward(self, active, out):
+        """One batched pass over the active sequences -> [(entry, logits [1, V])]. If it raises, each
+        sequence runs alone and one that still fails stops drafting (fewer drafts: still lossless)."""
+        try:
+            logits = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
+                                     [1] * len(active))
+            return list(zip(active, logits))
+        except Exception as e:  # noqa: BLE001
+            if len(active) == 1:
+                self._fail(active[0][0], e, out)
+                return []
+            return [pair for a in active for pair in self._forward([a], out)]
+
+    def _fail(self, r: DraftRequest, e: Exception, out: dict) -> None:
+        log.warning("sequence %s failed drafting alone: %r", r.seq_id, e)
+        self.cache.release(r.seq_id)
+        out[r.seq_id].cached = 0
 
     def _draw(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], prop: Proposal) -> int:
         """Draw the draft token after ``slot_tokens`` (the context and earlier drafts) from q (logits [1, V])."""

@@ -77,3 +77,68 @@ def test_engine_error_reaches_every_caller_and_the_loop_survives():
         return await b.submit([item("c")])
 
     assert asyncio.run(main()) == ["c"]
+
+
+def test_a_dead_batch_loop_fails_its_callers_at_once():
+    """If the loop itself dies (not the engine: the loop task), every caller waiting on it gets the
+    error instead of waiting forever."""
+    async def main():
+        b, _, gate = make()
+        gate.set()
+        first = asyncio.create_task(b.submit([item("a")]))
+        await asyncio.sleep(0.05)
+        assert await first == ["done-a"]
+        b.run = lambda items: (_ for _ in ()).throw(RuntimeError("engine"))  # engine errors: callers get them
+        with pytest.raises(RuntimeError, match="engine"):
+            await b.submit([item("b")])
+
+        def boom(item):  # the loop's own code (the key function) raises: the loop dies
+            raise KeyError("loop bug")
+        b.key = boom
+        waiting = [asyncio.create_task(b.submit([item(f"c{i}")])) for i in range(3)]
+        done, pending = await asyncio.wait(waiting, timeout=2)
+        assert not pending
+        assert all(isinstance(t.exception(), KeyError) for t in done)
+
+    asyncio.run(main())
+
+
+def test_stalled_engine_makes_the_replica_unhealthy():
+    """The health check reports a batch that has run longer than stall_timeout_s; an idle or
+    progressing engine is healthy. Fault injection is off unless the environment enables it."""
+    import os
+
+    from deployments.server import FAULT_INJECTION_ENV, EngineServer
+
+    class Engine:
+        def num_cached(self):
+            return 0
+
+        def run(self, items):
+            return [SimpleNamespace(cache_miss=False, batch_size=1) for _ in items]
+
+    async def main():
+        eng = Engine()
+        srv = EngineServer(eng, eng.run, 8, 100, stall_timeout_s=0.3)
+        srv._count_cache = lambda *a: None
+        srv._on_batch = lambda *a: None
+        srv.batcher.on_batch = None
+        await srv.batcher.submit([SimpleNamespace(seq_id="a", full=True)])
+        srv.check_health()  # idle: healthy
+        with pytest.raises(PermissionError):
+            await srv.inject_fault("stall", 1.0)
+        os.environ[FAULT_INJECTION_ENV] = "1"
+        try:
+            await srv.inject_fault("stall", 1.0)
+        finally:
+            del os.environ[FAULT_INJECTION_ENV]
+        call = asyncio.create_task(srv.batcher.submit([SimpleNamespace(seq_id="b", full=True)]))
+        await asyncio.sleep(0.1)
+        srv.check_health()  # running 0.1 s < 0.3 s: healthy
+        await asyncio.sleep(0.4)
+        with pytest.raises(RuntimeError, match="no progress"):
+            srv.check_health()
+        await call  # the stall ends: the call completes and the replica is healthy again
+        srv.check_health()
+
+    asyncio.run(main())

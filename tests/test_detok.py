@@ -47,3 +47,57 @@ def test_no_stop_releases_everything():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     parts, d = stream(tok, ids, stop=("never",))
     assert "".join(parts) == text and d.stopped_at is None
+
+
+def test_streamed_text_equals_the_tokenizers_decode_and_the_stop_token_is_exact():
+    """Against the definitions, on random token sequences of the shipped tokenizer (multi-byte
+    characters split across tokens included): the deltas concatenate to ``decode(ids)``, and the
+    token that completed a stop string is the first n for which ``decode(ids[:n])`` contains it."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "models" / "tiny-code-target")
+    rng = random.Random(1)
+    text = "def f(x):\n    return '日本語 é ü' + x  # ok\n" * 3
+    base = tok(text, add_special_tokens=False)["input_ids"]
+    for trial in range(40):
+        ids = [rng.choice(base) if rng.random() < 0.7 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 60))]
+        out, d = stream(tok, ids)
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
+        stop = ("return", "x  #")[trial % 2]
+        out, d = stream(tok, base, stop=(stop,))
+        full = tok.decode(base, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(out) == full[: full.index(stop)]
+        want = next(n for n in range(1, len(base) + 1) if stop in tok.decode(base[:n], skip_special_tokens=True))
+        assert d.tokens_through_stop() == want
+
+
+def test_work_per_token_does_not_grow_with_the_output():
+    """A sequence's per-token bookkeeping (detokenising, stop strings) at 8,192 output tokens costs
+    about what it costs at 128: measured here, with a loose bound (quadratic work would be ~64x)."""
+    import statistics
+    import time
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from configs import SamplingParams
+    from core.protocol import VerifyResult
+    from core.sequence import Sequence
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "models" / "tiny-code-target")
+    ids = tok("for i in range(10):\n    total += values[i] * 2  # 日本\n" * 400, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=9000, ignore_eos=True, stop=("never appears here", "@@@"))
+    seq = Sequence([0, 5, 6], params, 4, tok, {1}, 10_000)
+    per_step = []
+    for i in range(0, 8192, 4):
+        res = VerifyResult(seq.seq_id, tokens=ids[i % len(ids):][:4] or ids[:4], num_accepted=3, num_drafts=4)
+        t0 = time.perf_counter()
+        seq.apply(res)
+        per_step.append(time.perf_counter() - t0)
+    early = statistics.median(per_step[:32])  # the first 128 tokens
+    late = statistics.median(per_step[-32:])  # around 8,192
+    print(f"per step: {early * 1e6:.1f} us at 128 tokens, {late * 1e6:.1f} us at 8,192")
+    assert len(seq.output_ids) >= 8192
+    assert late < 3 * early + 20e-6

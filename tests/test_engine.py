@@ -214,3 +214,45 @@ def test_gumbel_mode_output_is_independent_of_drafter_and_k(tiny_pair):
     assert rate > 0.3, rate
     # rejection mode draws differently: same distribution, different tokens for this seed
     assert [s.output_ids for s in generate(ps, SAMPLED.model_copy(update={"max_tokens": 32}), 0, None, ver)] != plain
+
+
+def test_a_poisoned_sequence_fails_alone(tiny_pair):
+    """One sequence whose forward pass or decision raises gets its own error; every other sequence of
+    the batch gets the result it would have had alone (verifier and drafter)."""
+    from core.protocol import DraftProbs, DraftRequest
+
+    tok, ver, dr = make(tiny_pair)
+    V = ver.vocab_size
+    ps = [p[:12] for p in prompts(tok, 4)]
+    greedy = SamplingParams(temperature=0)
+    sampled = SamplingParams(temperature=0.8, seed=3)
+
+    def reqs(poison):
+        out = [VerifyRequest(f"s{i}", 0, None, p, [5, 6, 7], sampled, 11,
+                             draft_probs=DraftProbs([[5], [6], [7]], [[1.0]] * 3)) for i, p in enumerate(ps)]
+        if poison == "forward":  # a token outside the vocabulary: the batched pass raises
+            out[1] = VerifyRequest("s1", 0, None, ps[1], [5, V + 7, 7], greedy, 11)
+        else:  # q names a token outside the vocabulary: the forward pass is fine, the decision raises
+            out[2].draft_probs = DraftProbs([[5], [V + 3], [7]], [[1.0]] * 3)
+        return out
+
+    for poison, bad in (("forward", 1), ("decide", 2)):
+        for s in [f"s{i}" for i in range(4)]:
+            ver.release(s)
+        res = ver.verify(reqs(poison))
+        assert res[bad].error and "failed" in res[bad].error and not res[bad].retryable
+        assert f"s{bad}" not in ver.cache
+        for i, r in enumerate(res):
+            if i == bad:
+                continue
+            ver.release(f"s{i}")
+            (alone,) = ver.verify([reqs(poison)[i]])
+            assert r.error is None and (r.tokens, r.num_accepted) == (alone.tokens, alone.num_accepted), i
+
+    drafts = [DraftRequest(f"d{i}", 0, None, p, 3, greedy, 1) for i, p in enumerate(ps)]
+    drafts[2] = DraftRequest("d2", 0, None, ps[2][:-1] + [V + 9], 3, greedy, 1)
+    props = dr.propose(drafts)
+    assert props[2].tokens == [] and props[2].cached == 0
+    for i in (0, 1, 3):
+        dr.release(f"d{i}")
+        assert props[i].tokens == dr.propose([drafts[i]])[0].tokens and len(props[i].tokens) == 3

@@ -181,3 +181,69 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
         time.sleep(11)
     assert spec["num_drafts"] > 0 and spec["degraded_steps"] == 0, spec
     assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
+
+
+def test_a_hung_verifier_engine_is_replaced_and_its_streams_fail_over(ray_cluster, serve_app, tiny_model_dirs):
+    """One verifier replica's engine hangs mid-stream (injected: its next batch never returns). The
+    watchdog reports it unhealthy after stall_timeout_s, Serve replaces it, and every stream on it
+    resumes on the other replica: 0 failed, 0 mismatched, the replica replaced."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app_with
+    from deployments.server import FAULT_INJECTION_ENV
+
+    base, tok, target, _ = serve_app
+    target_dir, drafter_dir = tiny_model_dirs
+    app = build_app_with({
+        "model_name": "tiny", "stall_timeout_s": 2.0, "k_policy": "fixed",
+        "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 8,
+                    "num_threads": 1, "num_speculative_tokens": 3},
+    }, overrides={"Verifier": {"num_replicas": 2, "ray_actor_options": {
+        "num_cpus": 0.1, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}},
+        "Drafter": {"ray_actor_options": {"num_cpus": 0.1}}, "Router": {"ray_actor_options": {"num_cpus": 0.05}}})
+    serve.run(app, name="stall", route_prefix="/stall")
+    url = f"{base}/stall"
+
+    def verifiers():  # live replica actors' names (a dead actor's name is released)
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "stall#Verifier" in a["name"]}
+
+    prompts = [f"def f{i}(x):" for i in range(6)]
+    try:
+        want = [ref_tokens(url, p) for p in prompts]  # undisturbed, before the fault
+        before = verifiers()
+        assert len(before) == 2
+        handle = serve.get_deployment_handle("Verifier", app_name="stall")
+        t0 = time.monotonic()
+        stalled = handle.inject_fault.remote("stall", 600).result()
+
+        async def one(client, p):
+            r = await client.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            return r.status_code, r.json()
+
+        async def all_():
+            async with httpx.AsyncClient() as client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+
+        results = asyncio.run(all_())
+        assert [code for code, _ in results] == [200] * len(prompts), results
+        assert [body["choices"][0]["token_ids"] for _, body in results] == want  # 0 mismatched
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(stalled in name for name in before - verifiers()):
+            time.sleep(0.5)
+        replaced_after = time.monotonic() - t0
+        assert any(stalled in name for name in before - verifiers()), (stalled, before, verifiers())
+        print(f"hung verifier replica replaced {replaced_after:.1f} s after the fault")
+        assert replaced_after < 45
+    finally:
+        serve.delete("stall")
+
+
+def ref_tokens(url, prompt):
+    r = post(url, prompt=prompt, max_tokens=48, temperature=0, ignore_eos=True, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]

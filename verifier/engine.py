@@ -9,6 +9,7 @@ answer any call, at worst after a cache miss and a resend of the full token ids.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from core.rejection import decide
 
 if TYPE_CHECKING:
     from configs import VerifierConfig
+
+log = logging.getLogger(__name__)
 
 
 class VerifierEngine:
@@ -84,20 +87,41 @@ class VerifierEngine:
             live.append((r, slot))
 
         for group in self._groups(live):
-            feeds = [(r.new_tokens[len(slot.tokens):] if r.full else r.new_tokens) + r.draft_tokens
-                     for r, slot in group]
-            t0 = time.perf_counter()
+            self._verify_group(group, results)
+        return [results[r.seq_id] for r in requests]
+
+    def _verify_group(self, group, results: dict) -> None:
+        """One forward pass for the group, then each sequence's decision. A sequence that makes either
+        raise fails alone: a failed pass is rerun sequence by sequence."""
+        feeds = [(r.new_tokens[len(slot.tokens):] if r.full else r.new_tokens) + r.draft_tokens for r, slot in group]
+        t0 = time.perf_counter()
+        try:
             logits = batched_forward(self.runner, self.cache, [s for _, s in group], feeds,
                                      [r.k + 1 for r, _ in group])  # each [k+1, V]
-            dt = time.perf_counter() - t0
-            for (r, slot), lg in zip(group, logits):
+        except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
+            if len(group) > 1:
+                for item in group:
+                    self._verify_group([item], results)
+            else:
+                self._fail(group[0][0], e, results)
+            return
+        dt = time.perf_counter() - t0
+        for (r, slot), lg in zip(group, logits):
+            try:
                 res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
-                res.forward_s = dt
-                # keep the accepted drafts' K/V; the recovered/bonus token was never fed
-                del slot.tokens[len(slot.tokens) - r.k + res.num_accepted:]
-                res.cached = len(slot.tokens)
-                results[r.seq_id] = res
-        return [results[r.seq_id] for r in requests]
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e, results)
+                continue
+            res.forward_s = dt
+            # keep the accepted drafts' K/V; the recovered/bonus token was never fed
+            del slot.tokens[len(slot.tokens) - r.k + res.num_accepted:]
+            res.cached = len(slot.tokens)
+            results[r.seq_id] = res
+
+    def _fail(self, r: VerifyRequest, e: Exception, results: dict) -> None:
+        log.warning("sequence %s failed verification alone: %r", r.seq_id, e)
+        self.cache.release(r.seq_id)  # its rows may be half written
+        results[r.seq_id] = VerifyResult(r.seq_id, error=f"verification of this sequence failed: {e!r}")
 
     def _groups(self, live):
         """Split a batch so that left-padding never more than doubles the tokens computed,
