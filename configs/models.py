@@ -91,6 +91,7 @@ class NgramConfig(_Config):
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step.")
     min_n: int = Field(1, ge=1, le=64, description="Shortest suffix n-gram to match.")
     max_n: int = Field(4, ge=1, le=64, description="Longest suffix n-gram to match (tried first).")
+    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the sequences' tokens and n-gram indexes (estimated); the least recently used sequence is dropped when full.")
 
     @model_validator(mode="after")
     def _n_range(self):

@@ -19,20 +19,36 @@ ROUTER_PATH = "deployments.affinity.CacheAffinityRouter"
 
 
 def sequence_id(pending_request) -> str | None:
-    args = getattr(pending_request, "args", None)
+    """The sequence a call is about: ``propose``/``verify`` (a list of requests), ``release`` (a list
+    of ids) and ``speculate`` (``seq_id``, the third argument or a keyword)."""
+    args = getattr(pending_request, "args", None) or ()
+    kwargs = getattr(pending_request, "kwargs", None) or {}
+    if isinstance(kwargs.get("seq_id"), str):
+        return kwargs["seq_id"]
+    if _method(pending_request) == "speculate":
+        return args[2] if len(args) > 2 and isinstance(args[2], str) else None
     if not args or not isinstance(args[0], (list, tuple)) or not args[0]:
         return None
     first = args[0][0]
     return first if isinstance(first, str) else getattr(first, "seq_id", None)
 
 
-class CacheAffinityRouter(FIFOMixin, RequestRouter):
-    """Built on Serve's public request-router API (``ray.serve.request_router``)."""
+def _method(pending_request) -> str:
+    return getattr(getattr(pending_request, "metadata", None), "call_method", "")
 
-    def initialize_state(self, max_sequences: int = 100_000, **kwargs):
+
+ENTRY_BYTES = 160  # an entry's estimated memory besides its id: dict slot, replica id, string header
+
+
+class CacheAffinityRouter(FIFOMixin, RequestRouter):
+    """Built on Serve's public request-router API (``ray.serve.request_router``). Entries are
+    bounded in bytes (least recently routed out) and dropped when their sequence is released."""
+
+    def initialize_state(self, max_bytes: int = 32 * 2**20, **kwargs):
         super().initialize_state(**kwargs)
         self._home: OrderedDict[str, object] = OrderedDict()  # seq_id -> ReplicaID
-        self._max_sequences = max_sequences
+        self._max_bytes = max_bytes
+        self._bytes = 0
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         # ranks in order of preference: the home replica while it has room (a full one is left
@@ -47,15 +63,25 @@ class CacheAffinityRouter(FIFOMixin, RequestRouter):
         return ranks
 
     def on_request_routed(self, pending_request, replica_id, result):
+        if _method(pending_request) == "release":  # the sequence is over: forget it
+            for seq in (pending_request.args[0] if pending_request.args else ()):
+                self._forget(seq)
+            return
         seq = sequence_id(pending_request)
         if seq is None:
             return
+        if seq not in self._home:
+            self._bytes += len(seq) + ENTRY_BYTES
         self._home[seq] = replica_id
         self._home.move_to_end(seq)
-        while len(self._home) > self._max_sequences:
-            self._home.popitem(last=False)
+        while self._bytes > self._max_bytes and self._home:
+            self._forget(next(iter(self._home)))
+
+    def _forget(self, seq) -> None:
+        if isinstance(seq, str) and self._home.pop(seq, None) is not None:
+            self._bytes -= len(seq) + ENTRY_BYTES
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         for seq in [s for s, r in self._home.items() if r == replica_id]:
-            del self._home[seq]
+            self._forget(seq)

@@ -23,36 +23,85 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
     return []
 
 
-class NgramDrafter:
-    """Needs the whole sequence, so it asks for it: it keeps each sequence's tokens
-    between calls (cheap), and a call whose prefix it does not hold is a miss."""
+class NgramIndex:
+    """One sequence's tokens and, for each n in [min_n, max_n], the latest start of every n-gram
+    that ends before the last token: appending a token indexes the n-grams it completes, so a
+    lookup costs the same at 100 tokens as at 100,000 (``ngram_propose`` rescans everything)."""
 
-    def __init__(self, config: NgramConfig, max_sequences: int = 100_000):
+    def __init__(self, min_n: int, max_n: int):
+        self.ns = range(min_n, max_n + 1)
+        self.tokens: list[int] = []
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.ns}
+        self.indexed = 0  # n-grams ending at positions < indexed are in ``latest``
+
+    def set(self, start: int, new: list[int]) -> None:
+        """Keep tokens[:start], then append ``new`` (a cut rebuilds the index: rare, drafts are never held)."""
+        if start < len(self.tokens):
+            del self.tokens[start:]
+            self.latest = {n: {} for n in self.ns}
+            self.indexed = 0
+        self.tokens.extend(new)
+        t, latest = self.tokens, self.latest
+        for e in range(self.indexed, len(t) - 1):
+            for n in self.ns:
+                if e + 1 >= n:
+                    latest[n][tuple(t[e + 1 - n: e + 1])] = e + 1 - n
+        self.indexed = max(self.indexed, len(t) - 1)
+
+    def propose(self, k: int) -> list[int]:
+        t, L = self.tokens, len(self.tokens)
+        for n in reversed(self.ns):
+            if n > L - 1:
+                continue
+            i = self.latest[n].get(tuple(t[L - n:]))
+            if i is not None:
+                return t[i + n: i + n + k]
+        return []
+
+    def nbytes(self) -> int:
+        """Estimated memory: 8 bytes per token, about 100 bytes per index entry plus its key."""
+        return 8 * len(self.tokens) + sum(len(d) * (100 + 8 * n) for n, d in self.latest.items())
+
+
+class NgramDrafter:
+    """Needs the whole sequence, so it asks for it: it keeps each sequence's tokens and n-gram
+    index between calls, within ``cache_budget_mb`` (least recently used first out); a call
+    whose prefix it does not hold is a miss."""
+
+    def __init__(self, config: NgramConfig):
         self.config = config
-        self.tokens: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
-        self.max_sequences = max_sequences
+        self.seqs: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
+        self.budget = int(config.cache_budget_mb * 2**20)
+        self.bytes = 0
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         out = []
         for r in requests:
+            idx = self.seqs.pop(r.seq_id, None)
+            if idx is not None:
+                self.bytes -= idx.nbytes()
             if r.full:
-                toks = list(r.new_tokens)
+                idx = NgramIndex(self.config.min_n, self.config.max_n)
+                idx.set(0, list(r.new_tokens))
+            elif idx is None or len(idx.tokens) < r.start or prefix_hash(idx.tokens[:r.start]) != r.prefix:
+                out.append(Proposal(r.seq_id, [], cache_miss=True))
+                continue
             else:
-                held = self.tokens.get(r.seq_id)
-                if held is None or len(held) < r.start or prefix_hash(held[:r.start]) != r.prefix:
-                    out.append(Proposal(r.seq_id, [], cache_miss=True))
-                    continue
-                toks = held[:r.start] + list(r.new_tokens)
-            self.tokens[r.seq_id] = toks
-            self.tokens.move_to_end(r.seq_id)
-            while len(self.tokens) > self.max_sequences:
-                self.tokens.popitem(last=False)
-            draft = ngram_propose(toks, r.k, self.config.min_n, self.config.max_n) if r.k else []
-            out.append(Proposal(r.seq_id, draft, None, cached=len(toks)))
+                idx.set(r.start, list(r.new_tokens))
+            self.seqs[r.seq_id] = idx
+            self.bytes += idx.nbytes()
+            while self.bytes > self.budget and len(self.seqs) > 1:
+                _, old = self.seqs.popitem(last=False)
+                self.bytes -= old.nbytes()
+            draft = idx.propose(r.k) if r.k else []
+            out.append(Proposal(r.seq_id, draft, None, cached=len(idx.tokens)))
         return out
 
     def release(self, seq_id: str) -> bool:
-        return self.tokens.pop(seq_id, None) is not None
+        idx = self.seqs.pop(seq_id, None)
+        if idx is not None:
+            self.bytes -= idx.nbytes()
+        return idx is not None
 
     def num_cached(self) -> int:
-        return len(self.tokens)
+        return len(self.seqs)

@@ -119,3 +119,28 @@ def test_drafter_compatibility_compares_tokenizers_not_vocab_size(tmp_path):
     tiny_llama(len(tok) - 10, layers=1).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="does not cover"):
         check_models(app("small"))
+
+
+def test_affinity_entries_are_bounded_in_bytes_and_dropped_on_release():
+    """The cache-affinity router's table (deployments/affinity.py): a release call forgets its sequences,
+    the table stays within max_bytes (least recently routed out), and speculate calls name their sequence."""
+    from types import SimpleNamespace
+
+    from deployments.affinity import ENTRY_BYTES, CacheAffinityRouter, sequence_id
+
+    def call(method, *args, **kwargs):
+        return SimpleNamespace(args=list(args), kwargs=kwargs, metadata=SimpleNamespace(call_method=method))
+
+    router = object.__new__(CacheAffinityRouter)
+    router.initialize_state(max_bytes=10 * (8 + ENTRY_BYTES))
+    for i in range(25):
+        router.on_request_routed(call("propose", [SimpleNamespace(seq_id=f"seq-{i:04d}")]), f"r{i % 2}", None)
+        assert router._bytes <= router._max_bytes
+    assert list(router._home) == [f"seq-{i:04d}" for i in range(15, 25)]
+    router.on_request_routed(call("release", ["seq-0020", "seq-0021", "unknown"]), "r0", None)
+    assert "seq-0020" not in router._home and "seq-0021" not in router._home
+    assert router._bytes == sum(len(s) + ENTRY_BYTES for s in router._home)
+    assert sequence_id(call("speculate", [1, 2], None, "abc")) == "abc"
+    assert sequence_id(call("speculate", [1, 2], None, seq_id="xyz")) == "xyz"
+    assert sequence_id(call("verify", [SimpleNamespace(seq_id="v")])) == "v"
+    assert sequence_id(call("stats")) is None

@@ -5,7 +5,7 @@ import torch
 
 from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
 from core.loop import generate, step
-from core.protocol import VerifyRequest, prefix_hash
+from core.protocol import DraftRequest, VerifyRequest, prefix_hash
 from core.sequence import Sequence
 from drafter.model_drafter import ModelDrafter
 from drafter.ngram import NgramDrafter, ngram_propose
@@ -256,3 +256,38 @@ def test_a_poisoned_sequence_fails_alone(tiny_pair):
     for i in (0, 1, 3):
         dr.release(f"d{i}")
         assert props[i].tokens == dr.propose([drafts[i]])[0].tokens and len(props[i].tokens) == 3
+
+
+def test_ngram_index_equals_the_scan_and_is_bounded_in_bytes():
+    """The incremental index proposes what the full rescan does, at every length and after a cut;
+    the drafter keeps its sequences within cache_budget_mb, least recently used out."""
+    import random
+
+    from drafter.ngram import NgramIndex
+
+    rng = random.Random(0)
+    for trial in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randint(2, 120))]
+        idx = NgramIndex(1, 4)
+        i = 0
+        while i < len(tokens):
+            n = rng.randint(1, 5)
+            idx.set(i, tokens[i:i + n])
+            i += n
+            assert idx.propose(5) == ngram_propose(tokens[:i], 5, 1, 4), (trial, i)
+        cut = rng.randrange(1, len(tokens))
+        idx.set(cut, [3, 3, 1])
+        assert idx.propose(4) == ngram_propose(tokens[:cut] + [3, 3, 1], 4, 1, 4)
+
+    greedy = SamplingParams(temperature=0)
+    one = NgramIndex(1, 4)
+    one.set(0, list(range(100)) * 3)
+    budget = 3.5 * one.nbytes() / 2**20  # room for three such sequences
+    ng = NgramDrafter(NgramConfig(cache_budget_mb=budget))
+    for s in range(6):
+        ng.propose([DraftRequest(f"n{s}", 0, None, list(range(100)) * 3, 4, greedy, 1)])
+        assert ng.bytes <= ng.budget
+    assert list(ng.seqs) == ["n3", "n4", "n5"]
+    assert ng.bytes == sum(x.nbytes() for x in ng.seqs.values())
+    ng.release("n4")
+    assert ng.bytes == sum(x.nbytes() for x in ng.seqs.values())
