@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.protocol import CacheMiss, common_prefix_len, prefix_hash
+from core.protocol import CacheMiss, common_prefix_len, cut_chain, prefix_hash
 
 TRASH_ROW = 0  # in block 0, which no sequence owns
 
@@ -44,6 +44,12 @@ class CacheFull(RuntimeError):
 class Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are valid, in order
     blocks: list[int] = field(default_factory=list)  # the block table
+    chain: list[bytes] = field(default_factory=lambda: [b""])  # memo of the prefix hash of tokens
+
+    def cut(self, n: int) -> None:
+        """Keep the first n tokens (rejected drafts, a rollback); the rows past them are stale."""
+        del self.tokens[n:]
+        cut_chain(self.chain, n)
 
     def rows(self, n: int, block_size: int) -> torch.Tensor:
         """The pool rows of positions 0..n-1: [n]."""
@@ -117,13 +123,12 @@ class PagedKVCache:
             if slot is None:
                 slot = self.slots[seq_id] = Slot()
             # keep at least one token to feed, so the forward pass has a position to predict from
-            keep = min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1)
-            del slot.tokens[keep:]
+            slot.cut(min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1))
         else:
-            if slot is None or len(slot.tokens) < start or prefix_hash(slot.tokens[:start]) != prefix:
+            if slot is None or len(slot.tokens) < start or prefix_hash(slot.tokens, start, slot.chain) != prefix:
                 self.stats["misses"] += 1
                 raise CacheMiss(seq_id)
-            del slot.tokens[start:]
+            slot.cut(start)
             self.stats["hits"] += 1
         self._trim(slot)
         self.slots.move_to_end(seq_id)

@@ -23,17 +23,50 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
 
 
-def prefix_hash(tokens: list[int]) -> str:
-    """Hash that names a token prefix in the cache protocol."""
-    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+HASH_BLOCK = 256  # tokens per link of the prefix hash's chain
+
+
+def _link(state: bytes, block: list[int]) -> bytes:
+    return hashlib.blake2b(state + np.asarray(block, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def prefix_hash(tokens: list[int], n: int | None = None, chain: list[bytes] | None = None,
+                stable: int | None = None) -> str:
+    """The hash that names tokens[:n] (default: all) in the cache protocol: a chain over blocks of
+    256 tokens (each link hashes the previous link and its block), then the tail.
+
+    ``chain`` memoises the links of one growing token list ([b""] to start): hashing a prefix then
+    costs one link and the tail, not the whole prefix. Links are stored only for blocks that end
+    within ``stable`` tokens (default n), which the owner promises not to change without cutting
+    the chain (``cut_chain``)."""
+    n = len(tokens) if n is None else n
+    q = n // HASH_BLOCK
+    links = chain if chain is not None else [b""]
+    limit = (n if stable is None else min(n, stable)) // HASH_BLOCK
+    state, i = (links[min(q, len(links) - 1)], min(q, len(links) - 1))
+    while i < q:
+        state = _link(state, tokens[i * HASH_BLOCK:(i + 1) * HASH_BLOCK])
+        i += 1
+        if i == len(links) and i <= limit:
+            links.append(state)
+    return hashlib.blake2b(state + np.asarray(tokens[q * HASH_BLOCK:n], dtype=np.int64).tobytes(),
+                           digest_size=16).hexdigest()
+
+
+def cut_chain(chain: list[bytes], n: int) -> None:
+    """The token list was cut to n tokens (or changed from position n): drop the links past it."""
+    del chain[n // HASH_BLOCK + 1:]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:  # compared in C: the common case at any length
+        return n
+    head = max(0, n - 64)  # sequences diverge near their ends (rejected drafts): skip the head in C
+    i = head if a[:head] == b[:head] else 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class CacheAddressed:
@@ -45,11 +78,13 @@ class CacheAddressed:
             self.full = True
 
     @classmethod
-    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, **kw):
+    def for_tokens(cls, seq_id: str, tokens: list[int], cached: int, chain: list[bytes] | None = None,
+                   stable: int | None = None, **kw):
         """The call for a sequence whose replica is believed to hold tokens[:cached]
-        (at least one token is always sent, so there is a position to predict from)."""
+        (at least one token is always sent, so there is a position to predict from);
+        ``chain``/``stable``: the caller's memo of the prefix hash (``prefix_hash``)."""
         cached = min(cached, len(tokens) - 1)
-        return cls(seq_id, cached, prefix_hash(tokens[:cached]), tokens[cached:], **kw)
+        return cls(seq_id, cached, prefix_hash(tokens, cached, chain, stable), tokens[cached:], **kw)
 
 
 class CacheMiss(Exception):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.detok import IncrementalDetokenizer
-from core.protocol import DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len
+from core.protocol import (DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len,
+                           cut_chain)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
@@ -93,6 +94,7 @@ class Sequence:
         # cache miss and a resend, never a wrong token
         self.drafter_held: list[int] = []
         self.verifier_cached = 0  # the verifier replica holds tokens[:verifier_cached]
+        self.hash_chain: list[bytes] = [b""]  # memo of the prefix hash of self.tokens (core.protocol)
         self._verifying: list[int] = []  # drafts of the step in flight
         self.cache_misses = {"drafter": 0, "verifier": 0}  # calls resent in full (recomputes)
         self.text = ""
@@ -123,7 +125,9 @@ class Sequence:
         kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt)
         if full:
             return DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw)
-        return DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx), **kw)
+        # a pre-draft context (the tokens, then a guess) reads the memo but never adds guessed blocks to it
+        return DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx),
+                                       self.hash_chain, None if context is None else 0, **kw)
 
     def note_proposal(self, proposal: Proposal, context: list[int] | None = None):
         """Record what the drafter now holds: the context and the drafts it fed back in."""
@@ -137,7 +141,8 @@ class Sequence:
                   draft_probs=probs if drafts else None, num_prompt=self.num_prompt)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
-        return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)), **kw)
+        return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),
+                                        self.hash_chain, **kw)
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
         """Emit a verified step. Returns (new token ids, newly final text): only the tokens kept,
@@ -163,6 +168,7 @@ class Sequence:
             keep = self.detok.tokens_through_stop()
             dropped = self.num_output - keep
             del self.tokens[self.num_prompt + keep:]
+            cut_chain(self.hash_chain, len(self.tokens))
             del self.logprobs[keep:]
             new = new[: len(new) - dropped]
         elif self.finish_reason is None and (self.num_output >= self.params.max_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from core.protocol import DraftRequest, Proposal, prefix_hash
+from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import NgramConfig
@@ -33,11 +33,13 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.ns}
         self.indexed = 0  # n-grams ending at positions < indexed are in ``latest``
+        self.chain: list[bytes] = [b""]  # memo of the prefix hash of tokens
 
     def set(self, start: int, new: list[int]) -> None:
         """Keep tokens[:start], then append ``new`` (a cut rebuilds the index: rare, drafts are never held)."""
         if start < len(self.tokens):
             del self.tokens[start:]
+            cut_chain(self.chain, start)
             self.latest = {n: {} for n in self.ns}
             self.indexed = 0
         self.tokens.extend(new)
@@ -83,7 +85,7 @@ class NgramDrafter:
             if r.full:
                 idx = NgramIndex(self.config.min_n, self.config.max_n)
                 idx.set(0, list(r.new_tokens))
-            elif idx is None or len(idx.tokens) < r.start or prefix_hash(idx.tokens[:r.start]) != r.prefix:
+            elif idx is None or len(idx.tokens) < r.start or prefix_hash(idx.tokens, r.start, idx.chain) != r.prefix:
                 out.append(Proposal(r.seq_id, [], cache_miss=True))
                 continue
             else:

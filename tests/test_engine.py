@@ -291,3 +291,34 @@ def test_ngram_index_equals_the_scan_and_is_bounded_in_bytes():
     assert ng.bytes == sum(x.nbytes() for x in ng.seqs.values())
     ng.release("n4")
     assert ng.bytes == sum(x.nbytes() for x in ng.seqs.values())
+
+
+def test_memoised_prefix_hash_equals_the_definition():
+    """The prefix hash with a memo (links of 256-token blocks kept per token list) equals the hash
+    computed from scratch, as the list grows, is cut back and regrows with other tokens, and a
+    guessed tail (``stable``) never enters the memo; common_prefix_len agrees with a plain scan."""
+    import random
+
+    from core.protocol import HASH_BLOCK, common_prefix_len, cut_chain
+
+    rng = random.Random(0)
+    tokens, chain = [], [b""]
+    for step in range(300):
+        tokens += [rng.randrange(4096) for _ in range(rng.randint(1, 40))]
+        if step % 37 == 36:  # a rollback past a block boundary, then different tokens
+            cut = rng.randrange(len(tokens))
+            del tokens[cut:]
+            cut_chain(chain, cut)
+            tokens += [rng.randrange(4096) for _ in range(5)]
+        n = rng.randint(0, len(tokens))
+        assert prefix_hash(tokens, n, chain) == prefix_hash(tokens[:n]), step
+        assert len(chain) <= len(tokens) // HASH_BLOCK + 1
+    guess = tokens + [1] * 600
+    before = list(chain)
+    assert prefix_hash(guess, len(guess), chain, stable=len(tokens)) == prefix_hash(guess)
+    assert len(chain) <= len(tokens) // HASH_BLOCK + 1 and chain[:len(before)] == before
+    for _ in range(200):
+        a = [rng.randrange(3) for _ in range(rng.randint(0, 300))]
+        b = a[: rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 80))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == want

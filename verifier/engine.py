@@ -114,7 +114,7 @@ class VerifierEngine:
                 continue
             res.forward_s = dt
             # keep the accepted drafts' K/V; the recovered/bonus token was never fed
-            del slot.tokens[len(slot.tokens) - r.k + res.num_accepted:]
+            slot.cut(len(slot.tokens) - r.k + res.num_accepted)
             res.cached = len(slot.tokens)
             results[r.seq_id] = res
 
