@@ -71,7 +71,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                 x = torch.tensor([new])
 
                 def eng():
-                    del slot.tokens[context:]
+                    slot.cut(context)
                     batched_forward(engine.runner, cache, [slot], [new], [n])
 
                 def hf():

@@ -32,6 +32,6 @@ class AppConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, max_length=1024, description="When set (here, or comma-separated in the SPLITSPEC_API_KEYS environment variable), every /v1 call needs `Authorization: Bearer <key>` with one of them; /health stays open.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, le=2**30, description="Largest request body; beyond it the request gets 413 before it is parsed.")
     max_prompt_chars: int = Field(1_000_000, ge=1, le=100_000_000, description="Longest prompt (all chat message contents together) in characters, checked before tokenising.")
-    stall_timeout_s: float = Field(30.0, gt=0, le=3600, description="A drafter or verifier engine whose current batch has run this long reports its replica unhealthy (checked every 2 s); Serve replaces it and its requests fail over to other replicas.")
+    stall_timeout_s: float = Field(30.0, gt=0, le=3600, description="A drafter or verifier engine whose current batch has finished no forward pass for this long reports its replica unhealthy (checked every 2 s); Serve replaces it and its requests fail over to other replicas.")
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")

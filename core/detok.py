@@ -45,14 +45,20 @@ class IncrementalDetokenizer:
             return ""
         self.ids.extend(token_ids)
         if self._stream is not None:
-            pieces = []
-            for t in token_ids:
-                piece = self._stream.step(self._backend, t)  # None until a character is complete
-                if piece:
-                    pieces.append(piece)
-                self.ends.append(len(self.text) + sum(map(len, pieces)))
-            self.text += "".join(pieces)
-        else:
+            try:
+                pieces, ends = [], []
+                for t in token_ids:
+                    piece = self._stream.step(self._backend, t)  # None until a character is complete
+                    if piece:
+                        pieces.append(piece)
+                    ends.append(len(self.text) + sum(map(len, pieces)))
+            except Exception:  # noqa: BLE001 - a decoder the stream cannot handle: decode everything from now on
+                self._stream = None
+                self.ends = [len(self._decode(self.ids[: i + 1])) for i in range(len(self.ids) - len(token_ids))]
+            else:
+                self.ends += ends
+                self.text += "".join(pieces)
+        if self._stream is None:
             for i in range(len(self.ids) - len(token_ids), len(self.ids)):
                 self.ends.append(len(self._decode(self.ids[: i + 1])))
             self.text = self._decode(self.ids)

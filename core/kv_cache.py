@@ -59,8 +59,9 @@ class Slot:
     def first_row_if_contiguous(self, n: int, block_size: int) -> int | None:
         """The first row when positions 0..n-1 lie in consecutive blocks (read as a view), else None."""
         nb = -(-n // block_size)
-        if nb and self.blocks[nb - 1] - self.blocks[0] == nb - 1:
-            return self.blocks[0] * block_size
+        b0 = self.blocks[0] if nb else 0
+        if nb and self.blocks[:nb] == list(range(b0, b0 + nb)):  # every block, not just the ends
+            return b0 * block_size
         return None
 
 
@@ -142,7 +143,7 @@ class PagedKVCache:
             raise ValueError(f"sequence of {n_tokens} tokens exceeds the context limit of {self.max_len}")
         while len(slot.blocks) * self.block_size < n_tokens:
             if not self._free:
-                victim = next((s for s in self.slots if s not in pinned), None)
+                victim = next((s for s in self.slots if s not in pinned and s != seq_id), None)
                 if victim is None:
                     self.release(seq_id)
                     raise CacheFull(f"the KV cache ({self.num_blocks} blocks of {self.block_size} tokens) is held "

@@ -48,6 +48,8 @@ def compact_unsupported(model, max_len: int) -> str | None:
         return f"rope_type {rope!r}"
     if getattr(c, "hidden_act", "silu") != "silu":
         return f"hidden_act {c.hidden_act!r}"
+    if getattr(c, "mlp_bias", False):
+        return "mlp_bias"
     window = getattr(c, "sliding_window", None)
     if window and getattr(c, "use_sliding_window", True) and window < max_len:
         return f"sliding_window {window} < max_model_len {max_len}"

@@ -3,8 +3,9 @@ into the next one. No timer: an idle replica starts a batch the moment a call ar
 
 The engine runs on a single worker thread, off the replica's event loop, so health
 checks, streaming and cancellation stay responsive during a forward pass; ``stalled_s``
-tells the health check how long the current batch has been running (a hung engine thread
-cannot be interrupted: the replica must be replaced). If the batch loop itself dies, every
+tells the health check how long the current batch has gone without finishing a forward
+pass (the engine calls ``heartbeat`` after each one; a hung engine thread cannot be
+interrupted: the replica must be replaced). If the batch loop itself dies, every
 caller waiting on it gets the error at once.
 """
 
@@ -40,8 +41,14 @@ class ContinuousBatcher(Generic[T, R]):
         self.running_since: float | None = None  # monotonic start of the batch in the engine now
 
     def stalled_s(self) -> float:
-        """Seconds the batch now in the engine has been running (0 when idle)."""
+        """Seconds since the batch now in the engine started or last made progress (0 when idle)."""
         return 0.0 if self.running_since is None else time.monotonic() - self.running_since
+
+    def heartbeat(self) -> None:
+        """The engine finished a forward pass of the running batch (called from its thread): a
+        long batch of many passes is progressing, not stuck."""
+        if self.running_since is not None:
+            self.running_since = time.monotonic()
 
     @property
     def queued(self) -> int:

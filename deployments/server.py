@@ -29,6 +29,8 @@ class EngineServer:
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
         self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id)
+        if hasattr(engine, "on_progress"):  # the engine reports each finished forward pass: a long batch is alive
+            engine.on_progress = self.batcher.heartbeat
         self.load = LoadWindow()  # engine load since the last autoscaling report
 
     def _run(self, requests: list) -> list:
@@ -88,8 +90,8 @@ class EngineServer:
         return self.batcher.queued
 
     def check_health(self):
-        """Serve calls this every ``health_check_period_s``: a replica whose engine has made no
-        progress for ``stall_timeout_s`` is unhealthy, so Serve replaces it and its requests fail
+        """Serve calls this every ``health_check_period_s``: a replica whose engine has finished no
+        forward pass of its current batch for ``stall_timeout_s`` is unhealthy, so Serve replaces it and its requests fail
         over (a hung engine thread cannot be interrupted from Python)."""
         worker = self.batcher.worker
         if worker is not None and worker.done() and not worker.cancelled() and worker.exception():

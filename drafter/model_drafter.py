@@ -35,6 +35,7 @@ class ModelDrafter:
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
+        self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
 
     def release(self, seq_id: str) -> bool:
         return self.cache.release(seq_id)
@@ -60,7 +61,7 @@ class ModelDrafter:
             k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
             try:
                 self.cache.reserve(r.seq_id, len(slot.tokens) + len(feed) + max(k - 1, 0), pinned)
-            except CacheFull:  # no drafts is still lossless: the verifier decodes one token
+            except (CacheFull, ValueError):  # no drafts is still lossless: the verifier decodes one token
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
             sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"  # coupled verification needs no q
@@ -98,6 +99,8 @@ class ModelDrafter:
         try:
             logits = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
                                      [1] * len(active))
+            if self.on_progress:
+                self.on_progress()
             return list(zip(active, logits))
         except Exception as e:  # noqa: BLE001
             if len(active) == 1:

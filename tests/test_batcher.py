@@ -142,3 +142,34 @@ def test_stalled_engine_makes_the_replica_unhealthy():
         srv.check_health()
 
     asyncio.run(main())
+
+
+def test_a_long_batch_that_makes_progress_is_healthy():
+    """A batch of many forward passes (long prefills) runs past stall_timeout_s but reports each pass
+    (``on_progress``): the replica stays healthy."""
+    from deployments.server import EngineServer
+
+    class Engine:
+        on_progress = None
+
+        def num_cached(self):
+            return 0
+
+        def run(self, items):
+            for _ in range(6):
+                time.sleep(0.1)
+                self.on_progress()
+            return [SimpleNamespace(cache_miss=False, batch_size=1) for _ in items]
+
+    async def main():
+        eng = Engine()
+        srv = EngineServer(eng, eng.run, 8, 100, stall_timeout_s=0.25)
+        srv._count_cache = lambda *a: None
+        srv.batcher.on_batch = None
+        call = asyncio.create_task(srv.batcher.submit([SimpleNamespace(seq_id="a", full=True)]))
+        for _ in range(5):
+            await asyncio.sleep(0.1)
+            srv.check_health()
+        await call
+
+    asyncio.run(main())

@@ -136,3 +136,35 @@ def test_bf16_greedy_equals_target_generate_up_to_the_first_near_tie():
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) <= 0.125, (first, top2)  # within two bf16 steps at this magnitude
     assert identical >= 2
+
+
+def test_fragmented_block_tables_are_gathered_not_viewed():
+    """A block table whose first and last blocks look consecutive but whose middle is elsewhere
+    (X=[1,2], A=[3], Y=[4]; X released; A grows into 1, Z takes 2, A grows into 5) must be read by
+    gathering: a view would read, and write into, another sequence's blocks."""
+    model = tiny("llama")
+    cache = PagedKVCache(model.config, 128, 8 * 2**20, torch.float32)
+    runner = CompactLlama(model, 128)
+    bs = cache.block_size
+
+    def grow(seq, n, toks=None):
+        slot = cache.slots.get(seq) or cache.claim(seq, 0, None, [5] * (n + 1), set())
+        cache.reserve(seq, n, {seq})
+        return slot
+
+    grow("X", 2 * bs), grow("A", bs), grow("Y", bs)
+    assert [cache.slots[s].blocks for s in "XAY"] == [[1, 2], [3], [4]]
+    cache.release("X")
+    grow("A", 2 * bs)
+    grow("Z", bs)
+    grow("A", 3 * bs)
+    a = cache.slots["A"]
+    assert a.blocks == [3, 1, 5] and a.first_row_if_contiguous(3 * bs, bs) is None
+    # A's forward over 40 tokens in that table equals one uncached pass; Y's rows are untouched
+    y_rows = cache.k[0][4 * bs:5 * bs].clone()
+    toks = [(7 * i) % 90 + 3 for i in range(40)]
+    (logits,) = batched_forward(runner, cache, [a], [toks], [len(toks)])
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([toks])).logits[0]
+    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(cache.k[0][4 * bs:5 * bs], y_rows)

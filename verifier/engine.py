@@ -39,6 +39,7 @@ class VerifierEngine:
         self.model, self.runner, self.cache, self.dtype, self.device, self.max_len = (
             em.model, em.runner, em.cache, em.dtype, em.device, em.max_len)
         self.vocab_size = self.model.config.get_text_config().vocab_size
+        self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
         self.eos_ids = eos_token_ids(self.tokenizer, model=self.model)
 
     def release(self, seq_id: str) -> bool:
@@ -106,6 +107,8 @@ class VerifierEngine:
                 self._fail(group[0][0], e, results)
             return
         dt = time.perf_counter() - t0
+        if self.on_progress:
+            self.on_progress()
         for (r, slot), lg in zip(group, logits):
             try:
                 res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
