@@ -28,9 +28,8 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the p
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's Llama RMSNorm: statistics in float32, scaled in the weight's dtype."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """Hugging Face's Llama RMSNorm: normalised in float32 (one fused kernel), scaled in the weight's dtype."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,11 +102,12 @@ class CompactLlama:
                 hidden[i] = x
             h = _rms_norm(x, w["ln1"], self.eps)
             qkv = F.linear(h, w["wqkv"], w["bqkv"])  # [B, n, (H + 2 KV) D]
-            q, k, v = qkv.view(B, n, H + 2 * KV, D).split([H, KV, KV], dim=2)  # [B, n, heads, D]
+            qk, v = qkv.view(B, n, H + 2 * KV, D).split([H + KV, KV], dim=2)  # [B, n, heads, D]
             if w["q_norm"] is not None:
-                q, k = _rms_norm(q, w["q_norm"], self.eps), _rms_norm(k, w["k_norm"], self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q, k = qk.split([H, KV], dim=2)
+                qk = torch.cat([_rms_norm(q, w["q_norm"], self.eps), _rms_norm(k, w["k_norm"], self.eps)], dim=2)
+            qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated together: one set of kernels
+            q, k = qk.split([H, KV], dim=2)
             K, V = kv.update(i, k, v)  # [B, S, KV, D], in the cache's dtype
             # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are 3-8x slower
             a = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
