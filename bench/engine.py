@@ -3,8 +3,9 @@
 For each dtype (bf16 first, float32 as the second table) and each number of new tokens n
 (1 = a decode step, k + 1 = verifying k drafts), at a fixed context, one process measures,
 interleaved round by round (medians over rounds, one torch thread):
-- ``linear``: the model's linear layers alone (``F.linear`` over each weight, the same inputs
-  shapes a forward of n tokens feeds them): the work that must be done;
+- ``linear``: the model's linear layers alone (``F.linear`` over each weight, the same input
+  shapes a forward of n tokens feeds them), and ``linear_packed``: the same through the engine's
+  ``core.llama.Linear`` (oneDNN pre-packed weights in bf16 on CPUs): the work that must be done;
 - ``hf``: the model's own transformers modules, eager, with a ``DynamicCache`` (the baseline);
 - ``engine``: the engine's forward (``core.kv_cache.batched_forward`` with the runner the engine
   chose, over its paged cache), what every verify and draft call runs.
@@ -26,12 +27,19 @@ import time
 from bench.common import DEFAULT_OUT, DRAFTER, TARGET, environment, log, median, rnd, write_json
 
 
-def _linear_time(model, n, dtype, timer):
+def _linear_time(model, n, dtype, timer, packed: bool = False):
+    """The model's linear layers alone at n tokens: ``F.linear``, or (``packed``) the engine's
+    ``core.llama.Linear`` (oneDNN pre-packed weights where available)."""
     import torch
     import torch.nn.functional as F
 
+    from core.llama import Linear
+
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {w.shape[1]: torch.randn(1, n, w.shape[1], dtype=dtype) for w in weights}
+    if packed:
+        fns = [Linear(w) for w in weights]
+        return timer(lambda: [f(xs[w.shape[1]]) for f, w in zip(fns, weights)])
     return timer(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
 
 
@@ -57,7 +65,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
             fn()
         return (time.perf_counter() - t0) / calls * 1e3
 
-    rows = {n: {"linear": [], "hf": [], "engine": []} for n in ns}
+    rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": []} for n in ns}
     with torch.inference_mode():
         cache = engine.cache
         slot = cache.claim("bench", 0, None, ctx + [1], set())
@@ -81,6 +89,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     model(input_ids=x, past_key_values=hf_cache, logits_to_keep=n)
 
                 rows[n]["linear"].append(_linear_time(model, n, dtype, timer))
+                rows[n]["linear_packed"].append(_linear_time(model, n, dtype, timer, packed=True))
                 rows[n]["hf"].append(timer(hf))
                 rows[n]["engine"].append(timer(eng))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
@@ -90,9 +99,11 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "context": context, "rounds": rounds, "calls_per_round": calls,
         "ms": {str(n): {k: rnd(v, 3) for k, v in r.items()} for n, r in table.items()},
         "engine_over_linear_1": rnd(one["engine"] / one["linear"], 3),
+        "engine_over_linear_packed_1": rnd(one["engine"] / one["linear_packed"], 3),
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
                                       "linear": rnd(table[n]["linear"] / one["linear"], 3),
+                                      "linear_packed": rnd(table[n]["linear_packed"] / one["linear_packed"], 3),
                                       "hf": rnd(table[n]["hf"] / one["hf"], 3)} for n in ns},
     }
 
@@ -153,12 +164,14 @@ def table(result: dict) -> str:
     lines = []
     for dtype, r in result["target"].items():
         lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
-                     f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']})")
-        lines.append(f"{'k':>3} {'linear ms':>10} {'hf ms':>8} {'engine ms':>10} {'engine k+1/1':>13} {'linear k+1/1':>13}")
+                     f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']}); "
+                     f"engine / packed linear {r['engine_over_linear_packed_1']}")
+        lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'engine ms':>10} {'engine k+1/1':>13} "
+                     f"{'linear k+1/1':>13} {'packed k+1/1':>13}")
         for k, ratio in r["verify_ratio"].items():
             ms = r["ms"][str(int(k) + 1)]
-            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['hf']:>8.2f} {ms['engine']:>10.2f} {ratio['engine']:>13.2f} "
-                         f"{ratio['linear']:>13.2f}")
+            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['linear_packed']:>10.2f} {ms['hf']:>8.2f} {ms['engine']:>10.2f} "
+                         f"{ratio['engine']:>13.2f} {ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}")
         d = result["drafter"][dtype]["ms"]["1"]
         s = result["startup"][dtype]
         lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms, hf {d['hf']:.2f}, linear {d['linear']:.2f}; "

