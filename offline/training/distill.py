@@ -30,6 +30,28 @@ from offline.training.pretrain import batch_at, encode_documents, load_checkpoin
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+def add_training_args(ap, bf16_help: str) -> None:
+    """The options every training CLI that learns from a frozen target shares (distill, eagle3)."""
+    ap.add_argument("--corpus-files", type=int, default=None, help="use only the first N train files (smoke runs)")
+    ap.add_argument("--acceptance-prompts", type=int, default=16)
+    ap.add_argument("--acceptance-max-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--bf16-target", action=argparse.BooleanOptionalAction, default=True, help=bf16_help)
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def frozen_target(path: Path, device: str):
+    """(tokenizer, target in float32 on device, eval mode, no gradients)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return tokenizer, target
+
+
 def kl_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(p || q), logits [B, T, V] (nats)."""
     log_p = F.log_softmax(target_logits.float(), -1)
@@ -156,18 +178,11 @@ def main(argv=None):
     ap.add_argument("--generated-every", type=int, default=0,
                     help="every N steps train on target-generated continuations instead of corpus text (0: never)")
     ap.add_argument("--generated-temperature", type=float, default=0.8)
-    ap.add_argument("--corpus-files", type=int, default=None, help="use only the first N train files (smoke runs)")
-    ap.add_argument("--acceptance-prompts", type=int, default=16)
-    ap.add_argument("--acceptance-max-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--bf16-target", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the target's forward pass under bf16 autocast (faster on CPUs with AVX512-BF16)")
-    ap.add_argument("--no-progress", action="store_true")
+    add_training_args(ap, "run the target's forward pass under bf16 autocast (faster on CPUs with AVX512-BF16)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -175,10 +190,7 @@ def main(argv=None):
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tokenizer, target = frozen_target(args.target, device)
     tc = target.config.get_text_config()
     config = LlamaConfig(
         vocab_size=tc.vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,

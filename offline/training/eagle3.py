@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from core.eagle3 import (Eagle3Spec, EagleHead, aux_states, default_aux_layers, draft_vocabulary, kl_to_target,
                          mean_acceptance_length, save_head, ttt_mask)
 from offline.training.corpus import held_out_prompts
-from offline.training.distill import corpus_ids
+from offline.training.distill import add_training_args, corpus_ids, frozen_target
 from offline.training.pretrain import batch_at, load_checkpoint, lr_at, save_checkpoint
 
 
@@ -76,16 +75,25 @@ def ttt_loss(head: EagleHead, x: torch.Tensor, aux: torch.Tensor, tlogits: torch
 
 
 @torch.no_grad()
-def acceptance(target, prompts: list[list[int]], max_tokens: int, k: int, draft_fn) -> dict:
-    """Greedy speculative decoding simulated on the target's own greedy continuation: at each step
-    ``draft_fn(tokens, aux)`` proposes k tokens after ``tokens``; accepted = the longest prefix equal
-    to the continuation (what a lossless greedy verifier keeps), then the sequence advances by
-    accepted + 1. Returns vLLM's metrics: per-position acceptance rate, mean acceptance length."""
-    accepted, per_pos, drafts, drafted = [], [0] * k, 0, 0
+def greedy_continuations(target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt followed by exactly max_tokens of the target's greedy continuation."""
+    out = []
     for p in prompts:
         ids = torch.tensor([p])
-        truth = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                                min_new_tokens=max_tokens, pad_token_id=target.config.pad_token_id)[0].tolist()
+        out.append(target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                                   min_new_tokens=max_tokens, pad_token_id=target.config.pad_token_id)[0].tolist())
+    return out
+
+
+@torch.no_grad()
+def acceptance(truths: list[list[int]], prompts: list[list[int]], k: int, draft_fn) -> dict:
+    """Greedy speculative decoding simulated on the target's own greedy continuations ``truths``
+    (``greedy_continuations`` of ``prompts``): at each step ``draft_fn(tokens, k)`` proposes k tokens
+    after ``tokens``; accepted = the longest prefix equal to the continuation (what a lossless greedy
+    verifier keeps), then the sequence advances by accepted + 1. Returns vLLM's metrics:
+    per-position acceptance rate, mean acceptance length."""
+    accepted, per_pos, drafts, drafted = [], [0] * k, 0, 0
+    for p, truth in zip(prompts, truths):
         # the prefill step emits x_P plainly (EAGLE needs the target's states first); then each step
         # drafts after truth[:n + 1], x_n being the token the last verification chose
         n = len(p)
@@ -101,7 +109,8 @@ def acceptance(target, prompts: list[list[int]], max_tokens: int, k: int, draft_
             for i in range(a):
                 per_pos[i] += 1
             n += a + 1
-    return {"k": k, "num_prompts": len(prompts), "max_tokens": max_tokens, "num_drafts": drafts,
+    return {"k": k, "num_prompts": len(prompts), "max_tokens": len(truths[0]) - len(prompts[0]) if truths else 0,
+            "num_drafts": drafts,
             "acceptance_rate": round(sum(accepted) / max(drafted, 1), 4),
             "mean_acceptance_length": round(mean_acceptance_length(accepted), 4),
             "per_position_acceptance_rate": [round(c / drafts, 4) for c in per_pos]}
@@ -185,27 +194,17 @@ def main(argv=None):
     ap.add_argument("--ckpt-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=16)
-    ap.add_argument("--corpus-files", type=int, default=None, help="use only the first N train files (smoke runs)")
-    ap.add_argument("--acceptance-prompts", type=int, default=16)
-    ap.add_argument("--acceptance-max-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--bf16-target", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the target under bf16 autocast while training (faster on CPUs with AVX512-BF16)")
-    ap.add_argument("--no-progress", action="store_true")
+    add_training_args(ap, "run the target under bf16 autocast while training (faster on CPUs with AVX512-BF16)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tokenizer, target = frozen_target(args.target, device)
     train_ids, held_ids = corpus_ids(tokenizer, args.work, args.corpus_files)
     counts = torch.bincount(train_ids.long(), minlength=target.config.get_text_config().vocab_size)
     head = build_head(target, counts, args.draft_vocab).to(device)
@@ -254,10 +253,11 @@ def main(argv=None):
     head.float().eval()
     target.cpu()
     prompts = [tokenizer(p)["input_ids"] for p in held_out_prompts(args.acceptance_prompts)]
-    acc = {"eagle3": acceptance(target, prompts, args.acceptance_max_tokens, 4, head_drafter(target, head))}
+    truths = greedy_continuations(target, prompts, args.acceptance_max_tokens)  # once, for both drafters
+    acc = {"eagle3": acceptance(truths, prompts, 4, head_drafter(target, head))}
     if args.compare and str(args.compare) != "none":
         drafter = AutoModelForCausalLM.from_pretrained(args.compare, dtype=torch.float32).eval()
-        acc["draft_model"] = acceptance(target, prompts, args.acceptance_max_tokens, 4, model_drafter(drafter))
+        acc["draft_model"] = acceptance(truths, prompts, 4, model_drafter(drafter))
     acc["history"] = history
     write_model_card(args.out, args, head, history, acc, train_s)
     print(json.dumps({k: v for k, v in acc.items() if k != "history"}, indent=1))
