@@ -31,7 +31,7 @@ from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, complet
                           load_prompts, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
                           write_json)
 
-SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_forward_ms", "mean_draft_ms", "mean_emit_ms",
+SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
                       "pre_draft_hits", "pre_draft_misses", "acceptance_rate", "mean_acceptance_length", "steps",
                       "drafter_recomputes", "verifier_recomputes")
 
@@ -66,6 +66,8 @@ def parse(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--compare-transport", action="store_true",
+                    help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -102,6 +104,11 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
             sk = Served(client, urls["fixed"], k)
             add(f"splitspec_k{k}", f"splitspec served, fixed k={k}", "splitspec", k, "fixed",
                 lambda p, m, t, sd, sk=sk: sk.run(p, m, t, sd))
+        if "fixed_serve" in urls:
+            k = args.default_k
+            sv = Served(client, urls["fixed_serve"], k)
+            add(f"splitspec_k{k}_serve_transport", f"splitspec served, fixed k={k}, every drafter call through a Serve handle",
+                "splitspec", k, "fixed", lambda p, m, t, sd: sv.run(p, m, t, sd))
     add("reference_off", "reference loop, in-process, no speculation", "reference", 0, "off",
         lambda p, m, t, sd: ref.run(p, m, t, sd, 0))
     for k in ks:
@@ -287,9 +294,11 @@ def run(args, urls: dict | None = None) -> dict:
                 skipped["vllm"] = f"failed: {str(e)[-2000:]}"
                 vllms = {}
         if urls is None and not args.no_serve:
-            urls = stack.enter_context(serving({
-                "adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
-                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}, args.threads))
+            apps = {"adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
+                    "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}
+            if args.compare_transport:
+                apps["fixed_serve"] = {**apps["fixed"], "drafter_transport": "serve"}
+            urls = stack.enter_context(serving(apps, args.threads))
         client = stack.enter_context(httpx.Client(timeout=600))
         log("loading in-process engines")
         ref = Reference(args.threads, args.dtype)

@@ -137,16 +137,23 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     pre_ctx, pre_task, batch = None, None, 1
     choice = PreDraftChoice() if pipeline else None
+    planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
+
+    def plan():
+        k = seq.step_k(policy.next_k(batch))
+        pre_drafting = choice is not None and choice.use()
+        if k > 0 and breaker.open(time.monotonic()):
+            return 0, pre_drafting, True
+        return k, pre_drafting, False
+
     try:
         while not seq.done:
             t0 = clock()
             misses = dict(seq.cache_misses)
-            k = seq.step_k(policy.next_k(batch))
-            info = StepInfo(0, 0)
+            k, pre_drafting, degraded, early = planned or (*plan(), None)
+            planned = None
+            info = StepInfo(0, 0, degraded=degraded)
             proposal = None
-            pre_drafting = choice is not None and choice.use()
-            if k > 0 and breaker.open(time.monotonic()):
-                k, info.degraded = 0, True
             if k > 0:
                 if pre_task is not None and pre_ctx == seq.tokens:
                     proposal, info.pre_draft = await pre_task, "hit"
@@ -155,8 +162,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                         pre_task.cancel()  # drafted for a continuation that did not happen
                         info.pre_draft = "miss"
                     t = clock()
-                    proposal = await draft(k + 1 if pre_drafting else k, seq.tokens)
-                    info.draft_s = clock() - t
+                    proposal = await (early or draft(k + 1 if pre_drafting else k, seq.tokens))
+                    info.draft_s = clock() - t  # what of the drafting the step waited for
+                    info.draft_engine_s = min(info.draft_s, proposal.draft_s) if proposal else 0.0
                 info.degraded = proposal is None
             elif pre_task is not None:
                 pre_task.cancel()
@@ -180,10 +188,18 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s)
             if choice is not None and res.num_drafts:
                 choice.observe(pre_drafting, info.step_s, len(new))
+            if not seq.done:
+                # the next step's drafting starts before this step's tokens go out: whatever the caller
+                # does with them (streaming them to the client, served) overlaps it
+                nk, npre, ndeg = plan()
+                hit = pre_task is not None and pre_ctx == seq.tokens
+                task = asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens))) if nk > 0 and not hit else None
+                planned = (nk, npre, ndeg, task)
             yield new, seq.logprobs[n_lp:], info
     finally:
-        if pre_task is not None:
-            pre_task.cancel()
+        for task in (pre_task, planned[3] if planned else None):
+            if task is not None:
+                task.cancel()
 
 
 async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,

@@ -195,6 +195,7 @@ class StepInfo:
     degraded: bool = False  # speculation was wanted but no drafter answered (or its breaker is open)
     forward_s: float = 0.0  # the verify forward pass
     draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)
+    draft_engine_s: float = 0.0  # of which inside the drafter engine (the rest: transport, queueing)
     step_s: float = 0.0  # wall time of the step
     batch_size: int = 1  # sequences in the verify batch
     recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}

@@ -49,7 +49,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
         pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s,
-        stall_timeout_s=config.stall_timeout_s)
+        stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 

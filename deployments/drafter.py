@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import TypeAdapter
 
 from configs import DrafterConfig, DraftModelConfig, NgramConfig
 from core.protocol import DraftRequest, Proposal
+from deployments.channel import ChannelServer, Endpoint
+from deployments.metrics import where
 from deployments.server import EngineServer
+
+log = logging.getLogger(__name__)
+
+
+def node_ip() -> str:
+    """This node's address as the cluster sees it (loopback outside Ray)."""
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return "127.0.0.1"
 
 
 def build_drafter(config: DraftModelConfig | NgramConfig):
@@ -26,6 +41,22 @@ class DrafterServer(EngineServer):
                  stall_timeout_s: float = 30.0):
         engine = engine or build_drafter(TypeAdapter(DrafterConfig).validate_python(config))
         super().__init__(engine, engine.propose, max_batch, max_queue, stall_timeout_s)
+        self.channel: ChannelServer | None = None  # started on the replica's event loop, at the first call
 
     async def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         return await self.batcher.submit(requests)
+
+    async def propose_bound(self, requests: list[DraftRequest]) -> tuple[list[Proposal], Endpoint | None]:
+        """``propose``, plus where to reach this replica directly (``deployments.channel``): the
+        verifier sends the sequence's later calls there. None when the channel cannot listen."""
+        return await self.propose(requests), await self.endpoint()
+
+    async def endpoint(self) -> Endpoint | None:
+        if self.channel is None:
+            self.channel = ChannelServer({"propose": self.propose, "release": self.release},
+                                         where().get("replica_id", ""))
+        try:
+            return await self.channel.start(node_ip())
+        except OSError as e:  # no port to listen on: Serve's handles still work
+            log.warning("drafter channel cannot listen: %r", e)
+            return None

@@ -45,6 +45,8 @@ def metrics():
         "cancelled": m.Counter("splitspec_cancelled_requests", description="Requests stopped because the client disconnected."),
         "deadline_exceeded": m.Counter("splitspec_deadline_exceeded", description="Requests stopped at their deadline (request_timeout_s or the request's timeout)."),
         "active_requests": m.Gauge("splitspec_active_requests", description="Requests running on a router replica (admitted, not yet finished)."),
+        "drafter_calls": m.Counter("splitspec_drafter_calls", description="Drafter calls made by verifier replicas, by transport (direct: down the channel to the sequence's bound replica; serve: through a Serve handle) and outcome (ok; fallback: the channel broke and the call went through Serve).",
+                                   tag_keys=("transport", "outcome")),
         "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
     }
 

@@ -98,6 +98,7 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             # (0 when the pre-draft hit), and the step's apply/detokenise/stream time
             "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
             "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
+            "mean_draft_engine_ms": round(1000 * timing["draft_engine_s"] / n, 3),  # of which in the drafter engine
             "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
 
 
@@ -344,7 +345,7 @@ class Router:
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
         timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
-                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "emit_s": 0.0, "emit_n": 0,
+                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "emit_s": 0.0, "emit_n": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
         attempt = 0
@@ -440,6 +441,7 @@ class Router:
         timing["spec_steps"] += 1
         timing["forward_s"] += info.forward_s
         timing["draft_s"] += info.draft_s
+        timing["draft_engine_s"] += info.draft_engine_s
 
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go

@@ -5,14 +5,18 @@ requests."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from configs import SamplingParams, VerifierConfig
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK
 from core.protocol import VerifyRequest, VerifyResult
 from core.sequence import Sequence
+from deployments.channel import ChannelClient, Endpoint
 from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
+
+log = logging.getLogger(__name__)
 
 
 class VerifierServer(EngineServer):
@@ -22,9 +26,13 @@ class VerifierServer(EngineServer):
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
                  max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, drafter_timeout_s: float = 2.0,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, drafter_transport: str = "direct"):
         """``drafter``: a handle to the drafter pool (None: plain decoding only)."""
         self.drafter = drafter
+        self.drafter_transport = drafter_transport
+        self.channel = ChannelClient()
+        self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
+        self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
         self.pipeline_drafts = pipeline_drafts
         self.drafter_timeout_s = drafter_timeout_s
         if engine is None:
@@ -86,11 +94,11 @@ class VerifierServer(EngineServer):
 
     async def stats(self) -> dict:
         if not self.is_async:
-            return await super().stats()
+            return {**await super().stats(), "drafter_calls": dict(self.drafter_calls)}
         from deployments.metrics import where
 
         eng = self.engine
-        return {"backend": "vllm", "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
+        return {"backend": "vllm", "drafter_calls": dict(self.drafter_calls), "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
 
     def check_health(self):
@@ -136,9 +144,40 @@ class VerifierServer(EngineServer):
                                                   self.drafter_timeout_s):
                 yield new, lps, info
         finally:
+            self._bound.pop(seq_id, None)
             if self.drafter is not None and k > 0:
-                self.drafter.release.remote([seq_id])
+                self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
 
     async def _propose(self, requests):
-        return await self.drafter.propose.remote(requests)
+        """One sequence's drafter call. The first goes through Serve's handle (its router places the
+        sequence); with ``drafter_transport: direct`` the later ones go down a connection to the
+        replica that answered (``deployments.channel``), back to the handle if it breaks."""
+        from deployments.metrics import metrics
+
+        count = metrics()["drafter_calls"]
+        if self.drafter_transport != "direct":
+            self.drafter_calls["serve"] += 1
+            count.inc(tags={"transport": "serve", "outcome": "ok"})
+            return await self.drafter.propose.remote(requests)
+        seq_id = requests[0].seq_id
+        ep = self._bound.get(seq_id)
+        if ep is not None:
+            try:
+                out = await self.channel.call(ep, "propose", requests)
+            except OSError as e:  # the replica is gone or unreachable (ConnectionError, a connect timeout)
+                log.warning("drafter channel to %s:%d failed (%r): back to Serve's router", ep.host, ep.port, e)
+                for s in [s for s, bound in self._bound.items() if bound == ep]:
+                    del self._bound[s]
+                self.drafter_calls["fallback"] += 1
+                count.inc(tags={"transport": "direct", "outcome": "fallback"})
+            else:
+                self.drafter_calls["direct"] += 1
+                count.inc(tags={"transport": "direct", "outcome": "ok"})
+                return out
+        self.drafter_calls["serve"] += 1
+        count.inc(tags={"transport": "serve", "outcome": "ok"})
+        proposals, ep = await self.drafter.propose_bound.remote(requests)
+        if ep is not None:
+            self._bound[seq_id] = ep
+        return proposals

@@ -172,6 +172,16 @@ def test_cache_affinity_keeps_sequences_on_their_replica(serve_app):
         spec = r.json()["speculation"]
         assert spec["steps"] >= 10
         assert spec["verifier_recomputes"] == 0 and spec["drafter_recomputes"] == 0, spec
+    # drafter_transport direct (the default): after each sequence's first call through Serve, its
+    # calls went down the channel to the same drafter replica (no recompute above)
+    from ray import serve
+    h = serve.get_deployment_handle("Verifier", app_name="splitspec")
+    calls = {}
+    for _ in range(12):  # both replicas, whichever Serve picks
+        st = h.stats.remote().result()
+        calls[st["replica_id"]] = st["drafter_calls"]
+    total = {key: sum(c[key] for c in calls.values()) for key in ("direct", "serve", "fallback")}
+    assert total["direct"] >= 9 * 6 and total["direct"] > 4 * total["serve"], calls
 
 
 def test_burst_beyond_capacity_gets_quick_429_then_serves_normally(serve_app):

@@ -1,0 +1,94 @@
+"""The direct verifier -> drafter channel (deployments/channel.py), on a real TCP connection to a
+real DrafterServer with the tiny drafter engine; no cluster (the served fallback when a drafter
+replica dies is covered by tests/test_pools.py, whose app uses this transport by default)."""
+
+import asyncio
+
+import pytest
+
+from core.protocol import DraftRequest
+
+
+def _requests(tok_ids, k=4, n=1):
+    from configs import SamplingParams
+
+    return [DraftRequest(seq_id=f"s{i}", start=0, prefix=None, new_tokens=list(tok_ids[i:]) + [3, 4, 5], k=k,
+                         sampling=SamplingParams(temperature=0.8), seed=7, full=True) for i in range(n)]
+
+
+@pytest.fixture
+def drafter_server(tiny_engines):
+    from deployments.drafter import DrafterServer
+
+    _, _, _, drafter = tiny_engines
+    return DrafterServer({}, engine=drafter)
+
+
+def test_calls_down_the_channel_equal_calls_through_the_server(drafter_server):
+    from deployments.channel import ChannelClient
+
+    async def main():
+        reqs = _requests([5, 6, 7, 8, 9, 10], n=3)
+        direct = await drafter_server.propose([r for r in reqs])
+        for s in ("s0", "s1", "s2"):
+            drafter_server.engine.release(s)
+        first, ep = await drafter_server.propose_bound(reqs[:1])
+        assert ep is not None and ep.port > 0
+        assert first[0].tokens == direct[0].tokens
+        client = ChannelClient()
+        try:
+            # several sequences at once share the engine's batches
+            got = await asyncio.gather(*(client.call(ep, "propose", [r]) for r in reqs))
+            assert [g[0].tokens for g in got] == [p.tokens for p in direct]
+            assert [g[0].probs.ids for g in got] == [p.probs.ids for p in direct]
+            assert drafter_server.batcher.max_seen >= 2
+            # the engine's errors come back as the same exception, and the connection stays up
+            with pytest.raises(KeyError):
+                await client.call(ep, "no_such_method")
+            assert await client.call(ep, "release", ["s0", "s1", "s2"]) == 3
+        finally:
+            client.close()
+            drafter_server.channel.close()
+
+    asyncio.run(main())
+
+
+def test_a_wrong_token_or_a_closed_replica_is_a_connection_error(drafter_server):
+    from dataclasses import replace
+
+    from deployments.channel import ChannelClient
+
+    async def main():
+        ep = await drafter_server.endpoint()
+        client = ChannelClient()
+        with pytest.raises(ConnectionError):
+            await client.call(replace(ep, token=b"x" * len(ep.token)), "propose", _requests([5, 6, 7]))
+        assert (await client.call(ep, "propose", _requests([5, 6, 7])))[0].tokens
+        drafter_server.channel.close()
+        for conn in list(client._conns.values()):  # the replica's process ends: its connections close
+            conn.writer.transport.abort()
+        await asyncio.sleep(0.05)
+        with pytest.raises(OSError):  # refused: the caller falls back to Serve
+            await client.call(ep, "propose", _requests([5, 6, 7]))
+        client.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_leaves_the_connection_usable(drafter_server):
+    from deployments.channel import ChannelClient
+
+    async def main():
+        ep = await drafter_server.endpoint()
+        client = ChannelClient()
+        task = asyncio.ensure_future(client.call(ep, "propose", _requests([5, 6, 7], k=8)))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        got = await client.call(ep, "propose", _requests([5, 6, 7, 8], k=2))
+        assert len(got[0].tokens) == 2
+        client.close()
+        drafter_server.channel.close()
+
+    asyncio.run(main())
