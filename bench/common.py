@@ -19,6 +19,7 @@ TARGET = str(ROOT / "models" / "tiny-code-target")
 # Every system runs in this dtype (the hardware's fast one here: AVX-512 BF16); --dtype float32 for the second table
 BENCH_DTYPE = "bfloat16"
 DRAFTER = str(ROOT / "models" / "tiny-code-drafter")
+EAGLE3 = str(ROOT / "models" / "tiny-code-eagle3")  # the EAGLE-3 head for the same target
 DEFAULT_OUT = ROOT / "bench" / "results"
 DEFAULT_K = 4  # the shipped drafter config's num_speculative_tokens (serve_config.yaml)
 MAX_MODEL_LEN = 512  # prompts (~100-200 tokens) + 256 new tokens fit; halves the KV slot size
@@ -117,7 +118,7 @@ def log(msg: str):
 
 # ------------------------------------------------------------------ serving
 def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, streams: int = 1,
-             dtype: str = BENCH_DTYPE) -> dict:
+             dtype: str = BENCH_DTYPE, drafter: str = "draft_model") -> dict:
     """The shipped app's args (serve_config.yaml) with explicit threads and dtype, a fixed context and
     KV caches sized for ``streams`` concurrent sequences (512 float32 tokens each)."""
     slot_mb_target = 2 * 8 * 512 * 512 * 4 / 2**20  # layers x (K,V) x positions x hidden x fp32
@@ -132,7 +133,9 @@ def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, strea
         "k_policy": k_policy,
         "max_tokens_limit": 1024,
         "max_active_requests": max(192, 2 * streams),
-    }
+    } | ({"drafter": {"method": "eagle3", "model": EAGLE3, "num_speculative_tokens": k, "num_threads": threads,
+                      "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "cache_budget_mb": 8}}
+         if drafter == "eagle3" else {})
 
 
 # Logical CPUs only place replicas; the real compute is set by num_threads. Kept small so the

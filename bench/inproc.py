@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, TARGET
+from bench.common import BENCH_DTYPE, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET
 
 
 class _Timed:
@@ -40,8 +40,9 @@ class Reference:
 
     name = "reference loop (in-process, no RPC)"
 
-    def __init__(self, threads: int, dtype: str = BENCH_DTYPE):
-        from configs import DraftModelConfig, VerifierConfig
+    def __init__(self, threads: int, dtype: str = BENCH_DTYPE, eagle3: bool = False):
+        from configs import DraftModelConfig, Eagle3Config, VerifierConfig
+        from drafter.eagle3_drafter import Eagle3Drafter
         from drafter.model_drafter import ModelDrafter
         from verifier.engine import VerifierEngine
 
@@ -49,14 +50,17 @@ class Reference:
                                                       max_model_len=MAX_MODEL_LEN))
         self.drafter = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=threads, cache_budget_mb=8, dtype=dtype,
                                                      max_model_len=MAX_MODEL_LEN))
+        self.eagle3 = Eagle3Drafter(Eagle3Config(model=EAGLE3, num_threads=threads, cache_budget_mb=8, dtype=dtype,
+                                                 max_model_len=MAX_MODEL_LEN, verifier_model=TARGET)) if eagle3 else None
         self.tokenizer = self.verifier.tokenizer
 
-    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
+    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int,
+            drafter: str = "draft_model") -> dict:
         from configs import SamplingParams
         from core.loop import generate
 
         v = _TimedVerifier(self.verifier, "verify", "forward_s")
-        d = _TimedDrafter(self.drafter, "propose", "draft_s")
+        d = _TimedDrafter(self.eagle3 if drafter == "eagle3" else self.drafter, "propose", "draft_s")
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         (seq,) = generate([list(prompt_ids)], params, k, d if k > 0 else None, v)

@@ -33,7 +33,7 @@ from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, complet
 
 SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
                       "pre_draft_hits", "pre_draft_misses", "acceptance_rate", "mean_acceptance_length", "steps",
-                      "drafter_recomputes", "verifier_recomputes")
+                      "drafter_recomputes", "verifier_recomputes", "state_recomputes", "aux_bytes_per_token")
 
 
 def ints(text: str) -> list[int]:
@@ -66,6 +66,7 @@ def parse(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--eagle3-ks", type=ints, default=[], help="also the EAGLE-3 head (models/tiny-code-eagle3), served and in process, at these k")
     ap.add_argument("--compare-transport", action="store_true",
                     help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
     ap.add_argument("--no-hf", action="store_true")
@@ -104,6 +105,10 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
             sk = Served(client, urls["fixed"], k)
             add(f"splitspec_k{k}", f"splitspec served, fixed k={k}", "splitspec", k, "fixed",
                 lambda p, m, t, sd, sk=sk: sk.run(p, m, t, sd))
+        for k in args.eagle3_ks:
+            se = Served(client, urls["eagle3"], k)
+            add(f"splitspec_eagle3_k{k}", f"splitspec served, EAGLE-3 head, fixed k={k}", "splitspec", k, "fixed",
+                lambda p, m, t, sd, se=se: se.run(p, m, t, sd))
         if "fixed_serve" in urls:
             k = args.default_k
             sv = Served(client, urls["fixed_serve"], k)
@@ -114,6 +119,9 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
     for k in ks:
         add(f"reference_k{k}", f"reference loop, in-process, k={k}", "reference", k, "fixed",
             lambda p, m, t, sd, k=k: ref.run(p, m, t, sd, k))
+    for k in args.eagle3_ks:
+        add(f"reference_eagle3_k{k}", f"reference loop, in-process, EAGLE-3 head, k={k}", "reference", k, "fixed",
+            lambda p, m, t, sd, k=k: ref.run(p, m, t, sd, k, "eagle3"))
     if hf is not None:
         add("transformers_off", "transformers generate", "transformers", 0, "off",
             lambda p, m, t, sd: hf.run(p, m, t, sd, 0))
@@ -232,7 +240,7 @@ def bound(res: dict) -> dict:
     t1 = ref0["forward_ms_decode"]
     per_k = []
     for sid, e in sorted(res.items(), key=lambda kv: kv[1]["k"]):
-        if e["family"] != "reference" or e["k"] == 0 or e.get("per_token_acceptance") is None:
+        if e["family"] != "reference" or e["k"] == 0 or e.get("per_token_acceptance") is None or "eagle3" in sid:
             continue
         k, a = e["k"], e["per_token_acceptance"]
         E = expected_tokens(a, k)
@@ -296,12 +304,14 @@ def run(args, urls: dict | None = None) -> dict:
         if urls is None and not args.no_serve:
             apps = {"adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
                     "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}
+            if args.eagle3_ks:
+                apps["eagle3"] = app_args(args.threads, "fixed", max(args.eagle3_ks), dtype=args.dtype, drafter="eagle3")
             if args.compare_transport:
                 apps["fixed_serve"] = {**apps["fixed"], "drafter_transport": "serve"}
             urls = stack.enter_context(serving(apps, args.threads))
         client = stack.enter_context(httpx.Client(timeout=600))
         log("loading in-process engines")
-        ref = Reference(args.threads, args.dtype)
+        ref = Reference(args.threads, args.dtype, eagle3=bool(args.eagle3_ks))
         hf = None if args.no_hf else Transformers(args.threads, args.dtype)
         if args.no_hf:
             skipped["transformers"] = "skipped: --no-hf"

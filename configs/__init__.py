@@ -9,6 +9,7 @@ k = the number of speculative (draft) tokens proposed per step.
 from configs.app import AppConfig
 from configs.models import (
     DraftModelConfig,
+    Eagle3Config,
     DrafterConfig,
     NgramConfig,
     SamplingParams,
@@ -20,6 +21,7 @@ from configs.models import (
 __all__ = [
     "AppConfig",
     "DraftModelConfig",
+    "Eagle3Config",
     "DrafterConfig",
     "NgramConfig",
     "SamplingParams",

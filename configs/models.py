@@ -100,7 +100,24 @@ class NgramConfig(_Config):
         return self
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig], Field(discriminator="method")]
+class Eagle3Config(_Config):
+    """An EAGLE-3 head (Speculators format) on the drafter pool: it reads the target's hidden states,
+    which the verifier captures in its verification pass and sends with each draft request."""
+
+    method: Literal["eagle3"] = Field("eagle3", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description="Local directory of a Speculators eagle3 head (config.json with speculators_model_type eagle3, model.safetensors) trained for the verifier's model.")
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
+    draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The head samples from its own top draft_top_k tokens (mapped to the target's vocabulary), so q is exactly sparse and only these entries travel to the verifier.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="The head's KV cache dtype; auto: float32 on CPUs, the compute dtype elsewhere.")
+    device: str = Field("cpu", description="torch device of the head.")
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description="Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full.")
+    max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence; default: the head's max_position_embeddings.")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    verifier_model: str | None = Field(None, description="The target's directory (its EOS ids, for penalties in q); the app builder sets it from verifier.model.")
+
+
+DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Field(discriminator="method")]
 
 
 class VerifierConfig(_Config):

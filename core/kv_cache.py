@@ -212,7 +212,7 @@ class KVAccess:
 
 @torch.inference_mode()
 def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: list[list[int]],
-                    keep_last: list[int], capture: tuple[int, ...] = ()):
+                    keep_last: list[int], capture: tuple[int, ...] = (), hidden_in: list[torch.Tensor] | None = None):
     """One forward pass over the new tokens of several sequences.
 
     slots[i] holds sequence i's cached prefix and has blocks reserved for its new tokens;
@@ -220,6 +220,8 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
     Returns, per sequence, the logits [keep_last[i], V] of its last keep_last[i] new tokens
     (and, with ``capture``, the hidden states of the captured layers at every new token:
     {layer: [len(new_tokens[i]), hidden]}). The slots then also hold the new tokens.
+    ``hidden_in`` (an EAGLE-3 head's second input, [len(new_tokens[i]), H] per sequence) goes to the
+    runner aligned with the tokens.
     """
     device = cache.k[0].device
     B = len(slots)
@@ -256,7 +258,13 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
     if B > 1 or n > 1:
         mask = (torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, n, 1)).to(device)  # [B, 1, n, S]
     m = max(keep_last)
-    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, mask, m, capture)  # [B, m, V]
+    extra = {}
+    if hidden_in is not None:
+        x = hidden_in[0].new_zeros(B, n, hidden_in[0].shape[-1])
+        for i, h in enumerate(hidden_in):
+            x[i, n - h.shape[0]:] = h
+        extra["hidden_in"] = x.to(device)
+    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, mask, m, capture, **extra)  # [B, m, V]
     logits = logits.float().cpu()
     for s, toks in zip(slots, new_tokens):
         s.tokens.extend(toks)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
 def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> None:
     """One lockstep speculative step for every unfinished sequence."""
     live = [s for s in seqs if not s.done]
-    ks = {s.seq_id: (s.step_k() if drafter is not None else 0) for s in live}
+    # a drafter that reads the target's states (EAGLE-3) gets them from a plain step first
+    ks = {s.seq_id: (s.step_k() if drafter is not None and not (s.capture and s.aux is None) else 0) for s in live}
     proposals: dict[str, Proposal | None] = {s.seq_id: None for s in live}
     drafting = [s for s in live if ks[s.seq_id] > 0]
     if drafting:
@@ -36,6 +37,9 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
         missed = [s for s, p in zip(drafting, props) if p.cache_miss]
         for s in missed:
             s.cache_misses["drafter"] += 1
+            if s.capture and s.aux_start > 0:  # the resend needs every state: the verifier recomputes them
+                s.aux, s.aux_start = verifier.aux_states(s.tokens[:-1], s.capture), 0
+                s.cache_misses["states"] = s.cache_misses.get("states", 0) + 1
         if missed:
             props = [p for p in props if not p.cache_miss] + drafter.propose(
                 [s.draft_request(ks[s.seq_id], full=True) for s in missed])
@@ -57,6 +61,7 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
         if r.error:
             raise ValueError(r.error)
         by_id[r.seq_id].apply(r)
+        by_id[r.seq_id].take_aux(r)
 
 
 def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int,
@@ -66,6 +71,8 @@ def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingPar
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier))
             for p, sp in zip(prompts, params_list)]
+    for s in seqs:
+        s.capture = getattr(drafter, "aux_layers", ()) if k > 0 else ()
     while any(not s.done for s in seqs):
         step(seqs, drafter if k > 0 else None, verifier)
     if release:
@@ -87,7 +94,7 @@ def own_cancel() -> bool:
 
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
-                    draft_timeout_s: float = 2.0, clock=time.perf_counter):
+                    draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -100,6 +107,12 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     exactly its context; otherwise it is discarded. With ``pipeline`` on, whether to pre-draft
     is measured per sequence (``PreDraftChoice``): it pays where drafter and verifier have
     hardware of their own and the guess often holds, and costs where they share cores.
+
+    A drafter that reads the target's hidden states (EAGLE-3, ``seq.capture`` set) gets them with
+    each draft request, from the verification before; the first step is plain (it computes the
+    prompt's states), pre-drafting is off (block n + 1's states exist only once block n is
+    verified), and a drafter miss resends the whole sequence with every state, recomputed by
+    ``recompute_aux(tokens) -> states`` (one prefill on the verifier) when they are no longer kept.
     """
 
     async def draft(k: int, context: list[int]):
@@ -107,6 +120,11 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             (p,) = await asyncio.wait_for(propose([seq.draft_request(k, context=context)]), draft_timeout_s)
             if p.cache_miss:
                 seq.cache_misses["drafter"] += 1
+                if seq.capture and seq.aux_start > 0:
+                    if recompute_aux is None:
+                        raise RuntimeError("the drafter lost this sequence's states and nothing can recompute them")
+                    seq.aux, seq.aux_start = await recompute_aux(context[:-1]), 0
+                    seq.cache_misses["states"] = seq.cache_misses.get("states", 0) + 1
                 (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context)]),
                                               draft_timeout_s)
         except asyncio.CancelledError as e:
@@ -136,11 +154,13 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         return res
 
     pre_ctx, pre_task, batch = None, None, 1
-    choice = PreDraftChoice() if pipeline else None
+    choice = PreDraftChoice() if pipeline and not seq.capture else None
     planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
 
     def plan():
         k = seq.step_k(policy.next_k(batch))
+        if seq.capture and seq.aux is None:
+            k = 0  # no states yet: this plain step computes them
         pre_drafting = choice is not None and choice.use()
         if k > 0 and breaker.open(time.monotonic()):
             return 0, pre_drafting, True
@@ -149,7 +169,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     try:
         while not seq.done:
             t0 = clock()
-            misses = dict(seq.cache_misses)
+            misses, sent = dict(seq.cache_misses), seq.aux_bytes_sent
             k, pre_drafting, degraded, early = planned or (*plan(), None)
             planned = None
             info = StepInfo(0, 0, degraded=degraded)
@@ -181,9 +201,12 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             batch = res.batch_size
             n_lp = len(seq.logprobs)
             new, _ = seq.apply(res)
+            seq.take_aux(res)
+            info.aux_bytes = seq.aux_bytes_sent - sent
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch
             info.step_s = clock() - t0
-            info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
+            info.recomputes = {pool: n - misses.get(pool, 0) for pool, n in seq.cache_misses.items()
+                               if n > misses.get(pool, 0)}
             # every step, plain ones too: the policy compares what each k costs here, end to end
             policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s)
             if choice is not None and res.num_drafts:
@@ -217,9 +240,13 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
         async def verify(requests):
             return await loop.run_in_executor(v_pool, verifier.verify, requests)
 
+        async def recompute_aux(tokens):
+            return await loop.run_in_executor(v_pool, verifier.aux_states, tokens, seq.capture)
+
+        seq.capture = getattr(drafter, "aux_layers", ()) if drafter is not None and seq.k > 0 else ()
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
-                                     Breaker(), pipeline):
+                                     Breaker(), pipeline, recompute_aux=recompute_aux):
                 pass
         finally:
             verifier.release(seq.seq_id)

@@ -124,6 +124,10 @@ class DraftRequest(CacheAddressed):
     seed: int
     full: bool = False
     num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
+    # EAGLE-3 drafters: the target's aux hidden states g_t [len, 3 * hidden] of positions aux_start..
+    # (computed by the verifier; the drafter needs those of every token but the last)
+    aux: torch.Tensor | None = None
+    aux_start: int = 0
 
 
 @dataclass
@@ -157,6 +161,7 @@ class VerifyRequest(CacheAddressed):
     full: bool = False
     logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
     num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
+    capture: tuple[int, ...] = ()  # return the hidden states entering these layers (an EAGLE-3 drafter's aux states)
 
     @property
     def k(self) -> int:
@@ -178,6 +183,10 @@ class VerifyResult:
     # per emitted token: (its log-probability, [(token, log-probability)] of the top alternatives),
     # from the target's raw distribution (before temperature/top-k/top-p), as OpenAI and vLLM report them
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with ``capture``: the states of the positions fed and kept (the sequence through the accepted
+    # drafts, the emitted last token excluded), [n, len(capture) * hidden], from position aux_start
+    aux: torch.Tensor | None = None
+    aux_start: int = 0
 
     @property
     def accepted(self) -> list[bool]:
@@ -196,6 +205,7 @@ class StepInfo:
     forward_s: float = 0.0  # the verify forward pass
     draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)
     draft_engine_s: float = 0.0  # of which inside the drafter engine (the rest: transport, queueing)
+    aux_bytes: int = 0  # target hidden states sent to the drafter with this step's draft request
     step_s: float = 0.0  # wall time of the step
     batch_size: int = 1  # sequences in the verify batch
     recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}

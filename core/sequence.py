@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from core.detok import IncrementalDetokenizer
 from core.protocol import (DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len,
                            cut_chain)
@@ -96,8 +98,15 @@ class Sequence:
         self.verifier_cached = 0  # the verifier replica holds tokens[:verifier_cached]
         self.hash_chain: list[bytes] = [b""]  # memo of the prefix hash of self.tokens (core.protocol)
         self._verifying: list[int] = []  # drafts of the step in flight
-        self.cache_misses = {"drafter": 0, "verifier": 0}  # calls resent in full (recomputes)
+        # calls resent in full (recomputes); states: an EAGLE-3 drafter's states recomputed by the verifier
+        self.cache_misses = {"drafter": 0, "verifier": 0, "states": 0}
         self.text = ""
+        # an EAGLE-3 drafter's inputs: the verifier captures the states entering these layers, and they
+        # are kept (positions aux_start..) until the drafter holds their rows; None: none yet
+        self.capture: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
+        self.aux_start = 0
+        self.aux_bytes_sent = 0
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
 
@@ -123,6 +132,9 @@ class Sequence:
         """Ask for k drafts after ``context`` (default: the sequence so far)."""
         ctx = self.tokens if context is None else context
         kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt)
+        if self.capture and self.aux is not None:
+            kw.update(aux=self.aux, aux_start=self.aux_start)
+            self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()
         if full:
             return DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw)
         # a pre-draft context (the tokens, then a guess) reads the memo but never adds guessed blocks to it
@@ -133,12 +145,31 @@ class Sequence:
         """Record what the drafter now holds: the context and the drafts it fed back in."""
         ctx = self.tokens if context is None else context
         self.drafter_held = (list(ctx) + proposal.tokens)[: proposal.cached]
+        if self.aux is not None and proposal.cached:  # it holds rows 0..cached-1: it next needs g_{cached-1}..
+            drop = min(proposal.cached - 1 - self.aux_start, self.aux.shape[0])
+            if drop > 0:
+                self.aux, self.aux_start = self.aux[drop:], self.aux_start + drop
+
+    MAX_AUX_ROWS = 2048  # kept states beyond this (a long plain stretch) are dropped; a drafter miss recomputes them
+
+    def take_aux(self, result: VerifyResult):
+        """Keep the states a verification returned (positions result.aux_start..) after those kept."""
+        if result.aux is None:
+            return
+        end = self.aux_start + (self.aux.shape[0] if self.aux is not None else 0)
+        if self.aux is None or not self.aux_start <= result.aux_start <= end:  # a gap: start again from these
+            self.aux, self.aux_start = result.aux, result.aux_start
+        else:
+            self.aux = torch.cat([self.aux[: result.aux_start - self.aux_start], result.aux])
+        if self.aux.shape[0] > self.MAX_AUX_ROWS:
+            drop = self.aux.shape[0] - self.MAX_AUX_ROWS
+            self.aux, self.aux_start = self.aux[drop:], self.aux_start + drop
 
     def verify_request(self, drafts: list[int] = (), probs: DraftProbs | None = None,
                        full: bool = False) -> VerifyRequest:
         self._verifying = list(drafts)
         kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
-                  draft_probs=probs if drafts else None, num_prompt=self.num_prompt)
+                  draft_probs=probs if drafts else None, num_prompt=self.num_prompt, capture=self.capture)
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
         return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),

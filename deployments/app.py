@@ -49,7 +49,8 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
         pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s,
-        stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport)
+        stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport,
+        drafter_aux_layers=eagle3_layers(config))
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 
@@ -70,7 +71,22 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
     update = {"verifier": config.verifier.model_copy(update={"model": resolve(config.verifier.model)})}
     if config.drafter.method == "draft_model":
         update["drafter"] = config.drafter.model_copy(update={"model": resolve(config.drafter.model)})
+    if config.drafter.method == "eagle3":
+        update["drafter"] = config.drafter.model_copy(update={"model": resolve(config.drafter.model),
+                                                              "verifier_model": update["verifier"].model})
     return config.model_copy(update=update)
+
+
+def eagle3_layers(config: AppConfig) -> tuple[int, ...]:
+    """The layers whose input states an EAGLE-3 drafter reads (the verifier captures them); () otherwise."""
+    if config.drafter.method != "eagle3":
+        return ()
+    import json
+    from pathlib import Path
+
+    from core.eagle3 import Eagle3Spec
+
+    return tuple(Eagle3Spec.from_config(json.loads((Path(config.drafter.model) / "config.json").read_text())).aux_layer_ids)
 
 
 def check_models(config: AppConfig):
@@ -84,6 +100,8 @@ def check_models(config: AppConfig):
     paths = [("verifier", config.verifier.model)]
     if config.drafter.method == "draft_model":
         paths.append(("drafter", config.drafter.model))
+    if config.drafter.method == "eagle3":
+        check_eagle3(config)
     sizes = {}
     for role, path in paths:
         if not (Path(path) / "config.json").exists():
@@ -102,6 +120,45 @@ def check_models(config: AppConfig):
     for role, size in sizes.items():
         if size < needed:
             raise ValueError(f"{role} model's vocab_size {size} does not cover the tokenizer's {needed} ids")
+
+
+def check_eagle3(config: AppConfig):
+    """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
+    hidden size and vocabulary size, layer ids inside the verifier, the transformers backend (which
+    captures the states), and the verifier's architecture when the head records it."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from core.eagle3 import Eagle3Spec
+
+    path = Path(config.drafter.model)
+    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+        raise ValueError(f"eagle3 drafter directory {str(path)!r} needs config.json and model.safetensors "
+                         "(a Speculators eagle3 head; models load from local files only)")
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        spec = Eagle3Spec.from_config(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 config: {e}") from e
+    if config.verifier.backend != "transformers":
+        raise ValueError("an eagle3 drafter needs the verifier's hidden states: use verifier.backend transformers "
+                         f"(the {config.verifier.backend} backend does not return them)")
+    target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
+    problems = []
+    if spec.target_hidden_size != target.hidden_size:
+        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"its vocab_size {spec.vocab_size} is not the verifier's {target.vocab_size}")
+    bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
+    if bad:
+        problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
+    arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
+    if arch and getattr(target, "architectures", None) and set(arch) != set(AutoConfig.from_pretrained(config.verifier.model).architectures or []):
+        problems.append(f"it was trained for {arch}, the verifier is {AutoConfig.from_pretrained(config.verifier.model).architectures}")
+    if problems:
+        raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
 
 
 def tokenizer_vocab(path: str) -> dict[str, int] | None:

@@ -6,7 +6,7 @@ import logging
 
 from pydantic import TypeAdapter
 
-from configs import DrafterConfig, DraftModelConfig, NgramConfig
+from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig
 from core.protocol import DraftRequest, Proposal
 from deployments.channel import ChannelServer, Endpoint
 from deployments.metrics import where
@@ -24,10 +24,13 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
-def build_drafter(config: DraftModelConfig | NgramConfig):
+def build_drafter(config: DraftModelConfig | NgramConfig | Eagle3Config):
     if config.method == "ngram":
         from drafter.ngram import NgramDrafter
         return NgramDrafter(config)
+    if config.method == "eagle3":
+        from drafter.eagle3_drafter import Eagle3Drafter
+        return Eagle3Drafter(config)
     from drafter.model_drafter import ModelDrafter
     return ModelDrafter(config)
 

@@ -90,6 +90,9 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             "degraded_steps": timing["degraded_steps"],
             "drafter_recomputes": seq.cache_misses["drafter"],
             "verifier_recomputes": seq.cache_misses["verifier"],
+            "state_recomputes": seq.cache_misses["states"],
+            # EAGLE-3 drafters: the target's hidden states sent to the drafter pool per output token
+            "aux_bytes_per_token": round(timing["aux_bytes"] / max(1, seq.num_output), 1),
             # output tokens before the policy handed the request to plain decoding (None: it never did)
             "plain_from_token": timing.get("plain_from_token"),
             "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
@@ -345,7 +348,7 @@ class Router:
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
         timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
-                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "emit_s": 0.0, "emit_n": 0,
+                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
         attempt = 0
@@ -423,6 +426,7 @@ class Router:
         if info.pre_draft is not None:
             timing["pre_draft_hits" if info.pre_draft == "hit" else "pre_draft_misses"] += 1
             m["pre_draft"].inc(tags={"outcome": info.pre_draft})
+        timing["aux_bytes"] += info.aux_bytes
         if not info.k:
             if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:
                 timing["plain_from_token"] = len(seq.output_ids) - 1  # the policy chose plain decoding

@@ -26,10 +26,12 @@ class VerifierServer(EngineServer):
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
                  max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, drafter_timeout_s: float = 2.0,
-                 stall_timeout_s: float = 30.0, drafter_transport: str = "direct"):
+                 stall_timeout_s: float = 30.0, drafter_transport: str = "direct",
+                 drafter_aux_layers: tuple[int, ...] = ()):
         """``drafter``: a handle to the drafter pool (None: plain decoding only)."""
         self.drafter = drafter
         self.drafter_transport = drafter_transport
+        self.drafter_aux_layers = tuple(drafter_aux_layers)  # an EAGLE-3 drafter's: captured in verification
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
@@ -127,6 +129,8 @@ class VerifierServer(EngineServer):
         policy = AdaptiveK(k) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None:
             policy = FixedK(0)
+        elif k > 0:
+            seq.capture = self.drafter_aux_layers
 
         async def verify(requests):
             delay = 0.01
@@ -139,9 +143,13 @@ class VerifierServer(EngineServer):
                     await asyncio.sleep(delay)  # a running one is never dropped: it waits for room
                     delay = min(0.5, 2 * delay)
 
+        async def recompute_aux(tokens):  # on the engine thread, between batches
+            return await asyncio.get_running_loop().run_in_executor(
+                self.batcher.executor, self.engine.aux_states, tokens, seq.capture)
+
         try:
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
-                                                  self.drafter_timeout_s):
+                                                  self.drafter_timeout_s, recompute_aux=recompute_aux):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)

@@ -56,6 +56,14 @@ class VerifierEngine:
         return [None] + [(float(lp[i, t]), list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best else [])
                          for i, t in enumerate(tokens[1:])]
 
+    @torch.inference_mode()
+    def aux_states(self, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+        """The hidden states entering ``layers`` at every token, [len(tokens), len(layers) * hidden]:
+        one forward pass over the sequence outside the KV cache, for an EAGLE-3 drafter that lost a
+        sequence's states (a replaced replica); it costs a prefill of the sequence."""
+        out = self.model(input_ids=torch.tensor([tokens], device=self.device), output_hidden_states=True)
+        return torch.cat([out.hidden_states[L][0] for L in layers], dim=-1).cpu()
+
     def num_cached(self) -> int:
         return len(self.cache)
 
@@ -95,10 +103,15 @@ class VerifierEngine:
         """One forward pass for the group, then each sequence's decision. A sequence that makes either
         raise fails alone: a failed pass is rerun sequence by sequence."""
         feeds = [(r.new_tokens[len(slot.tokens):] if r.full else r.new_tokens) + r.draft_tokens for r, slot in group]
+        starts = [len(slot.tokens) for _, slot in group]
+        capture = tuple(sorted({L for r, _ in group for L in r.capture}))  # an EAGLE-3 drafter's layers
         t0 = time.perf_counter()
         try:
             logits = batched_forward(self.runner, self.cache, [s for _, s in group], feeds,
-                                     [r.k + 1 for r, _ in group])  # each [k+1, V]
+                                     [r.k + 1 for r, _ in group], capture)  # each [k+1, V]
+            states = None
+            if capture:
+                logits, states = logits
         except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
             if len(group) > 1:
                 for item in group:
@@ -109,13 +122,17 @@ class VerifierEngine:
         dt = time.perf_counter() - t0
         if self.on_progress:
             self.on_progress()
-        for (r, slot), lg in zip(group, logits):
+        for i, ((r, slot), lg) in enumerate(zip(group, logits)):
             try:
                 res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, results)
                 continue
             res.forward_s = dt
+            if r.capture:  # the states of the positions kept: the fed tokens through the accepted drafts
+                kept = len(feeds[i]) - r.k + res.num_accepted
+                res.aux = torch.cat([states[i][L][:kept] for L in r.capture], dim=-1)
+                res.aux_start = starts[i]
             # keep the accepted drafts' K/V; the recovered/bonus token was never fed
             slot.cut(len(slot.tokens) - r.k + res.num_accepted)
             res.cached = len(slot.tokens)

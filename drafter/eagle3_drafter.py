@@ -1,0 +1,220 @@
+"""EAGLE-3 drafter: a Speculators-format head on the drafter pool, fed the target's hidden states.
+
+The head reads, at each position t, the target's auxiliary hidden states g_t (the residual
+stream entering a few of its layers, concatenated) and the next token's embedding. Inside a
+target's engine (vLLM, SGLang) the states are at hand; here the verifier captures them in its
+verification pass and the loop sends them with the next draft request (``DraftRequest.aux``).
+
+Cache layout. Row t of a sequence's head KV cache holds the pair (x_t, g_{t-1}) at rotary
+position t - 1, so row t exists once the verifier has computed x_{t-1}'s states, and the rows
+line up with the sequence's tokens: the paged cache, its prefix hashes and its ``claim`` work as
+for any drafter. Row 0 (x_0 has no predecessor) is written but never attended to. After the
+verifier emits x_n (its states not computed yet), rows 1..n need g_0..g_{n-1}, which the
+verifier has just returned; drafting then continues from row n: each draft step pairs the
+drafted token with the head's own output at the previous row, as EAGLE does, and those rows are
+dropped when the call ends (they were made from the head's states, not the target's).
+
+A request whose rows cannot be built from the states it carries is a cache miss: the caller
+resends the whole sequence with the states from position 0 (recomputed by the verifier when it
+no longer has them). q is exact over the target's vocabulary (zero outside the draft vocabulary:
+``EagleHead.target_logits``), so rejection sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from core.eagle3 import EagleHead, _rotate_half, load_head
+from core.kv_cache import CacheFull, PagedKVCache, batched_forward
+from core.llama import Linear
+from core.models import DTYPES, eos_token_ids, resolve_dtype, resolve_kv_dtype
+from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
+from drafter.model_drafter import ModelDrafter
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import Eagle3Config
+
+log = logging.getLogger(__name__)
+
+
+class HeadRunner:
+    """The head's decoder layer over the paged cache, with ``core.llama``'s runner interface plus
+    ``hidden_in`` (the layer's second input per position: fc(g) or the head's own output)."""
+
+    num_layers = 1
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        L = head.layers[0]
+        a, m = L.self_attn, L.mlp
+        # fused projections, pre-packed for oneDNN in bf16 on CPUs (core.llama.Linear): a draft step
+        # at batch 1 is a handful of small matmuls, where the packing and fusion halve the time
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        self.o = Linear(a.o_proj.weight)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.down = Linear(m.down_proj.weight)
+        self.lm_head = Linear(head.lm_head.weight)
+        self.fc = Linear(head.fc.weight)
+        s = head.spec
+        self.splits = (s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim,
+                       s.num_key_value_heads * s.head_dim)
+
+    def __call__(self, input_ids, positions, kv, mask, keep: int, capture=(), hidden_in=None):
+        head, s = self.head, self.head.spec
+        L = head.layers[0]
+        B, n = input_ids.shape
+        D, nh, nkv = s.head_dim, s.num_attention_heads, s.num_key_value_heads
+        S = mask.shape[-1] if mask is not None else (kv.S if kv.read_rows is None else kv.read_rows.shape[1])
+        # row 0 holds no pair: hidden from every query but its own (a row-0 query sees only key 0)
+        keys = torch.arange(S, device=input_ids.device)
+        visible = ~((keys.view(1, 1, 1, S) == 0) & (positions.view(B, 1, n, 1) > 0))  # [B, 1, n, S]
+        mask = visible if mask is None else mask & visible
+        emb = L.input_layernorm(head.embed_tokens(input_ids))
+        h = hidden_in.to(emb.dtype)
+        if s.norm_before_residual:
+            h = L.hidden_norm(h)
+            residual = h
+        else:
+            residual, h = h, L.hidden_norm(h)
+        x = torch.cat([emb, h], dim=-1)  # [B, n, 2H]
+        q, k, v = self.qkv(x).split(self.splits, dim=-1)
+        q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
+        cos, sin = (c.unsqueeze(2).to(q.dtype) for c in head.rope((positions - 1).clamp(min=0)))  # [B, n, 1, D]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        K, V = kv.update(0, k, v)  # [B, S, nkv, D] in the cache's dtype
+        # attention in the cache's dtype (float32 on CPUs, where bf16 attention kernels are slower)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=nkv != nh)  # [B, nh, n, D]
+        h = residual + self.o(o.transpose(1, 2).reshape(B, n, nh * D).to(x.dtype))
+        gate, up = self.gate_up(L.post_attention_layernorm(h)).chunk(2, dim=-1)
+        h = h + self.down(F.silu(gate) * up)
+        logits = head.target_logits(self.lm_head(head.norm(h[:, -keep:])).float())  # [B, keep, V], -inf outside
+        return logits, {"out": h}
+
+
+class Eagle3Drafter(ModelDrafter):
+    """Drafts with an EAGLE-3 head; sampling, penalties, q and failure handling are the model
+    drafter's (``ModelDrafter._draw``), over the head's target-vocabulary logits."""
+
+    needs_aux = True
+
+    def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        name = resolve_dtype(config.dtype, config.device)
+        self.dtype = DTYPES[name]
+        self.head = (head if head is not None else load_head(config.model)).to(device=config.device, dtype=self.dtype)
+        self.head.eval()
+        self.spec = s = self.head.spec
+        self.aux_layers = tuple(s.aux_layer_ids)
+        self.max_len = config.max_model_len or s.max_position_embeddings
+        shape = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim,
+                                num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size)
+        kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
+        self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
+        self.runner = HeadRunner(self.head)
+        self.model = None
+        if eos_ids is None:
+            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
+        self.eos_ids = eos_ids
+        self.on_progress = None
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out: dict[str, Proposal] = {}
+        pinned = {r.seq_id for r in requests}
+        if len(pinned) != len(requests):
+            raise ValueError("a sequence appears twice in one batch")
+        active = []  # (request, slot, feed, k, hidden_in [len(feed), H])
+        for r in requests:
+            try:
+                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+            except CacheMiss:
+                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+                continue
+            feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
+            if not feed and slot.tokens:  # the same context again: recompute its last row for its output
+                feed = [slot.tokens[-1]]
+                slot.cut(len(slot.tokens) - 1)
+            c, n = len(slot.tokens), len(slot.tokens) + len(feed)
+            hidden = self._hidden_in(r, c, n)
+            if hidden is None or not feed:  # the states for these rows did not come: resend with all of them
+                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True, cached=c)
+                continue
+            k = max(0, min(r.k, self.max_len - n + 1))
+            try:
+                self.cache.reserve(r.seq_id, n + max(k - 1, 0), pinned)
+            except (CacheFull, ValueError):  # no drafts is still lossless
+                out[r.seq_id] = Proposal(r.seq_id, [])
+                continue
+            sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
+            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=c)
+            active.append((r, slot, feed, k, hidden, n))
+
+        step = 0
+        while active:
+            still = []
+            for (r, slot, _, k, _, n), (lg, h) in self._forward(active, out):
+                prop = out[r.seq_id]
+                if step == 0:
+                    prop.cached = n  # rows 0..n-1 are the target's; the drafted ones go below
+                if k == 0:
+                    continue
+                try:
+                    token = self._draw(r, lg, slot.tokens, prop)
+                except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
+                    self._fail(r, e, out)
+                    continue
+                prop.tokens.append(token)
+                if step + 1 < k:
+                    still.append((r, slot, [token], k, h, n))
+            active = still
+            step += 1
+        for r in requests:  # drop the drafted rows: the next call's rows come from the target's states
+            slot = self.cache.slots.get(r.seq_id)
+            p = out[r.seq_id]
+            if slot is not None and not p.cache_miss and p.cached and len(slot.tokens) > p.cached:
+                slot.cut(p.cached)
+        dt = time.perf_counter() - t0
+        for p in out.values():
+            p.draft_s = dt
+        return [out[r.seq_id] for r in requests]
+
+    def _hidden_in(self, r: DraftRequest, c: int, n: int) -> torch.Tensor | None:
+        """The head's second input for rows c..n-1: fc(g_{t-1}) for row t >= 1, zeros for row 0.
+        None when ``r.aux`` (rows for positions aux_start..) does not cover g_{c-1}..g_{n-2}."""
+        lo, hi = max(c - 1, 0), n - 1  # the positions whose states the rows need
+        H = self.spec.hidden_size
+        if hi <= lo:
+            rows = torch.zeros(0, H, dtype=self.dtype)
+        else:
+            if r.aux is None or r.aux_start > lo or r.aux_start + r.aux.shape[0] < hi:
+                return None
+            g = r.aux[lo - r.aux_start: hi - r.aux_start].to(device=self.config.device, dtype=self.dtype)
+            rows = self.runner.fc(g)
+        if c == 0:
+            rows = torch.cat([torch.zeros(1, H, dtype=rows.dtype, device=rows.device), rows])
+        return rows
+
+    def _forward(self, active, out):
+        """One batched pass -> [(entry, (logits [1, V], the head's output at the last row [1, H]))]."""
+        try:
+            logits, hidden = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
+                                             [1] * len(active), capture=("out",),
+                                             hidden_in=[a[4] for a in active])
+            if self.on_progress:
+                self.on_progress()
+            return list(zip(active, [(lg, h["out"][-1:]) for lg, h in zip(logits, hidden)]))
+        except Exception as e:  # noqa: BLE001
+            if len(active) == 1:
+                self._fail(active[0][0], e, out)
+                return []
+            return [pair for a in active for pair in self._forward([a], out)]
