@@ -67,6 +67,8 @@ def parse(argv=None):
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--eagle3-ks", type=ints, default=[], help="also the EAGLE-3 head (models/tiny-code-eagle3), served and in process, at these k")
+    ap.add_argument("--eagle3-no-predraft", action="store_true",
+                    help="also serve the EAGLE-3 head with pipeline_drafts off (drafting always on the critical path)")
     ap.add_argument("--compare-transport", action="store_true",
                     help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
     ap.add_argument("--no-hf", action="store_true")
@@ -109,6 +111,10 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
             se = Served(client, urls["eagle3"], k)
             add(f"splitspec_eagle3_k{k}", f"splitspec served, EAGLE-3 head, fixed k={k}", "splitspec", k, "fixed",
                 lambda p, m, t, sd, se=se: se.run(p, m, t, sd))
+            if "eagle3_no_predraft" in urls:
+                sn = Served(client, urls["eagle3_no_predraft"], k)
+                add(f"splitspec_eagle3_k{k}_no_predraft", f"splitspec served, EAGLE-3 head, fixed k={k}, no pre-drafting",
+                    "splitspec", k, "fixed", lambda p, m, t, sd, sn=sn: sn.run(p, m, t, sd))
         if "fixed_serve" in urls:
             k = args.default_k
             sv = Served(client, urls["fixed_serve"], k)
@@ -306,6 +312,8 @@ def run(args, urls: dict | None = None) -> dict:
                     "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}
             if args.eagle3_ks:
                 apps["eagle3"] = app_args(args.threads, "fixed", max(args.eagle3_ks), dtype=args.dtype, drafter="eagle3")
+                if args.eagle3_no_predraft:
+                    apps["eagle3_no_predraft"] = {**apps["eagle3"], "pipeline_drafts": False}
             if args.compare_transport:
                 apps["fixed_serve"] = {**apps["fixed"], "drafter_transport": "serve"}
             urls = stack.enter_context(serving(apps, args.threads))

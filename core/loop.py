@@ -110,14 +110,19 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     A drafter that reads the target's hidden states (EAGLE-3, ``seq.capture`` set) gets them with
     each draft request, from the verification before; the first step is plain (it computes the
-    prompt's states), pre-drafting is off (block n + 1's states exist only once block n is
-    verified), and a drafter miss resends the whole sequence with every state, recomputed by
+    prompt's states); a pre-draft is marked provisional (block n's states do not exist yet: the
+    drafter continues from its own, as EAGLE's later draft steps do, or declines, and the step
+    drafts as usual); a drafter miss resends the whole sequence with every state, recomputed by
     ``recompute_aux(tokens) -> states`` (one prefill on the verifier) when they are no longer kept.
     """
 
-    async def draft(k: int, context: list[int]):
+    async def draft(k: int, context: list[int], provisional: bool = False):
         try:
-            (p,) = await asyncio.wait_for(propose([seq.draft_request(k, context=context)]), draft_timeout_s)
+            req = seq.draft_request(k, context=context)
+            req.provisional = provisional
+            (p,) = await asyncio.wait_for(propose([req]), draft_timeout_s)
+            if p.cache_miss and provisional:
+                return None  # nothing to continue from: no pre-draft (not a failure)
             if p.cache_miss:
                 seq.cache_misses["drafter"] += 1
                 if seq.capture and seq.aux_start > 0:
@@ -154,7 +159,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         return res
 
     pre_ctx, pre_task, batch = None, None, 1
-    choice = PreDraftChoice() if pipeline and not seq.capture else None
+    choice = PreDraftChoice() if pipeline else None
     planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
 
     def plan():
@@ -176,8 +181,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             proposal = None
             if k > 0:
                 if pre_task is not None and pre_ctx == seq.tokens:
-                    proposal, info.pre_draft = await pre_task, "hit"
-                else:
+                    proposal = await pre_task
+                    info.pre_draft = "hit" if proposal is not None else "miss"
+                    pre_task = None
+                if proposal is None and not (info.pre_draft == "miss" and breaker.open(time.monotonic())):
                     if pre_task is not None:
                         pre_task.cancel()  # drafted for a continuation that did not happen
                         info.pre_draft = "miss"
@@ -196,7 +203,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             left = seq.params.max_tokens - len(seq.output_ids)
             if proposal and pre_drafting and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
                 pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
-                pre_task = asyncio.ensure_future(draft(max(1, k) + 1, pre_ctx))  # sized like this step
+                pre_task = asyncio.ensure_future(draft(max(1, k) + 1, pre_ctx, bool(seq.capture)))  # sized like this step
             res = await step
             batch = res.batch_size
             n_lp = len(seq.logprobs)

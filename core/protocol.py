@@ -128,6 +128,9 @@ class DraftRequest(CacheAddressed):
     # (computed by the verifier; the drafter needs those of every token but the last)
     aux: torch.Tensor | None = None
     aux_start: int = 0
+    # a pre-draft for a guessed context (the sequence, then a block not verified yet): a drafter that
+    # reads the target's states may continue from its own for the guessed tokens, or answer cache_miss
+    provisional: bool = False
 
 
 @dataclass

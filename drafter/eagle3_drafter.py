@@ -11,8 +11,11 @@ line up with the sequence's tokens: the paged cache, its prefix hashes and its `
 for any drafter. Row 0 (x_0 has no predecessor) is written but never attended to. After the
 verifier emits x_n (its states not computed yet), rows 1..n need g_0..g_{n-1}, which the
 verifier has just returned; drafting then continues from row n: each draft step pairs the
-drafted token with the head's own output at the previous row, as EAGLE does, and those rows are
-dropped when the call ends (they were made from the head's states, not the target's).
+drafted token with the head's own output at the previous row, as EAGLE does. Those rows are
+provisional: the next ordinary call drops them (its rows come from the target's states), and a
+pre-draft (``DraftRequest.provisional``: block n + 1 drafted while block n is verified, when
+block n's states do not exist yet) continues from them, feeding the rest of the guessed block
+the same way, one row at a time.
 
 A request whose rows cannot be built from the states it carries is a cache miss: the caller
 resends the whole sequence with the states from position 0 (recomputed by the verifier when it
@@ -34,7 +37,7 @@ from core.eagle3 import EagleHead, _rotate_half, load_head
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.llama import Linear
 from core.models import DTYPES, eos_token_ids, resolve_dtype, resolve_kv_dtype
-from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
+from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal, prefix_hash
 from drafter.model_drafter import ModelDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -121,6 +124,8 @@ class Eagle3Drafter(ModelDrafter):
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
         self.runner = HeadRunner(self.head)
         self.model = None
+        self._real: dict[str, int] = {}  # rows made from the target's states (the rest are provisional)
+        self._tail: dict[str, tuple] = {}  # (slot, its length, the head's output at its last row [1, H])
         if eos_ids is None:
             eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
         self.eos_ids = eos_ids
@@ -133,8 +138,20 @@ class Eagle3Drafter(ModelDrafter):
         pinned = {r.seq_id for r in requests}
         if len(pinned) != len(requests):
             raise ValueError("a sequence appears twice in one batch")
-        active = []  # (request, slot, feed, k, hidden_in [len(feed), H])
+        active = []  # (request, slot, feed, k, hidden_in [len(feed), H], real rows, tokens still to feed)
         for r in requests:
+            if r.provisional:
+                entry = self._continuation(r, pinned)
+                if entry is None:  # nothing to continue from: the caller drafts once the states exist
+                    out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+                    continue
+                sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
+                out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=entry[5])
+                active.append(entry)
+                continue
+            held = self.cache.slots.get(r.seq_id)
+            if held is not None and len(held.tokens) > self._real.get(r.seq_id, 0):
+                held.cut(self._real.get(r.seq_id, 0))  # provisional rows never pass for the target's
             try:
                 slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
             except CacheMiss:
@@ -156,17 +173,19 @@ class Eagle3Drafter(ModelDrafter):
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
             sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
-            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=c)
-            active.append((r, slot, feed, k, hidden, n))
+            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=n)
+            self._real[r.seq_id] = n  # once this call's first pass has written them
+            active.append((r, slot, feed, k, hidden, n, []))
 
-        step = 0
         while active:
             still = []
-            for (r, slot, _, k, _, n), (lg, h) in self._forward(active, out):
+            for (r, slot, _, k, _, n, forced), (lg, h) in self._forward(active, out):
+                self._tail[r.seq_id] = (slot, len(slot.tokens), h)
+                if forced:  # a pre-draft's guessed tokens, fed one by one after the head's own output
+                    still.append((r, slot, forced[:1], k, h, n, forced[1:]))
+                    continue
                 prop = out[r.seq_id]
-                if step == 0:
-                    prop.cached = n  # rows 0..n-1 are the target's; the drafted ones go below
-                if k == 0:
+                if len(prop.tokens) >= k:
                     continue
                 try:
                     token = self._draw(r, lg, slot.tokens, prop)
@@ -174,19 +193,46 @@ class Eagle3Drafter(ModelDrafter):
                     self._fail(r, e, out)
                     continue
                 prop.tokens.append(token)
-                if step + 1 < k:
-                    still.append((r, slot, [token], k, h, n))
+                if len(prop.tokens) < k:
+                    still.append((r, slot, [token], k, h, n, []))
             active = still
-            step += 1
-        for r in requests:  # drop the drafted rows: the next call's rows come from the target's states
-            slot = self.cache.slots.get(r.seq_id)
-            p = out[r.seq_id]
-            if slot is not None and not p.cache_miss and p.cached and len(slot.tokens) > p.cached:
-                slot.cut(p.cached)
         dt = time.perf_counter() - t0
         for p in out.values():
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
+
+    def _continuation(self, r: DraftRequest, pinned: set[str]):
+        """A pre-draft's entry: the sequence's rows through its provisional ones are kept and the
+        rest of the guessed context is fed after the head's last output. None when the held rows
+        are not a prefix of the request's context (another sequence state) or the call is full."""
+        slot = self.cache.slots.get(r.seq_id)
+        tail = self._tail.get(r.seq_id)
+        real = self._real.get(r.seq_id, 0)
+        if (r.full or slot is None or tail is None or tail[0] is not slot or tail[1] != len(slot.tokens)
+                or r.start != real or len(slot.tokens) < r.start
+                or prefix_hash(slot.tokens, r.start, slot.chain) != r.prefix):
+            return None
+        held = slot.tokens[r.start:]
+        if held != r.new_tokens[: len(held)] or len(held) >= len(r.new_tokens):
+            return None
+        forced = r.new_tokens[len(held):]
+        k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(forced) + 1))
+        try:
+            self.cache.reserve(r.seq_id, len(slot.tokens) + len(forced) + max(k - 1, 0), pinned)
+        except (CacheFull, ValueError):
+            return None
+        self.cache.slots.move_to_end(r.seq_id)
+        return (r, slot, forced[:1], k, tail[2], real, forced[1:])
+
+    def release(self, seq_id: str) -> bool:
+        self._real.pop(seq_id, None)
+        self._tail.pop(seq_id, None)
+        return self.cache.release(seq_id)
+
+    def _fail(self, r: DraftRequest, e: Exception, out: dict) -> None:
+        self._real.pop(r.seq_id, None)
+        self._tail.pop(r.seq_id, None)
+        super()._fail(r, e, out)
 
     def _hidden_in(self, r: DraftRequest, c: int, n: int) -> torch.Tensor | None:
         """The head's second input for rows c..n-1: fc(g_{t-1}) for row t >= 1, zeros for row 0.

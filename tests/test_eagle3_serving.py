@@ -66,6 +66,29 @@ def test_drafts_equal_the_reference_whole_and_incremental(shipped_engines):
         dr.release(s)
 
 
+def test_a_pre_draft_continues_from_the_heads_own_rows(shipped_engines):
+    """A provisional request (block n + 1 while block n is verified) continues the head's draft
+    chain: its drafts are the reference's drafts k + 2.. from the last states; an ordinary call
+    after it drafts from the target's states again; a guess that is not the head's own chain is
+    declined."""
+    ver, dr = shipped_engines
+    T = ver.tokenizer(CODE[3] + " == 0:\n        print(i)\n")["input_ids"]
+    with torch.no_grad():
+        aux = aux_states(ver.model, torch.tensor([T]), dr.head.spec.aux_layer_ids)[0][0]
+    sp = SamplingParams(temperature=0)
+    (a,) = dr.propose([_request("p", T[:12], aux[:11], 0, k=5)])  # a block of 4 and the guess of its bonus
+    ctx = T[:12] + a.tokens
+    (b,) = dr.propose([DraftRequest.for_tokens("p", ctx, 12, k=4, sampling=sp, seed=1, provisional=True)])
+    assert not b.cache_miss and b.cached == 12
+    assert b.tokens == dr.head.draft(T[:12], aux[:11], 9)[5:]
+    (c,) = dr.propose([_request("p", T[:15], aux[11:14], 11, start=12)])
+    assert c.tokens == dr.head.draft(T[:15], aux[:14], 4)
+    other = [t for t in range(5, 9) if t != c.tokens[0]][:1] + c.tokens[1:]
+    (d,) = dr.propose([DraftRequest.for_tokens("p", T[:15] + other, 15, k=4, sampling=sp, seed=1, provisional=True)])
+    assert d.cache_miss and not d.tokens
+    dr.release("p")
+
+
 def test_verifier_states_are_the_targets(shipped_engines):
     """The states the verifier captures in its verification pass equal the target's hidden_states."""
     from core.sequence import Sequence
