@@ -60,7 +60,7 @@ clean:
 	rm -rf $(VENV) build
 
 # Benchmarks (bench/): one command per scenario, results in $(BENCH_OUT); `make bench` runs them all
-# (estimated 20-25 min on 2 idle cores; see README "Benchmarks"). Measure on a quiet machine.
+# (about 9 min on 2 idle cores in bf16; see README "Benchmarks"). Measure on a quiet machine.
 BENCH_OUT ?= bench/results
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
 .PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-load bench-cost bench-report

@@ -37,7 +37,7 @@ from core.eagle3 import EagleHead, _rotate_half, load_head
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.llama import Linear
 from core.models import DTYPES, eos_token_ids, resolve_dtype, resolve_kv_dtype
-from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal, prefix_hash
+from core.protocol import DraftRequest, Proposal, prefix_hash
 from drafter.model_drafter import ModelDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -135,9 +135,7 @@ class Eagle3Drafter(ModelDrafter):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
-        pinned = {r.seq_id for r in requests}
-        if len(pinned) != len(requests):
-            raise ValueError("a sequence appears twice in one batch")
+        pinned = self._pinned(requests)
         active = []  # (request, slot, feed, k, hidden_in [len(feed), H], real rows, tokens still to feed)
         for r in requests:
             if r.provisional:
@@ -145,19 +143,16 @@ class Eagle3Drafter(ModelDrafter):
                 if entry is None:  # nothing to continue from: the caller drafts once the states exist
                     out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
                     continue
-                sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
-                out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=entry[5])
+                out[r.seq_id] = self._proposal(r, cached=entry[5])
                 active.append(entry)
                 continue
             held = self.cache.slots.get(r.seq_id)
             if held is not None and len(held.tokens) > self._real.get(r.seq_id, 0):
                 held.cut(self._real.get(r.seq_id, 0))  # provisional rows never pass for the target's
-            try:
-                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
-            except CacheMiss:
-                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            claimed = self._claim(r, pinned, out)
+            if claimed is None:
                 continue
-            feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
+            slot, feed = claimed
             if not feed and slot.tokens:  # the same context again: recompute its last row for its output
                 feed = [slot.tokens[-1]]
                 slot.cut(len(slot.tokens) - 1)
@@ -172,8 +167,7 @@ class Eagle3Drafter(ModelDrafter):
             except (CacheFull, ValueError):  # no drafts is still lossless
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
-            sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
-            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=n)
+            out[r.seq_id] = self._proposal(r, cached=n)
             self._real[r.seq_id] = n  # once this call's first pass has written them
             active.append((r, slot, feed, k, hidden, n, []))
 

@@ -43,20 +43,40 @@ class ModelDrafter:
     def num_cached(self) -> int:
         return len(self.cache)
 
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        t0 = time.perf_counter()
-        out: dict[str, Proposal] = {}
+    @staticmethod
+    def _pinned(requests: list[DraftRequest]) -> set[str]:
+        """The batch's sequences (none may be evicted while it runs); each may appear once."""
         pinned = {r.seq_id for r in requests}
         if len(pinned) != len(requests):
             raise ValueError("a sequence appears twice in one batch")
+        return pinned
+
+    @staticmethod
+    def _proposal(r: DraftRequest, cached: int = 0) -> Proposal:
+        """An empty proposal for r, with room for q when its verification needs one (rejection
+        sampling; gumbel coupling and greedy need none)."""
+        sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
+        return Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=cached)
+
+    def _claim(self, r: DraftRequest, pinned: set[str], out: dict):
+        """(the sequence's slot, the tokens to feed it), or None after answering a cache miss."""
+        try:
+            slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+        except CacheMiss:
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            return None
+        return slot, (r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out: dict[str, Proposal] = {}
+        pinned = self._pinned(requests)
         active = []  # (request, slot, feed, k)
         for r in requests:
-            try:
-                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
-            except CacheMiss:
-                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            claimed = self._claim(r, pinned, out)
+            if claimed is None:
                 continue
-            feed = r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens)
+            slot, feed = claimed
             # feeding context + k-1 drafts must fit in the drafter's context
             k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
             try:
@@ -64,8 +84,7 @@ class ModelDrafter:
             except (CacheFull, ValueError):  # no drafts is still lossless: the verifier decodes one token
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
-            sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"  # coupled verification needs no q
-            out[r.seq_id] = Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None)
+            out[r.seq_id] = self._proposal(r)
             if k > 0:
                 active.append((r, slot, feed, k))
             else:
