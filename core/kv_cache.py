@@ -45,6 +45,10 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are valid, in order
     blocks: list[int] = field(default_factory=list)  # the block table
     chain: list[bytes] = field(default_factory=lambda: [b""])  # memo of the prefix hash of tokens
+    # an EAGLE-3 drafter's: rows made from the target's states (the rest are its own, provisional), and
+    # the head's output at the last row with the slot's length then (kept here: evicted with the slot)
+    real: int = 0
+    tail: tuple | None = None
 
     def cut(self, n: int) -> None:
         """Keep the first n tokens (rejected drafts, a rollback); the rows past them are stale."""

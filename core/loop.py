@@ -118,8 +118,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     async def draft(k: int, context: list[int], provisional: bool = False):
         try:
-            req = seq.draft_request(k, context=context)
-            req.provisional = provisional
+            req = seq.draft_request(k, context=context, provisional=provisional)
             (p,) = await asyncio.wait_for(propose([req]), draft_timeout_s)
             if p.cache_miss and provisional:
                 return None  # nothing to continue from: no pre-draft (not a failure)
@@ -143,7 +142,8 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         if failure is not None:
             backoff = breaker.failed(time.monotonic())
             log.warning("drafter call failed; decoding without speculation for %.1fs: %r", backoff, failure)
-            seq.drafter_held = []
+            if not seq.capture:  # (a head's belief stays: a wrong one is a miss, but a forgotten one costs a prefill)
+                seq.drafter_held = []
             return None
         breaker.succeeded()
         seq.note_proposal(p, context)
@@ -201,7 +201,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             probs = proposal.probs.head(len(drafts)) if proposal and proposal.probs else None
             step = asyncio.ensure_future(verified(drafts, probs))
             left = seq.params.max_tokens - len(seq.output_ids)
-            if proposal and pre_drafting and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
+            # a head pre-drafts from its own rows, never from rows that were themselves pre-drafted
+            chained = seq.capture and info.pre_draft == "hit"
+            if proposal and pre_drafting and not chained and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
                 pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
                 pre_task = asyncio.ensure_future(draft(max(1, k) + 1, pre_ctx, bool(seq.capture)))  # sized like this step
             res = await step

@@ -128,11 +128,13 @@ class Sequence:
         left = self.params.max_tokens - self.num_output
         return max(0, min(k, left - 1, self.max_len - len(self.tokens) - 1))
 
-    def draft_request(self, k: int, full: bool = False, context: list[int] | None = None) -> DraftRequest:
-        """Ask for k drafts after ``context`` (default: the sequence so far)."""
+    def draft_request(self, k: int, full: bool = False, context: list[int] | None = None,
+                      provisional: bool = False) -> DraftRequest:
+        """Ask for k drafts after ``context`` (default: the sequence so far); ``provisional``: a
+        pre-draft an EAGLE-3 drafter continues from its own rows (it reads no states)."""
         ctx = self.tokens if context is None else context
-        kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt)
-        if self.capture and self.aux is not None:
+        kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional)
+        if self.capture and self.aux is not None and not provisional:
             kw.update(aux=self.aux, aux_start=self.aux_start)
             self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()
         if full:
@@ -147,8 +149,8 @@ class Sequence:
         self.drafter_held = (list(ctx) + proposal.tokens)[: proposal.cached]
         if self.aux is not None and proposal.cached:  # it holds rows 0..cached-1: it next needs g_{cached-1}..
             drop = min(proposal.cached - 1 - self.aux_start, self.aux.shape[0])
-            if drop > 0:
-                self.aux, self.aux_start = self.aux[drop:], self.aux_start + drop
+            if drop > 0:  # a copy: a view would pickle the whole storage
+                self.aux, self.aux_start = self.aux[drop:].clone(), self.aux_start + drop
 
     MAX_AUX_ROWS = 2048  # kept states beyond this (a long plain stretch) are dropped; a drafter miss recomputes them
 
@@ -163,7 +165,7 @@ class Sequence:
             self.aux = torch.cat([self.aux[: result.aux_start - self.aux_start], result.aux])
         if self.aux.shape[0] > self.MAX_AUX_ROWS:
             drop = self.aux.shape[0] - self.MAX_AUX_ROWS
-            self.aux, self.aux_start = self.aux[drop:], self.aux_start + drop
+            self.aux, self.aux_start = self.aux[drop:].clone(), self.aux_start + drop
 
     def verify_request(self, drafts: list[int] = (), probs: DraftProbs | None = None,
                        full: bool = False) -> VerifyRequest:

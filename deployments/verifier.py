@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from configs import SamplingParams, VerifierConfig
 from core.loop import speculate
@@ -17,6 +18,8 @@ from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
+CHANNEL_DOWN_S = 30.0  # a drafter replica whose channel failed is reached through Serve this long
+SLOW_S = 5.0  # ... and one that did not answer within 90% of drafter_timeout_s
 
 
 class VerifierServer(EngineServer):
@@ -35,6 +38,7 @@ class VerifierServer(EngineServer):
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
+        self._down: dict[Endpoint, float] = {}  # endpoints whose channel failed -> when to try them again
         self.pipeline_drafts = pipeline_drafts
         self.drafter_timeout_s = drafter_timeout_s
         if engine is None:
@@ -172,11 +176,11 @@ class VerifierServer(EngineServer):
         ep = self._bound.get(seq_id)
         if ep is not None:
             try:
-                out = await self.channel.call(ep, "propose", requests)
-            except OSError as e:  # the replica is gone or unreachable (ConnectionError, a connect timeout)
+                out = await asyncio.wait_for(self.channel.call(ep, "propose", requests), 0.9 * self.drafter_timeout_s)
+            except OSError as e:  # gone, unreachable (ConnectionError, a connect timeout) or silent too long
                 log.warning("drafter channel to %s:%d failed (%r): back to Serve's router", ep.host, ep.port, e)
-                for s in [s for s, bound in self._bound.items() if bound == ep]:
-                    del self._bound[s]
+                # a silent replica may only be overloaded: Serve's router, which sees queues, decides for a while
+                self._avoid(ep, SLOW_S if isinstance(e, TimeoutError) else CHANNEL_DOWN_S)
                 self.drafter_calls["fallback"] += 1
                 count.inc(tags={"transport": "direct", "outcome": "fallback"})
             else:
@@ -186,6 +190,15 @@ class VerifierServer(EngineServer):
         self.drafter_calls["serve"] += 1
         count.inc(tags={"transport": "serve", "outcome": "ok"})
         proposals, ep = await self.drafter.propose_bound.remote(requests)
-        if ep is not None:
+        if ep is not None and self._down.get(ep, 0.0) <= time.monotonic():
             self._bound[seq_id] = ep
         return proposals
+
+    def _avoid(self, ep: Endpoint, seconds: float) -> None:
+        """Unbind every sequence from a replica whose channel failed, and bind none to it for a while
+        (their calls go through Serve meanwhile)."""
+        now = time.monotonic()
+        self._down = {e: t for e, t in self._down.items() if t > now}  # forget expired entries
+        self._down[ep] = now + seconds
+        for s in [s for s, bound in self._bound.items() if bound == ep]:
+            del self._bound[s]

@@ -124,8 +124,6 @@ class Eagle3Drafter(ModelDrafter):
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
         self.runner = HeadRunner(self.head)
         self.model = None
-        self._real: dict[str, int] = {}  # rows made from the target's states (the rest are provisional)
-        self._tail: dict[str, tuple] = {}  # (slot, its length, the head's output at its last row [1, H])
         if eos_ids is None:
             eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
         self.eos_ids = eos_ids
@@ -147,8 +145,8 @@ class Eagle3Drafter(ModelDrafter):
                 active.append(entry)
                 continue
             held = self.cache.slots.get(r.seq_id)
-            if held is not None and len(held.tokens) > self._real.get(r.seq_id, 0):
-                held.cut(self._real.get(r.seq_id, 0))  # provisional rows never pass for the target's
+            if held is not None and len(held.tokens) > held.real:
+                held.cut(held.real)  # provisional rows never pass for the target's
             claimed = self._claim(r, pinned, out)
             if claimed is None:
                 continue
@@ -168,13 +166,13 @@ class Eagle3Drafter(ModelDrafter):
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
             out[r.seq_id] = self._proposal(r, cached=n)
-            self._real[r.seq_id] = n  # once this call's first pass has written them
+            slot.real = n  # once this call's first pass has written them (a failed pass releases the slot)
             active.append((r, slot, feed, k, hidden, n, []))
 
         while active:
             still = []
             for (r, slot, _, k, _, n, forced), (lg, h) in self._forward(active, out):
-                self._tail[r.seq_id] = (slot, len(slot.tokens), h)
+                slot.tail = (len(slot.tokens), h)
                 if forced:  # a pre-draft's guessed tokens, fed one by one after the head's own output
                     still.append((r, slot, forced[:1], k, h, n, forced[1:]))
                     continue
@@ -200,9 +198,9 @@ class Eagle3Drafter(ModelDrafter):
         rest of the guessed context is fed after the head's last output. None when the held rows
         are not a prefix of the request's context (another sequence state) or the call is full."""
         slot = self.cache.slots.get(r.seq_id)
-        tail = self._tail.get(r.seq_id)
-        real = self._real.get(r.seq_id, 0)
-        if (r.full or slot is None or tail is None or tail[0] is not slot or tail[1] != len(slot.tokens)
+        tail = slot.tail if slot is not None else None
+        real = slot.real if slot is not None else 0
+        if (r.full or tail is None or tail[0] != len(slot.tokens)
                 or r.start != real or len(slot.tokens) < r.start
                 or prefix_hash(slot.tokens, r.start, slot.chain) != r.prefix):
             return None
@@ -216,17 +214,7 @@ class Eagle3Drafter(ModelDrafter):
         except (CacheFull, ValueError):
             return None
         self.cache.slots.move_to_end(r.seq_id)
-        return (r, slot, forced[:1], k, tail[2], real, forced[1:])
-
-    def release(self, seq_id: str) -> bool:
-        self._real.pop(seq_id, None)
-        self._tail.pop(seq_id, None)
-        return self.cache.release(seq_id)
-
-    def _fail(self, r: DraftRequest, e: Exception, out: dict) -> None:
-        self._real.pop(r.seq_id, None)
-        self._tail.pop(r.seq_id, None)
-        super()._fail(r, e, out)
+        return (r, slot, forced[:1], k, tail[1], real, forced[1:])
 
     def _hidden_in(self, r: DraftRequest, c: int, n: int) -> torch.Tensor | None:
         """The head's second input for rows c..n-1: fc(g_{t-1}) for row t >= 1, zeros for row 0.

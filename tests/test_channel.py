@@ -92,3 +92,32 @@ def test_a_cancelled_call_leaves_the_connection_usable(drafter_server):
         drafter_server.channel.close()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_call_is_cancelled_on_the_replica_too():
+    """The caller's cancellation travels as a frame: the replica stops the call (a drafter's queued
+    work is then skipped by its batcher) instead of computing an answer nobody reads."""
+    from deployments.channel import ChannelClient, ChannelServer
+
+    async def main():
+        started, stopped = asyncio.Event(), asyncio.Event()
+
+        async def slow():
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                stopped.set()
+                raise
+
+        server = ChannelServer({"slow": slow})
+        ep = await server.start("127.0.0.1")
+        client = ChannelClient()
+        task = asyncio.ensure_future(client.call(ep, "slow"))
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        await asyncio.wait_for(stopped.wait(), 5)
+        client.close()
+        server.close()
+
+    asyncio.run(main())
