@@ -29,7 +29,7 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
     """One lockstep speculative step for every unfinished sequence."""
     live = [s for s in seqs if not s.done]
     # a drafter that reads the target's states (EAGLE-3) gets them from a plain step first
-    ks = {s.seq_id: (s.step_k() if drafter is not None and not (s.capture and s.aux is None) else 0) for s in live}
+    ks = {s.seq_id: (s.step_k() if drafter is not None and not (s.capture and not s.has_aux) else 0) for s in live}
     proposals: dict[str, Proposal | None] = {s.seq_id: None for s in live}
     drafting = [s for s in live if ks[s.seq_id] > 0]
     if drafting:
@@ -164,7 +164,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     def plan():
         k = seq.step_k(policy.next_k(batch))
-        if seq.capture and seq.aux is None:
+        if seq.capture and not seq.has_aux:
             k = 0  # no states yet: this plain step computes them
         pre_drafting = choice is not None and choice.use()
         if k > 0 and breaker.open(time.monotonic()):

@@ -104,7 +104,8 @@ class Sequence:
         # an EAGLE-3 drafter's inputs: the verifier captures the states entering these layers, and they
         # are kept (positions aux_start..) until the drafter holds their rows; None: none yet
         self.capture: tuple[int, ...] = ()
-        self.aux: torch.Tensor | None = None
+        self._aux: list[torch.Tensor] | None = None  # chunks, joined when used: a step appends in O(1)
+        self._aux_rows = 0
         self.aux_start = 0
         self.aux_bytes_sent = 0
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
@@ -152,19 +153,41 @@ class Sequence:
             if drop > 0:  # a copy: a view would pickle the whole storage
                 self.aux, self.aux_start = self.aux[drop:].clone(), self.aux_start + drop
 
-    MAX_AUX_ROWS = 2048  # kept states beyond this (a long plain stretch) are dropped; a drafter miss recomputes them
+    # kept states beyond this (a long plain stretch) are cut back to half of it, so the cut is amortised;
+    # a drafter miss recomputes what was dropped
+    MAX_AUX_ROWS = 2048
+
+    @property
+    def aux(self) -> torch.Tensor | None:
+        """The kept states, positions aux_start.. (None: none yet)."""
+        if self._aux is not None and len(self._aux) > 1:
+            self._aux = [torch.cat(self._aux)]
+        return None if self._aux is None else self._aux[0]
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether any states came yet (without joining the kept chunks)."""
+        return self._aux is not None
+
+    @aux.setter
+    def aux(self, value: torch.Tensor | None):
+        self._aux = None if value is None else [value]
+        self._aux_rows = 0 if value is None else value.shape[0]
 
     def take_aux(self, result: VerifyResult):
         """Keep the states a verification returned (positions result.aux_start..) after those kept."""
         if result.aux is None:
             return
-        end = self.aux_start + (self.aux.shape[0] if self.aux is not None else 0)
-        if self.aux is None or not self.aux_start <= result.aux_start <= end:  # a gap: start again from these
+        end = self.aux_start + self._aux_rows
+        if self._aux is None or not self.aux_start <= result.aux_start <= end:  # a gap: start again from these
             self.aux, self.aux_start = result.aux, result.aux_start
-        else:
-            self.aux = torch.cat([self.aux[: result.aux_start - self.aux_start], result.aux])
-        if self.aux.shape[0] > self.MAX_AUX_ROWS:
-            drop = self.aux.shape[0] - self.MAX_AUX_ROWS
+            return
+        if result.aux_start < end:  # recomputed positions (a verifier resend) replace the kept ones
+            self.aux = self.aux[: result.aux_start - self.aux_start].clone()
+        self._aux.append(result.aux)
+        self._aux_rows += result.aux.shape[0]
+        if self._aux_rows > self.MAX_AUX_ROWS:
+            drop = self._aux_rows - self.MAX_AUX_ROWS // 2
             self.aux, self.aux_start = self.aux[drop:].clone(), self.aux_start + drop
 
     def verify_request(self, drafts: list[int] = (), probs: DraftProbs | None = None,

@@ -255,3 +255,27 @@ def test_served_greedy_equals_the_target_and_survives_drafter_deaths(eagle_app, 
     assert killed == 2
     assert ids == want
     assert stats.get("drafter_recomputes", 0) >= 1 or stats.get("degraded_steps", 0) >= 1, stats
+
+
+def test_kept_states_follow_positions_and_stay_bounded():
+    """The loop's buffer of the verifier's states: positions line up, a plain stretch stays bounded
+    (appending is O(1) a step), a verifier resend replaces the tail, a gap starts again."""
+    from core.protocol import VerifyResult
+    from core.sequence import Sequence
+
+    seq = Sequence([1, 2, 3], SamplingParams(temperature=0, max_tokens=5000), 4, None, set(), 10_000, seq_id="b")
+    seq.capture, seq.MAX_AUX_ROWS = (0,), 64
+
+    def rows(a, b):  # each row holds its own position
+        return torch.arange(a, b, dtype=torch.float32).unsqueeze(1)
+
+    seq.take_aux(VerifyResult("b", aux=rows(0, 3), aux_start=0))
+    for p in range(3, 200):
+        seq.take_aux(VerifyResult("b", aux=rows(p, p + 1), aux_start=p))
+        assert seq._aux_rows <= 64
+    assert seq.aux[:, 0].tolist() == list(range(seq.aux_start, 200))
+    seq.take_aux(VerifyResult("b", aux=rows(190, 195) + 0.5, aux_start=190))
+    assert seq.aux[-5:, 0].tolist() == [190.5, 191.5, 192.5, 193.5, 194.5]
+    assert seq.aux_start + seq.aux.shape[0] == 195
+    seq.take_aux(VerifyResult("b", aux=rows(300, 302), aux_start=300))
+    assert seq.aux_start == 300 and seq.aux.shape[0] == 2
