@@ -154,6 +154,18 @@ class EagleHead(nn.Module):
         emb = torch.cat((f, f), dim=-1)
         return emb.cos(), emb.sin()
 
+    def layer_input(self, ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's input cat(input_layernorm(embed(ids)), hidden_norm(h)) [B, T, 2H] and its
+        residual stream [B, T, H] (normalised h or raw h, per ``norm_before_residual``)."""
+        s, L = self.spec, self.layers[0]
+        emb = L.input_layernorm(self.embed_tokens(ids))
+        if s.norm_before_residual:
+            h = L.hidden_norm(h)
+            residual = h
+        else:
+            residual, h = h, L.hidden_norm(h)
+        return torch.cat([emb, h], dim=-1), residual
+
     def layer(self, ids: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, past: list, mask: torch.Tensor):
         """One pass of the head's decoder layer. ids, positions [B, T]; h [B, T, H] (fc output or the
         head's own previous output); past: (K, V) of earlier passes, [B, kv, S', D] each, extended in
@@ -162,13 +174,7 @@ class EagleHead(nn.Module):
         s, L = self.spec, self.layers[0]
         B, T = ids.shape
         D, nh, nkv = s.head_dim, s.num_attention_heads, s.num_key_value_heads
-        emb = L.input_layernorm(self.embed_tokens(ids))
-        if s.norm_before_residual:
-            h = L.hidden_norm(h)
-            residual = h
-        else:
-            residual, h = h, L.hidden_norm(h)
-        x = torch.cat([emb, h], dim=-1)  # [B, T, 2H]
+        x, residual = self.layer_input(ids, h)  # [B, T, 2H], [B, T, H]
         a = L.self_attn
         q = a.q_proj(x).view(B, T, nh, D).transpose(1, 2)  # [B, nh, T, D]
         k = a.k_proj(x).view(B, T, nkv, D).transpose(1, 2)

@@ -37,9 +37,8 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
         missed = [s for s, p in zip(drafting, props) if p.cache_miss]
         for s in missed:
             s.cache_misses["drafter"] += 1
-            if s.capture and s.aux_start > 0:  # the resend needs every state: the verifier recomputes them
-                s.aux, s.aux_start = verifier.aux_states(s.tokens[:-1], s.capture), 0
-                s.cache_misses["states"] = s.cache_misses.get("states", 0) + 1
+            if s.needs_all_aux:
+                s.restart_aux(verifier.aux_states(s.tokens[:-1], s.capture))
         if missed:
             props = [p for p in props if not p.cache_miss] + drafter.propose(
                 [s.draft_request(ks[s.seq_id], full=True) for s in missed])
@@ -124,11 +123,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 return None  # nothing to continue from: no pre-draft (not a failure)
             if p.cache_miss:
                 seq.cache_misses["drafter"] += 1
-                if seq.capture and seq.aux_start > 0:
+                if seq.needs_all_aux:
                     if recompute_aux is None:
                         raise RuntimeError("the drafter lost this sequence's states and nothing can recompute them")
-                    seq.aux, seq.aux_start = await recompute_aux(context[:-1]), 0
-                    seq.cache_misses["states"] = seq.cache_misses.get("states", 0) + 1
+                    seq.restart_aux(await recompute_aux(context[:-1]))
                 (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context)]),
                                               draft_timeout_s)
         except asyncio.CancelledError as e:
@@ -214,8 +212,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.aux_bytes = seq.aux_bytes_sent - sent
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch
             info.step_s = clock() - t0
-            info.recomputes = {pool: n - misses.get(pool, 0) for pool, n in seq.cache_misses.items()
-                               if n > misses.get(pool, 0)}
+            info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             # every step, plain ones too: the policy compares what each k costs here, end to end
             policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s)
             if choice is not None and res.num_drafts:

@@ -164,15 +164,26 @@ class Sequence:
             self._aux = [torch.cat(self._aux)]
         return None if self._aux is None else self._aux[0]
 
+    @aux.setter
+    def aux(self, value: torch.Tensor | None):
+        self._aux = None if value is None else [value]
+        self._aux_rows = 0 if value is None else value.shape[0]
+
     @property
     def has_aux(self) -> bool:
         """Whether any states came yet (without joining the kept chunks)."""
         return self._aux is not None
 
-    @aux.setter
-    def aux(self, value: torch.Tensor | None):
-        self._aux = None if value is None else [value]
-        self._aux_rows = 0 if value is None else value.shape[0]
+    @property
+    def needs_all_aux(self) -> bool:
+        """A full resend to the drafter needs every state and the kept ones start later: the
+        verifier must recompute them (``restart_aux``)."""
+        return bool(self.capture) and self.aux_start > 0
+
+    def restart_aux(self, states: torch.Tensor):
+        """Every state from position 0, recomputed by the verifier after a drafter lost its rows."""
+        self.aux, self.aux_start = states, 0
+        self.cache_misses["states"] += 1
 
     def take_aux(self, result: VerifyResult):
         """Keep the states a verification returned (positions result.aux_start..) after those kept."""

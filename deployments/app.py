@@ -6,7 +6,12 @@ autoscaling, resources) stay in the serve config's ``deployments:`` section.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from configs import AppConfig
+
+if TYPE_CHECKING:
+    from core.eagle3 import Eagle3Spec
 
 
 def build_app(args: dict):
@@ -28,7 +33,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     from deployments.verifier import VerifierServer
 
     config = resolve_model_paths(AppConfig.model_validate(args))
-    check_models(config)
+    aux_layers = check_models(config)
     cfg = config.model_dump(mode="json")
     overrides = overrides or {}
     # Defaults for this workload (Serve's are 5 ongoing requests and 1 CPU per replica): each
@@ -50,7 +55,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
         pipeline_drafts=config.pipeline_drafts, drafter_timeout_s=config.drafter_timeout_s,
         stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport,
-        drafter_aux_layers=eagle3_layers(config))
+        drafter_aux_layers=aux_layers)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 
@@ -77,22 +82,12 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
     return config.model_copy(update=update)
 
 
-def eagle3_layers(config: AppConfig) -> tuple[int, ...]:
-    """The layers whose input states an EAGLE-3 drafter reads (the verifier captures them); () otherwise."""
-    if config.drafter.method != "eagle3":
-        return ()
-    import json
-    from pathlib import Path
-
-    from core.eagle3 import Eagle3Spec
-
-    return tuple(Eagle3Spec.from_config(json.loads((Path(config.drafter.model) / "config.json").read_text())).aux_layer_ids)
-
-
-def check_models(config: AppConfig):
+def check_models(config: AppConfig) -> tuple[int, ...]:
     """Fail at build time, with a clear message, on a missing model or a drafter whose tokenizer is not
-    the verifier's. Tokenizers are compared token by token, not by ``vocab_size``: padded embedding
-    tables of one tokenizer differ in size and are compatible; two tokenizers of one size are not."""
+    the verifier's (or an EAGLE-3 head that does not fit the verifier: ``check_eagle3``). Tokenizers
+    are compared token by token, not by ``vocab_size``: padded embedding tables of one tokenizer
+    differ in size and are compatible; two tokenizers of one size are not. Returns the verifier
+    layers whose input states an EAGLE-3 drafter reads ((): none)."""
     from pathlib import Path
 
     from transformers import AutoConfig
@@ -100,8 +95,7 @@ def check_models(config: AppConfig):
     paths = [("verifier", config.verifier.model)]
     if config.drafter.method == "draft_model":
         paths.append(("drafter", config.drafter.model))
-    if config.drafter.method == "eagle3":
-        check_eagle3(config)
+    aux_layers = tuple(check_eagle3(config).aux_layer_ids) if config.drafter.method == "eagle3" else ()
     sizes = {}
     for role, path in paths:
         if not (Path(path) / "config.json").exists():
@@ -120,9 +114,10 @@ def check_models(config: AppConfig):
     for role, size in sizes.items():
         if size < needed:
             raise ValueError(f"{role} model's vocab_size {size} does not cover the tokenizer's {needed} ids")
+    return aux_layers
 
 
-def check_eagle3(config: AppConfig):
+def check_eagle3(config: AppConfig) -> Eagle3Spec:
     """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
     hidden size and vocabulary size, layer ids inside the verifier, the transformers backend (which
     captures the states), and the verifier's architecture when the head records it."""
@@ -145,7 +140,8 @@ def check_eagle3(config: AppConfig):
     if config.verifier.backend != "transformers":
         raise ValueError("an eagle3 drafter needs the verifier's hidden states: use verifier.backend transformers "
                          f"(the {config.verifier.backend} backend does not return them)")
-    target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
+    verifier = AutoConfig.from_pretrained(config.verifier.model)
+    target = verifier.get_text_config()
     problems = []
     if spec.target_hidden_size != target.hidden_size:
         problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
@@ -155,10 +151,11 @@ def check_eagle3(config: AppConfig):
     if bad:
         problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
     arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
-    if arch and getattr(target, "architectures", None) and set(arch) != set(AutoConfig.from_pretrained(config.verifier.model).architectures or []):
-        problems.append(f"it was trained for {arch}, the verifier is {AutoConfig.from_pretrained(config.verifier.model).architectures}")
+    if arch and getattr(target, "architectures", None) and set(arch) != set(verifier.architectures or []):
+        problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
     if problems:
         raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
+    return spec
 
 
 def tokenizer_vocab(path: str) -> dict[str, int] | None:

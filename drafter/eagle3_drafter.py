@@ -78,14 +78,7 @@ class HeadRunner:
         keys = torch.arange(S, device=input_ids.device)
         visible = ~((keys.view(1, 1, 1, S) == 0) & (positions.view(B, 1, n, 1) > 0))  # [B, 1, n, S]
         mask = visible if mask is None else mask & visible
-        emb = L.input_layernorm(head.embed_tokens(input_ids))
-        h = hidden_in.to(emb.dtype)
-        if s.norm_before_residual:
-            h = L.hidden_norm(h)
-            residual = h
-        else:
-            residual, h = h, L.hidden_norm(h)
-        x = torch.cat([emb, h], dim=-1)  # [B, n, 2H]
+        x, residual = head.layer_input(input_ids, hidden_in.to(head.embed_tokens.weight.dtype))  # [B, n, 2H], [B, n, H]
         q, k, v = self.qkv(x).split(self.splits, dim=-1)
         q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
         cos, sin = (c.unsqueeze(2).to(q.dtype) for c in head.rope((positions - 1).clamp(min=0)))  # [B, n, 1, D]
@@ -104,8 +97,6 @@ class HeadRunner:
 class Eagle3Drafter(ModelDrafter):
     """Drafts with an EAGLE-3 head; sampling, penalties, q and failure handling are the model
     drafter's (``ModelDrafter._draw``), over the head's target-vocabulary logits."""
-
-    needs_aux = True
 
     def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
         if config.num_threads:
@@ -176,16 +167,10 @@ class Eagle3Drafter(ModelDrafter):
                 if forced:  # a pre-draft's guessed tokens, fed one by one after the head's own output
                     still.append((r, slot, forced[:1], k, h, n, forced[1:]))
                     continue
-                prop = out[r.seq_id]
-                if len(prop.tokens) >= k:
+                if len(out[r.seq_id].tokens) >= k:
                     continue
-                try:
-                    token = self._draw(r, lg, slot.tokens, prop)
-                except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
-                    self._fail(r, e, out)
-                    continue
-                prop.tokens.append(token)
-                if len(prop.tokens) < k:
+                token = self._next_draft(r, lg, slot.tokens, out)
+                if token is not None and len(out[r.seq_id].tokens) < k:
                     still.append((r, slot, [token], k, h, n, []))
             active = still
         dt = time.perf_counter() - t0

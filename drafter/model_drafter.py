@@ -94,23 +94,31 @@ class ModelDrafter:
         while active:
             still = []
             for (r, slot, _, k), lg in self._forward(active, out):
-                prop = out[r.seq_id]
-                try:
-                    token = self._draw(r, lg, slot.tokens, prop)
-                except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
-                    self._fail(r, e, out)
+                token = self._next_draft(r, lg, slot.tokens, out)
+                if token is None:
                     continue
-                prop.tokens.append(token)
                 if step + 1 < k:
                     still.append((r, slot, [token], k))
                 else:
-                    prop.cached = len(slot.tokens)  # the context and the first k-1 drafts
+                    out[r.seq_id].cached = len(slot.tokens)  # the context and the first k-1 drafts
             active = still
             step += 1
         dt = time.perf_counter() - t0
         for p in out.values():
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
+
+    def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict) -> int | None:
+        """Draw r's next draft (``_draw``) and append it to its proposal; None when drawing failed
+        (the sequence keeps the drafts it has)."""
+        prop = out[r.seq_id]
+        try:
+            token = self._draw(r, logits, slot_tokens, prop)
+        except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
+            self._fail(r, e, out)
+            return None
+        prop.tokens.append(token)
+        return token
 
     def _forward(self, active, out):
         """One batched pass over the active sequences -> [(entry, logits [1, V])]. If it raises, each
