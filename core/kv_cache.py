@@ -69,6 +69,24 @@ class Slot:
         return None
 
 
+class BranchSlot:
+    """A branch of a pre-draft tree, for ``batched_forward``: the first n positions of a sequence's
+    slot (read in place, shared by every branch), then rows of its own (scratch rows of the pool).
+    The parent slot is not changed."""
+
+    def __init__(self, parent: Slot, n: int, own_rows: torch.Tensor):
+        self.parent, self.n, self.own_rows = parent, n, own_rows  # own_rows: [capacity]
+        self.tokens = parent.tokens[:n]
+
+    def rows(self, n: int, block_size: int) -> torch.Tensor:
+        if n - self.n > self.own_rows.numel():
+            raise ValueError(f"branch of {n} positions outgrew its {self.own_rows.numel()} rows")
+        return torch.cat([self.parent.rows(self.n, block_size), self.own_rows[: n - self.n]])  # [n]
+
+    def first_row_if_contiguous(self, n: int, block_size: int) -> None:
+        return None  # always gathered
+
+
 class PagedKVCache:
     """Blocks of K/V memory handed to sequences by id; least recently used sequences evicted when full."""
 

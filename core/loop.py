@@ -92,20 +92,61 @@ def own_cancel() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+# a pre-draft tree adds m (k + 1) rows to the drafter's passes: past this many sequences in the drafter's
+# last batch, only the chain (block accepted whole) is pre-drafted, so trees never slow a loaded pool
+TREE_MAX_DRAFTER_BATCH = 4
+
+
+class PreDraft:
+    """The pre-draft in flight for the next block: a tree of branches, each the context, the first
+    j drafts of the block being verified, then a guessed correction (or bonus) token c."""
+
+    def __init__(self, base: list[int], drafts: list[int], branches: list[tuple[int, int]], task: asyncio.Future):
+        self.base, self.drafts, self.task = len(base), list(drafts), task
+        self.branches = branches  # [(j, c)], the order of the drafter's answer
+
+    def branch_for(self, tokens: list[int]) -> int | None:
+        """The branch whose context the sequence now is, if any (its tokens past the base: the first
+        j drafts, then c)."""
+        j = len(tokens) - self.base - 1
+        if j < 0 or tokens[self.base: self.base + j] != self.drafts[:j]:
+            return None
+        return next((i for i, b in enumerate(self.branches) if b == (j, tokens[-1])), None)
+
+
+def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[int, int]]:
+    """The outcomes a pre-draft tree covers, (j, c): the first j drafts accepted, then c. For j < k,
+    c is one of the drafter's m most likely tokens at position j other than its draft (the target's
+    correction, guessed); for j = k, its own next token and m - 1 more (the bonus token, guessed).
+    m = 0: the chain only (j = k, the drafter's own next token)."""
+    k = len(drafts)
+    out = [(k, proposal.tokens[k])]
+    if m <= 0 or not proposal.alts or len(proposal.alts) <= k:
+        return out
+    out += [(k, c) for c in proposal.alts[k] if c != proposal.tokens[k]][: m - 1]
+    for j in range(k - 1, -1, -1):  # the likelier outcomes (more accepted) first
+        out += [(j, c) for c in proposal.alts[j] if c != drafts[j]][:m]
+    return out
+
+
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
-                    draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None):
+                    draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
+                    alternatives: int = 1):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
     the network): ``propose(requests) -> proposals`` (any drafter) and ``verify(requests) ->
     results`` (a verifier engine, whose calls from many sequences share forward passes).
 
-    Pre-drafting: while block n is verified, the drafter drafts block n + 1 for the outcome
-    "block n accepted whole, then the drafter's own guess of the bonus token" (it drafts one
-    token more than it is verified on). The pre-draft is used only when the sequence is then
-    exactly its context; otherwise it is discarded. With ``pipeline`` on, whether to pre-draft
-    is measured per sequence (``PreDraftChoice``): it pays where drafter and verifier have
-    hardware of their own and the guess often holds, and costs where they share cores.
+    Pre-drafting: while block n is verified, the drafter drafts block n + 1 for the likely outcomes
+    of block n, as a tree (``tree_branches``): for each accepted length j, the correction token
+    guessed from the drafter's ``alternatives`` (m) most likely tokens at position j, and for the
+    whole block its own guess of the bonus token (it drafts one token more than is verified). A
+    branch is used only when the sequence is then exactly its context; otherwise the tree is
+    discarded. m = 0, or a loaded drafter pool, pre-drafts the whole-block branch only. With
+    ``pipeline`` on, whether to pre-draft is measured per sequence (``PreDraftChoice``): it pays
+    where drafter and verifier have hardware of their own and the guesses often hold, and costs
+    where they share cores.
 
     A drafter that reads the target's hidden states (EAGLE-3, ``seq.capture`` set) gets them with
     each draft request, from the verification before; the first step is plain (it computes the
@@ -115,9 +156,11 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     ``recompute_aux(tokens) -> states`` (one prefill on the verifier) when they are no longer kept.
     """
 
-    async def draft(k: int, context: list[int], provisional: bool = False):
+    async def draft(k: int, context: list[int], provisional: bool = False, alternatives: int = 0,
+                    branches: list[tuple[int, int]] = ()):
         try:
-            req = seq.draft_request(k, context=context, provisional=provisional)
+            req = seq.draft_request(k, context=context, provisional=provisional, alternatives=alternatives,
+                                    branches=branches)
             (p,) = await asyncio.wait_for(propose([req]), draft_timeout_s)
             if p.cache_miss and provisional:
                 return None  # nothing to continue from: no pre-draft (not a failure)
@@ -127,7 +170,8 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                     if recompute_aux is None:
                         raise RuntimeError("the drafter lost this sequence's states and nothing can recompute them")
                     seq.restart_aux(await recompute_aux(context[:-1]))
-                (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context)]),
+                (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context,
+                                                                         alternatives=alternatives, branches=branches)]),
                                               draft_timeout_s)
         except asyncio.CancelledError as e:
             if own_cancel():
@@ -156,8 +200,16 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             raise (RuntimeError if res.retryable else ValueError)(res.error)
         return res
 
-    pre_ctx, pre_task, batch = None, None, 1
+    pre, batch, drafter_batch = None, 1, 1  # pre: the PreDraft in flight
     choice = PreDraftChoice() if pipeline else None
+    tree = alternatives if not seq.capture else -1  # a head continues its chain (provisional), never a tree
+
+    def m_now() -> int:  # alternatives per outcome now: the chain only while the drafter pool is loaded
+        return tree if drafter_batch <= TREE_MAX_DRAFTER_BATCH else 0
+
+    def alts_now(pre_drafting: bool) -> int:  # what a draft records for the tree after it (m, its own draft)
+        return m_now() + 1 if pre_drafting and m_now() > 0 else 0
+
     planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
 
     def plan():
@@ -177,24 +229,34 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             planned = None
             info = StepInfo(0, 0, degraded=degraded)
             proposal = None
+            if pre is not None:
+                info.pre_branches, info.pre_outcome = len(pre.branches), len(seq.tokens) - pre.base - 1
             if k > 0:
-                if pre_task is not None and pre_ctx == seq.tokens:
-                    proposal = await pre_task
-                    info.pre_draft = "hit" if proposal is not None else "miss"
-                    pre_task = None
+                branch = pre.branch_for(seq.tokens) if pre is not None else None
+                if branch is not None:
+                    answer = await pre.task
+                    if answer is not None and answer.branches is not None and branch < len(answer.branches):
+                        proposal = answer.branches[branch]
+                        seq.note_proposal(proposal, seq.tokens)
+                    info.pre_draft = "hit" if proposal is not None and proposal.tokens else "miss"
+                    proposal = proposal if info.pre_draft == "hit" else None
+                    pre = None
                 if proposal is None and not (info.pre_draft == "miss" and breaker.open(time.monotonic())):
-                    if pre_task is not None:
-                        pre_task.cancel()  # drafted for a continuation that did not happen
+                    if pre is not None:
+                        pre.task.cancel()  # drafted for continuations that did not happen
                         info.pre_draft = "miss"
                     t = clock()
-                    proposal = await (early or draft(k + 1 if pre_drafting else k, seq.tokens))
+                    proposal = await (early or draft(k + 1 if pre_drafting else k, seq.tokens,
+                                                     alternatives=alts_now(pre_drafting)))
                     info.draft_s = clock() - t  # what of the drafting the step waited for
                     info.draft_engine_s = min(info.draft_s, proposal.draft_s) if proposal else 0.0
+                    if proposal is not None:
+                        drafter_batch = proposal.batch_size
                 info.degraded = proposal is None
-            elif pre_task is not None:
-                pre_task.cancel()
+            elif pre is not None:
+                pre.task.cancel()
                 info.pre_draft = "miss"
-            pre_ctx, pre_task = None, None
+            pre = None
             drafts = proposal.tokens[:k] if proposal else []
             probs = proposal.probs.head(len(drafts)) if proposal and proposal.probs else None
             step = asyncio.ensure_future(verified(drafts, probs))
@@ -202,8 +264,14 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             # a head pre-drafts from its own rows, never from rows that were themselves pre-drafted
             chained = seq.capture and info.pre_draft == "hit"
             if proposal and pre_drafting and not chained and len(proposal.tokens) > len(drafts) and left > len(drafts) + 1:
-                pre_ctx = seq.tokens + proposal.tokens[: len(drafts) + 1]
-                pre_task = asyncio.ensure_future(draft(max(1, k) + 1, pre_ctx, bool(seq.capture)))  # sized like this step
+                if tree < 0:  # a head: one chain, continued from its own rows
+                    branches = [(len(drafts), proposal.tokens[len(drafts)])]
+                    task = _as_tree(draft(max(1, k) + 1, seq.tokens + drafts + [branches[0][1]], provisional=True))
+                else:
+                    branches = tree_branches(drafts, proposal, m_now())
+                    task = draft(max(1, k) + 1, seq.tokens + drafts, alternatives=alts_now(True),  # sized like this step
+                                 branches=[(len(seq.tokens) + j, c) for j, c in branches])
+                pre = PreDraft(seq.tokens, drafts, branches, asyncio.ensure_future(task))
             res = await step
             batch = res.batch_size
             n_lp = len(seq.logprobs)
@@ -221,18 +289,25 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 # the next step's drafting starts before this step's tokens go out: whatever the caller
                 # does with them (streaming them to the client, served) overlaps it
                 nk, npre, ndeg = plan()
-                hit = pre_task is not None and pre_ctx == seq.tokens
-                task = asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens))) if nk > 0 and not hit else None
+                hit = pre is not None and pre.branch_for(seq.tokens) is not None
+                task = (asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens), alternatives=alts_now(npre)))
+                        if nk > 0 and not hit else None)
                 planned = (nk, npre, ndeg, task)
             yield new, seq.logprobs[n_lp:], info
     finally:
-        for task in (pre_task, planned[3] if planned else None):
+        for task in (pre.task if pre is not None else None, planned[3] if planned else None):
             if task is not None:
                 task.cancel()
 
 
+async def _as_tree(chain_draft) -> Proposal | None:
+    """A chain pre-draft's answer as a tree of one branch."""
+    p = await chain_draft
+    return None if p is None else Proposal(p.seq_id, [], branches=[p], cached=p.cached)
+
+
 async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,
-                          pipeline: bool = True) -> Sequence:
+                          pipeline: bool = True, alternatives: int = 1) -> Sequence:
     """``speculate`` in process: the drafter and the verifier each on a thread of its own (torch
     releases the GIL), so pre-drafting overlaps verification as it does across the pools. Each
     engine's calls run one at a time, in order, as a served replica's batcher runs them."""
@@ -252,7 +327,7 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
         seq.capture = getattr(drafter, "aux_layers", ()) if drafter is not None and seq.k > 0 else ()
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
-                                     Breaker(), pipeline, recompute_aux=recompute_aux):
+                                     Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives):
                 pass
         finally:
             verifier.release(seq.seq_id)

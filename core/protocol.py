@@ -131,6 +131,11 @@ class DraftRequest(CacheAddressed):
     # a pre-draft for a guessed context (the sequence, then a block not verified yet): a drafter that
     # reads the target's states may continue from its own for the guessed tokens, or answer cache_miss
     provisional: bool = False
+    # record, at each draft position, the drafter's m most likely tokens (``Proposal.alts``)
+    alternatives: int = 0
+    # a pre-draft tree: instead of drafting after the context, draft k tokens after each branch
+    # (n, c): the context's first n tokens, then token c (``Proposal.branches``, in this order)
+    branches: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +147,8 @@ class Proposal:
     cache_miss: bool = False  # resend with full=True
     draft_s: float = 0.0  # time spent drafting the batch this proposal was part of
     batch_size: int = 1  # sequences in that batch
+    alts: list[list[int]] | None = None  # per draft position, the drafter's most likely tokens, best first
+    branches: list[Proposal] | None = None  # a pre-draft tree's: one proposal per requested branch
 
 
 @dataclass
@@ -204,6 +211,8 @@ class StepInfo:
     k: int  # drafts verified (0: a plain step)
     accepted: int
     pre_draft: str | None = None  # "hit": the step's drafts were ready when it began; "miss": discarded
+    pre_branches: int = 0  # branches of the pre-draft tree the step was checked against (1: a chain)
+    pre_outcome: int | None = None  # that tree's block: drafts accepted (its outcome j)
     degraded: bool = False  # speculation was wanted but no drafter answered (or its breaker is open)
     forward_s: float = 0.0  # the verify forward pass
     draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)

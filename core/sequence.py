@@ -130,11 +130,14 @@ class Sequence:
         return max(0, min(k, left - 1, self.max_len - len(self.tokens) - 1))
 
     def draft_request(self, k: int, full: bool = False, context: list[int] | None = None,
-                      provisional: bool = False) -> DraftRequest:
+                      provisional: bool = False, alternatives: int = 0,
+                      branches: list[tuple[int, int]] = ()) -> DraftRequest:
         """Ask for k drafts after ``context`` (default: the sequence so far); ``provisional``: a
-        pre-draft an EAGLE-3 drafter continues from its own rows (it reads no states)."""
+        pre-draft an EAGLE-3 drafter continues from its own rows (it reads no states);
+        ``alternatives``, ``branches``: see ``DraftRequest``."""
         ctx = self.tokens if context is None else context
-        kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional)
+        kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional,
+                  alternatives=alternatives, branches=list(branches))
         if self.capture and self.aux is not None and not provisional:
             kw.update(aux=self.aux, aux_start=self.aux_start)
             self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()

@@ -87,6 +87,9 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
     n = max(1, timing["spec_steps"])
     return {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
             "pre_draft_misses": timing["pre_draft_misses"],
+            # branches per pre-draft tree, and per outcome j (drafts accepted) [hits, pre-drafts]
+            "mean_pre_branches": round(timing["pre_branches"] / max(1, timing["pre_draft_hits"] + timing["pre_draft_misses"]), 2),
+            "pre_draft_by_outcome": dict(sorted(timing["pre_draft_by_outcome"].items(), key=lambda kv: int(kv[0]))),
             "degraded_steps": timing["degraded_steps"],
             "drafter_recomputes": seq.cache_misses["drafter"],
             "verifier_recomputes": seq.cache_misses["verifier"],
@@ -347,7 +350,7 @@ class Router:
         resumes on another replica from its tokens, no token lost or repeated."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
+        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
                   "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
@@ -426,6 +429,11 @@ class Router:
         if info.pre_draft is not None:
             timing["pre_draft_hits" if info.pre_draft == "hit" else "pre_draft_misses"] += 1
             m["pre_draft"].inc(tags={"outcome": info.pre_draft})
+            timing["pre_branches"] += info.pre_branches
+            if info.pre_outcome is not None:  # per outcome j of the block it was drafted for: [hits, pre-drafts]
+                row = timing["pre_draft_by_outcome"].setdefault(str(info.pre_outcome), [0, 0])
+                row[0] += info.pre_draft == "hit"
+                row[1] += 1
         timing["aux_bytes"] += info.aux_bytes
         if not info.k:
             if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:

@@ -127,6 +127,9 @@ class Eagle3Drafter(ModelDrafter):
         pinned = self._pinned(requests)
         active = []  # (request, slot, feed, k, hidden_in [len(feed), H], real rows, tokens still to feed)
         for r in requests:
+            if r.branches:  # a head continues one chain from its own rows (provisional), not trees
+                out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
+                continue
             if r.provisional:
                 entry = self._continuation(r, pinned)
                 if entry is None:  # nothing to continue from: the caller drafts once the states exist

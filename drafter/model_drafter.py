@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.kv_cache import CacheFull, batched_forward
+from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import eos_token_ids
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
@@ -56,7 +56,8 @@ class ModelDrafter:
         """An empty proposal for r, with room for q when its verification needs one (rejection
         sampling; gumbel coupling and greedy need none)."""
         sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
-        return Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=cached)
+        return Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=cached,
+                        alts=[] if r.alternatives else None)
 
     def _claim(self, r: DraftRequest, pinned: set[str], out: dict):
         """(the sequence's slot, the tokens to feed it), or None after answering a cache miss."""
@@ -71,47 +72,94 @@ class ModelDrafter:
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
         pinned = self._pinned(requests)
-        active = []  # (request, slot, feed, k)
+        active = []  # (request, slot, feed, k, the proposal its drafts go to)
+        trees = []  # requests for pre-draft trees: their context is fed with the others' first pass
         for r in requests:
             claimed = self._claim(r, pinned, out)
             if claimed is None:
                 continue
             slot, feed = claimed
-            # feeding context + k-1 drafts must fit in the drafter's context
-            k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
+            # feeding context + k-1 drafts must fit in the drafter's context (a tree drafts off the slot)
+            k = 0 if r.branches else max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
             try:
                 self.cache.reserve(r.seq_id, len(slot.tokens) + len(feed) + max(k - 1, 0), pinned)
             except (CacheFull, ValueError):  # no drafts is still lossless: the verifier decodes one token
                 out[r.seq_id] = Proposal(r.seq_id, [])
                 continue
             out[r.seq_id] = self._proposal(r)
-            if k > 0:
-                active.append((r, slot, feed, k))
+            if r.branches:
+                trees.append(r)
+            if k > 0 or (r.branches and feed):
+                active.append((r, slot, feed, k, out[r.seq_id]))
             else:
                 out[r.seq_id].cached = len(slot.tokens)
-
-        step = 0
-        while active:
-            still = []
-            for (r, slot, _, k), lg in self._forward(active, out):
-                token = self._next_draft(r, lg, slot.tokens, out)
-                if token is None:
-                    continue
-                if step + 1 < k:
-                    still.append((r, slot, [token], k))
-                else:
-                    out[r.seq_id].cached = len(slot.tokens)  # the context and the first k-1 drafts
-            active = still
-            step += 1
+        self._run(active, out)
+        if trees:
+            self._trees(trees, pinned, out)
         dt = time.perf_counter() - t0
         for p in out.values():
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
 
-    def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict) -> int | None:
-        """Draw r's next draft (``_draw``) and append it to its proposal; None when drawing failed
-        (the sequence keeps the drafts it has)."""
-        prop = out[r.seq_id]
+    def _run(self, active, out) -> None:
+        """Batched passes until every entry has its k drafts: the first pass feeds each entry's new
+        tokens, each later one its previous draft. An entry with k = 0 is only fed (a tree's context)."""
+        step = 0
+        while active:
+            still = []
+            for (r, slot, _, k, prop), lg in self._forward(active, out):
+                if k == 0:
+                    prop.cached = len(slot.tokens)
+                    continue
+                token = self._next_draft(r, lg, slot.tokens, out, prop)
+                if token is None:
+                    continue
+                if step + 1 < k:
+                    still.append((r, slot, [token], k, prop))
+                elif prop is out.get(r.seq_id):
+                    prop.cached = len(slot.tokens)  # the context and the first k-1 drafts
+            active = still
+            step += 1
+
+    def _trees(self, trees: list[DraftRequest], pinned: set[str], out: dict) -> None:
+        """Pre-draft trees: k drafts after each branch (the context's first n tokens, then c), every
+        branch of every tree in the same batched passes. A branch reads its prefix's rows from the
+        sequence's slot and writes its own to scratch blocks of the same pool (the memory of the
+        branches is the KV budget's), freed when the call ends; the slot itself is left as it was."""
+        active, scratch = [], []
+        for r in trees:
+            slot = self.cache.slots.get(r.seq_id)
+            prop = out[r.seq_id]
+            prop.branches = []
+            held = len(slot.tokens) if slot is not None else 0
+            if slot is None or held != len(r.new_tokens) + r.start or r.k <= 0:
+                continue  # its context could not be fed: no tree (still lossless)
+            branches = [(n, c) for n, c in r.branches if 1 <= n <= held and n + r.k <= self.max_len]
+            tid = f"{r.seq_id}\x00tree"
+            self.cache.slots[tid] = Slot()
+            try:
+                self.cache.reserve(tid, len(branches) * r.k, pinned | {tid})
+            except (CacheFull, ValueError):
+                self.cache.release(tid)
+                continue
+            scratch.append(tid)
+            rows = self.cache.slots[tid].rows(len(branches) * r.k, self.cache.block_size)
+            for i, (n, c) in enumerate(branches):
+                bprop = self._proposal(r, cached=n)
+                prop.branches.append(bprop)
+                branch = BranchSlot(slot, n, rows[i * r.k:(i + 1) * r.k])
+                active.append((r, branch, [c], r.k, bprop))
+        try:
+            self._run(active, out)
+        finally:
+            for tid in scratch:
+                self.cache.release(tid)
+
+    def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict,
+                    prop: Proposal | None = None) -> int | None:
+        """Draw r's next draft (``_draw``) and append it to its proposal (default: r's); None when
+        drawing failed (the sequence keeps the drafts it has)."""
+        prop = out[r.seq_id] if prop is None else prop
         try:
             token = self._draw(r, logits, slot_tokens, prop)
         except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
@@ -149,8 +197,13 @@ class ModelDrafter:
             stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else self.eos_ids)
             history = History(slot_tokens, r.num_prompt, frozenset(stop))
         if r.sampling.greedy:
-            return int(target_logits(logits, r.sampling, history)[0].argmax())
+            x = target_logits(logits, r.sampling, history)[0]  # [V]
+            if r.alternatives:
+                prop.alts.append(x.topk(min(r.alternatives, x.shape[0])).indices.tolist())
+            return int(x.argmax())
         q = processed_probs(logits, r.sampling, history)[0]  # [V]
+        if r.alternatives:
+            prop.alts.append(q.topk(min(r.alternatives, q.shape[0])).indices.tolist())
         if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
             return int(gumbel_argmax(q.unsqueeze(0), gumbel_noise(r.seed, [position], q.shape[0]))[0])
         K = min(self.config.draft_top_k, q.shape[0])

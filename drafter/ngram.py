@@ -95,9 +95,27 @@ class NgramDrafter:
             while self.bytes > self.budget and len(self.seqs) > 1:
                 _, old = self.seqs.popitem(last=False)
                 self.bytes -= old.nbytes()
+            if r.branches:
+                out.append(self._tree(r, idx))
+                continue
             draft = idx.propose(r.k) if r.k else []
             out.append(Proposal(r.seq_id, draft, None, cached=len(idx.tokens)))
         return out
+
+    @staticmethod
+    def _tree(r: DraftRequest, idx: NgramIndex) -> Proposal:
+        """A pre-draft tree: only the branch that extends the whole context (the chain) is drafted, by
+        appending its token to the index (as the next call would); other branches would cut the
+        index, which rebuilds it, so they get no drafts."""
+        base = len(idx.tokens)
+        branches = []
+        for n, c in r.branches:
+            if n == base and len(idx.tokens) == base:
+                idx.set(base, [c])
+                branches.append(Proposal(r.seq_id, idx.propose(r.k), None, cached=base + 1))
+            else:
+                branches.append(Proposal(r.seq_id, [], None, cached=min(n, base)))
+        return Proposal(r.seq_id, [], None, cached=base, branches=branches)
 
     def release(self, seq_id: str) -> bool:
         idx = self.seqs.pop(seq_id, None)

@@ -1,0 +1,187 @@
+"""Pre-draft trees (``DraftRequest.branches``): every branch's drafts (and q) are the drafts the
+drafter makes from that branch's context on its own, the sequence's own slot is left as it was,
+and the scratch rows go back to the pool; the drafter's alternatives are its most likely tokens."""
+
+import pytest
+import torch
+
+from configs import SamplingParams
+from core.protocol import DraftRequest
+from tests.test_greedy_equivalence import prompts
+
+K = 4
+
+
+def alone(drafter, context, k, params, seed=0):
+    """What the drafter drafts after ``context`` from scratch."""
+    (p,) = drafter.propose([DraftRequest("alone", 0, None, list(context), k, params, seed, full=True)])
+    drafter.release("alone")
+    return p
+
+
+def chain(drafter, seq_id, context, k, params, seed=0, alternatives=0):
+    (p,) = drafter.propose([DraftRequest(seq_id, 0, None, list(context), k, params, seed, full=True,
+                                         alternatives=alternatives)])
+    return p
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_branches_draft_what_their_contexts_draft_alone(tiny_engines, temperature):
+    tok, _, _, drafter = tiny_engines
+    params = SamplingParams(temperature=temperature, top_k=0)
+    free = drafter.cache.free_blocks
+    for i, prompt in enumerate(prompts(tok, 6)):
+        seq_id = f"tree{i}"
+        block = chain(drafter, seq_id, prompt, K + 1, params, seed=i, alternatives=2)
+        assert len(block.alts) == K + 1 and all(len(a) == 2 for a in block.alts)
+        if temperature == 0:  # greedy drafts are the drafter's best tokens
+            assert [a[0] for a in block.alts] == block.tokens
+        context = prompt + block.tokens[:K]
+        held = drafter.cache.cached_tokens(seq_id)
+        # every outcome j: the context's first len(prompt) + j tokens, then each alternative at j
+        branches = [(len(prompt) + j, c) for j in range(K + 1) for c in block.alts[j]]
+        req = DraftRequest.for_tokens(seq_id, context, len(held), None, None, k=K + 1, sampling=params, seed=i,
+                                      alternatives=2, branches=branches)
+        (tree,) = drafter.propose([req])
+        assert tree.tokens == [] and len(tree.branches) == len(branches)
+        assert drafter.cache.cached_tokens(seq_id) == context  # the slot holds the context, no branch rows
+        for (n, c), b in zip(branches, tree.branches):
+            want = alone(drafter, context[:n] + [c], K + 1, params, seed=i)
+            assert b.tokens == want.tokens, (n, c)
+            assert b.cached == n and len(b.alts) == K + 1
+            if temperature > 0:
+                assert b.probs.ids == want.probs.ids
+                for got_q, want_q in zip(b.probs.probs, want.probs.probs, strict=True):
+                    assert got_q == pytest.approx(want_q, abs=1e-5)
+        drafter.release(seq_id)
+    assert drafter.cache.free_blocks == free  # scratch rows and slots all returned
+
+
+def test_a_tree_whose_context_is_not_held_feeds_it_first(tiny_engines):
+    tok, _, _, drafter = tiny_engines
+    params = SamplingParams(temperature=0)
+    prompt = prompts(tok, 1)[0]
+    block = chain(drafter, "fed", prompt, 2, params)
+    context = prompt + block.tokens + [7, 8]  # two tokens the slot has not seen
+    req = DraftRequest.for_tokens("fed", context, len(prompt) + 1, None, None, k=3, sampling=params, seed=0,
+                                  branches=[(len(context), 5), (len(prompt), 6)])
+    (tree,) = drafter.propose([req])
+    assert drafter.cache.cached_tokens("fed") == context
+    assert [b.tokens for b in tree.branches] == [alone(drafter, context + [5], 3, params).tokens,
+                                                 alone(drafter, prompt + [6], 3, params).tokens]
+    drafter.release("fed")
+    # a tree for a sequence the replica does not hold is a cache miss, like any call
+    (miss,) = drafter.propose([DraftRequest.for_tokens("gone", context, 5, None, None, k=3, sampling=params, seed=0,
+                                                       branches=[(5, 1)])])
+    assert miss.cache_miss
+
+
+def test_the_ngram_drafter_drafts_the_chain_branch_only():
+    from configs import NgramConfig
+    from drafter.ngram import NgramDrafter
+
+    dr = NgramDrafter(NgramConfig(method="ngram", num_speculative_tokens=3))
+    params = SamplingParams(temperature=0)
+    context = [1, 2, 3, 4, 9, 1, 2, 3]
+    dr.propose([DraftRequest("s", 0, None, context, 3, params, 0, full=True)])
+    (tree,) = dr.propose([DraftRequest.for_tokens("s", context, len(context), None, None, k=3, sampling=params, seed=0,
+                                                  branches=[(len(context), 4), (len(context) - 1, 7)])])
+    assert [b.tokens for b in tree.branches] == [[9, 1, 2], []]
+    assert tree.cached == len(context) and tree.branches[0].cached == len(context) + 1
+
+
+# ------------------------------------------------------------ the loop with trees
+def _forced(monkeypatch):
+    """Pre-draft at every step (the per-request choice would stop where it does not pay)."""
+    from core.policy import PreDraftChoice
+
+    monkeypatch.setattr(PreDraftChoice, "use", lambda self: True)
+
+
+async def _speculate(seq, drafter, ver, k, m):
+    from core.loop import speculate
+    from core.policy import Breaker, FixedK
+
+    async def propose(requests):
+        return drafter.propose(requests)
+
+    async def verify(requests):
+        return ver.verify(requests)
+
+    infos = [info async for _, _, info in speculate(seq, propose, verify, FixedK(k), Breaker(), alternatives=m)]
+    ver.release(seq.seq_id)
+    drafter.release(seq.seq_id)
+    return infos
+
+
+def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_engines, monkeypatch):
+    import asyncio
+
+    from tests.test_greedy_equivalence import compare, reference
+    from tests.test_loop import MAX_NEW, new_seq
+
+    _forced(monkeypatch)
+    tok, target, ver, drafter = tiny_engines
+    by_outcome, near_ties, branches = {}, [], set()
+    for p in prompts(tok, 8):
+        seq = new_seq(tok, ver, p, K)
+        infos = asyncio.run(_speculate(seq, drafter, ver, K, 2))
+        assert compare(target, p, seq.output_ids, reference(target, p, MAX_NEW), near_ties), p
+        for i in infos:
+            if i.pre_draft:
+                row = by_outcome.setdefault(i.pre_outcome, [0, 0])
+                row[0] += i.pre_draft == "hit"
+                row[1] += 1
+                branches.add(i.pre_branches)
+    assert len(near_ties) <= 2
+    # drafts ready for rejected blocks (a guessed correction) as well as for whole ones (a guessed bonus)
+    assert sum(h for j, (h, _) in by_outcome.items() if j < K) > 0, by_outcome
+    assert sum(h for j, (h, _) in by_outcome.items() if j == K) > 0, by_outcome
+    assert max(branches) == 2 * (K + 1), branches  # m = 2 at each of the k + 1 outcomes
+
+
+# ------------------------------------------------------------ distribution (tiny target, exact)
+V, N = 8, 2000
+
+
+@pytest.mark.parametrize("verification", ["rejection", "gumbel"])
+def test_sampled_outputs_with_trees_are_token_for_token_those_without(verification, monkeypatch):
+    """A branch's drafts and q are those its context gets when drafted on its own (randomness is keyed
+    by seed and position), so pre-draft trees change no sampled token: every seed's output equals the
+    output without pre-drafting, and follows the target's exact distribution. A tree that sent a wrong
+    q, or drafts not drawn from it, breaks the equality at once."""
+    import asyncio
+
+    from configs import DraftModelConfig, VerifierConfig
+    from core.policy import PreDraftChoice
+    from core.sequence import Sequence
+    from drafter.model_drafter import ModelDrafter
+    from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
+    from tests.test_eagle3_serving import _exact
+    from tests.test_rejection import min_p_value_of
+    from verifier.engine import VerifierEngine
+
+    target = tiny_llama(V, layers=2, hidden=24, seed=3, peak=3.0, eos_token_id=None)
+    ver = VerifierEngine(VerifierConfig(model="tiny", dtype="float32", cache_budget_mb=64), model=target,
+                         tokenizer=tiny_tokenizer())
+    drafter = ModelDrafter(DraftModelConfig(model="tiny", dtype="float32", cache_budget_mb=64),
+                           model=noisy_copy(target, 0.6))
+    prompt, n = [0, 3], 5
+    params = [SamplingParams(temperature=0.9, max_tokens=n, ignore_eos=True, seed=s, verification=verification)
+              for s in range(N)]
+
+    async def run_all(pre_draft: bool):
+        monkeypatch.setattr(PreDraftChoice, "use", lambda self: pre_draft)
+        out, hits = [], 0
+        for sp in params:
+            seq = Sequence(prompt, sp, 1, None, set(), 64)
+            infos = await _speculate(seq, drafter, ver, 1, 2)  # k = 1: most steps are checked against a tree
+            hits += sum(i.pre_draft == "hit" and i.pre_outcome == 0 for i in infos)
+            out.append(seq.output_ids)
+        return out, hits
+
+    with_trees, hits = asyncio.run(run_all(True))
+    without, _ = asyncio.run(run_all(False))
+    assert hits > N // 20, hits  # steps verified drafts from the branches of a rejected block
+    assert with_trees == without
+    assert min_p_value_of(torch.tensor(with_trees), _exact(target, params[0], prompt, n)) > 1e-3
