@@ -131,7 +131,7 @@ def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[i
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
-                    alternatives: int = 1):
+                    alternatives: int = 1, pre_draft_always: bool = False):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -201,7 +201,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         return res
 
     pre, batch, drafter_batch = None, 1, 1  # pre: the PreDraft in flight
-    choice = PreDraftChoice() if pipeline else None
+    choice = PreDraftChoice(always=pre_draft_always) if pipeline else None
     tree = alternatives if not seq.capture else -1  # a head continues its chain (provisional), never a tree
 
     def m_now() -> int:  # alternatives per outcome now: the chain only while the drafter pool is loaded

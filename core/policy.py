@@ -192,6 +192,7 @@ class PreDraftChoice:
     and verifier share cores (one CPU machine) that compute slows verification. Both arms are
     measured first, then the faster one is used, the other retried every ``explore_every`` steps."""
 
+    always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
     explore_every: int = 16
     first: int = 4  # steps measured per arm before choosing
     weight: float = 0.2  # of the newest step in an arm's seconds per token
@@ -200,6 +201,8 @@ class PreDraftChoice:
     steps: int = 0
 
     def use(self) -> bool:
+        if self.always:
+            return True
         self.steps += 1
         for arm in (True, False):
             if self.n[arm] < self.first:

@@ -54,6 +54,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
         pipeline_drafts=config.pipeline_drafts, pre_draft_alternatives=config.pre_draft_alternatives,
+        pre_draft_always=config.pre_draft == "always",
         drafter_timeout_s=config.drafter_timeout_s,
         stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport,
         drafter_aux_layers=aux_layers)

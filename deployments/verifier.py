@@ -29,6 +29,7 @@ class VerifierServer(EngineServer):
 
     def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
                  max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, pre_draft_alternatives: int = 1,
+                 pre_draft_always: bool = False,
                  drafter_timeout_s: float = 2.0,
                  stall_timeout_s: float = 30.0, drafter_transport: str = "direct",
                  drafter_aux_layers: tuple[int, ...] = ()):
@@ -41,7 +42,7 @@ class VerifierServer(EngineServer):
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
         self._down: dict[Endpoint, float] = {}  # endpoints whose channel failed -> when to try them again
         self.pipeline_drafts = pipeline_drafts
-        self.pre_draft_alternatives = pre_draft_alternatives
+        self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
         self.drafter_timeout_s = drafter_timeout_s
         if engine is None:
             cfg = VerifierConfig.model_validate(config)
@@ -156,7 +157,8 @@ class VerifierServer(EngineServer):
         try:
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
-                                                  alternatives=self.pre_draft_alternatives):
+                                                  alternatives=self.pre_draft_alternatives,
+                                                  pre_draft_always=self.pre_draft_always):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)

@@ -1,0 +1,180 @@
+"""Pre-draft trees: their offline coverage curve, and what they do served.
+
+Coverage (offline, in process, no timing): on held-out prompts, each step drafts k + 1 tokens
+with the drafter's 9 most likely tokens recorded at every position, is verified, and its
+outcome (j drafts accepted, then the target's token c) is checked against the tree
+``core.loop.tree_branches`` would have pre-drafted with m alternatives, for m = 0 (the
+whole-block branch only) to 8. The fraction covered is the ceiling of a pre-draft's hit rate.
+
+Served (one stream, non-streaming requests, fixed k, one app deployed at a time, each app once per
+repeat): speculation with pre-drafting off, with
+trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default (m = 1,
+pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to pre-drafting
+off, then the median; the served hit rate per outcome beside the offline ceiling.
+
+    python -m bench.tree_predraft --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.common import (BENCH_DTYPE, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
+                          rnd, serving, set_threads, write_json)
+
+MS = list(range(9))
+
+
+def coverage(args, temperature: float, k: int) -> dict:
+    """Offline: the fraction of steps whose outcome a tree of m alternatives covers, per m and per outcome j."""
+    from configs import SamplingParams
+    from core.loop import tree_branches
+    from core.sequence import Sequence
+
+    from bench.inproc import Reference
+
+    ref = Reference(args.threads, args.dtype)
+    ver, dr = ref.verifier, ref.drafter
+    covered = {m: 0 for m in MS}
+    by_j = {}  # j -> [steps, covered at m = 1, covered at m = 2]
+    steps = 0
+    for i, (_, ids) in enumerate(load_prompts(args.prompts, ver.tokenizer)):
+        seq = Sequence(list(ids), SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                                                 seed=100 + i), k, ver.tokenizer, ver.eos_ids, ver.max_len)
+        while not seq.done:
+            (p,) = dr.propose([seq.draft_request(k + 1, alternatives=max(MS) + 1)])
+            if p.cache_miss:
+                (p,) = dr.propose([seq.draft_request(k + 1, full=True, alternatives=max(MS) + 1)])
+            seq.note_proposal(p)
+            drafts = p.tokens[:k]
+            (res,) = ver.verify([seq.verify_request(drafts, p.probs.head(len(drafts)) if p.probs else None)])
+            base = len(seq.tokens)
+            seq.apply(res)
+            j = res.num_accepted
+            if len(p.tokens) <= k or seq.done:
+                continue  # no tree would be drafted here, or no step uses it
+            outcome = (j, seq.tokens[base + j])
+            steps += 1
+            row = by_j.setdefault(j, [0, 0, 0])
+            row[0] += 1
+            for m in MS:
+                hit = outcome in tree_branches(drafts, p, m)
+                covered[m] += hit
+                if m in (1, 2):
+                    row[m] += hit
+        ver.release(seq.seq_id)
+        dr.release(seq.seq_id)
+    return {"steps": steps, "coverage": {m: rnd(covered[m] / max(1, steps)) for m in MS},
+            "branches": {m: len(tree_branches([0] * k, _Fake(k, m), m)) for m in MS},
+            "by_outcome": {j: {"steps": n, "m1": rnd(a / n), "m2": rnd(b / n)} for j, (n, a, b) in sorted(by_j.items())}}
+
+
+class _Fake:
+    """A proposal with distinct alternatives everywhere: how many branches a tree of m has."""
+
+    def __init__(self, k, m):
+        self.tokens = [0] * (k + 1)
+        self.alts = [[0] + list(range(1, m + 1)) for _ in range(k + 1)]
+
+
+SERVED = {  # name: app overrides
+    "off": {"pipeline_drafts": False},
+    "always_m0": {"pre_draft": "always", "pre_draft_alternatives": 0},
+    "always_m1": {"pre_draft": "always", "pre_draft_alternatives": 1},
+    "always_m2": {"pre_draft": "always", "pre_draft_alternatives": 2},
+    "default_m1": {},
+}
+
+
+def served(args) -> dict:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    prompts = load_prompts(args.prompts, tok)
+    rows = {name: [] for name in SERVED}
+    # one app at a time (idle replicas of the others would share the two cores), every app once per repeat
+    for rep in range(args.repeats):
+        for name, overrides in SERVED.items():
+            app = {**app_args(args.threads, "fixed", args.k, dtype=args.dtype), **overrides}
+            with serving({name: app}, args.threads) as urls, httpx.Client(timeout=600) as client:
+                url = urls[name]
+                client.post(f"{url}/v1/completions", json=completion_body(prompts[0][1], 16, 0.0, 1, args.k))  # warm-up
+                for i, (_, ids) in enumerate(prompts):
+                    t0 = time.perf_counter()
+                    r = client.post(f"{url}/v1/completions",
+                                    json=completion_body(ids, args.max_tokens, args.temperature, 500 + i, args.k))
+                    r.raise_for_status()
+                    data = r.json()
+                    rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * (time.perf_counter() - t0)
+                                       / data["usage"]["completion_tokens"], "speculation": data.get("speculation")})
+    out = {}
+    for name, rs in rows.items():
+        spec = [r["speculation"] or {} for r in rs]
+        hits, misses = sum(s.get("pre_draft_hits", 0) for s in spec), sum(s.get("pre_draft_misses", 0) for s in spec)
+        by_j = {}
+        for s in spec:
+            for j, (h, n) in (s.get("pre_draft_by_outcome") or {}).items():
+                row = by_j.setdefault(int(j), [0, 0])
+                row[0] += h
+                row[1] += n
+        ratio = [r["ms_per_token"] / o["ms_per_token"] for r, o in zip(rs, rows["off"])]
+        out[name] = {"overrides": SERVED[name], "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
+                     "vs_off": rnd(median(ratio)), "pre_drafts": hits + misses,
+                     "steps": sum(s.get("steps", 0) for s in spec),
+                     "hit_rate": rnd(hits / (hits + misses)) if hits + misses else None,
+                     "hit_rate_by_outcome": {j: rnd(h / n) for j, (h, n) in sorted(by_j.items())},
+                     "mean_forward_ms": rnd(median([s.get("mean_forward_ms", 0) for s in spec])),
+                     "mean_draft_ms": rnd(median([s.get("mean_draft_ms", 0) for s in spec])),
+                     "mean_step_ms": rnd(median([s.get("mean_step_ms", 0) for s in spec]))}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--coverage-ks", default="2,4,6")
+    ap.add_argument("--temperature", type=float, default=0.0, help="of the served runs")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
+    ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    set_threads(args.threads)
+    t0 = time.perf_counter()
+    result = {"scenario": "tree_predraft", "config": vars(args), "coverage": {}}
+    for temperature in (0.0, 0.8):
+        for k in [int(x) for x in args.coverage_ks.split(",")]:
+            log(f"coverage: T={temperature} k={k}")
+            result["coverage"][f"T{temperature}_k{k}"] = coverage(args, temperature, k)
+    if not args.no_serve:
+        log("served")
+        result["served"] = served(args)
+        cov = result["coverage"].get(f"T{args.temperature}_k{args.k}")
+        if cov:  # the served hit rate against its offline ceiling, same k and temperature
+            for name, m in (("always_m0", 0), ("always_m1", 1), ("always_m2", 2)):
+                hr = result["served"][name]["hit_rate"]
+                result["served"][name]["of_ceiling"] = rnd(hr / cov["coverage"][m]) if hr and cov["coverage"][m] else None
+    result["environment"] = environment(args.threads)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    path = write_json(Path(args.out), "tree_predraft", result)
+    log(f"wrote {path}")
+    print_summary(result)
+
+
+def print_summary(result):
+    for key, c in result["coverage"].items():
+        print(key, "steps", c["steps"], "coverage by m", c["coverage"], "branches", c["branches"])
+    for name, s in (result.get("served") or {}).items():
+        print(name, {k: v for k, v in s.items() if k != "overrides"})
+
+
+if __name__ == "__main__":
+    main()
