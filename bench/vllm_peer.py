@@ -45,8 +45,9 @@ def worker(argv=None):
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--drafter", default=DRAFTER)
     ap.add_argument("--k", type=int, default=0, help="speculative tokens (0: no speculation)")
-    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3"],
-                    help="vLLM's speculative method; --drafter is a draft model or a Speculators eagle3 directory")
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3", "custom_class"],
+                    help="vLLM's speculative method; --drafter is a draft model, a Speculators eagle3 directory or "
+                         "a proposer class (module.Class)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE)
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
@@ -103,9 +104,9 @@ class VllmPeer:
 
     def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
                  start_timeout_s: float = 900, dtype: str = BENCH_DTYPE, method: str = "draft_model",
-                 drafter: str = DRAFTER):
+                 drafter: str = DRAFTER, env: dict[str, str] | None = None):
         self.k = k
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
         self.proc = subprocess.Popen(
             [python, "-m", "bench.vllm_peer", "--k", str(k), "--threads", str(threads),
              "--max-model-len", str(max_model_len), "--dtype", dtype, "--method", method, "--drafter", drafter],

@@ -163,20 +163,23 @@ class FixedK:
 
 @dataclass
 class Breaker:
-    """A circuit breaker around one sequence's drafter: after a failed or late call, steps skip
-    drafting (plain decoding) until the back-off expires, doubling up to ``max_backoff_s``; the
-    next call then probes the drafter. One request's slow call never turns speculation off for
-    others."""
+    """A circuit breaker: after a failed or late call, the guarded thing is left alone until the
+    back-off expires, doubling from ``min_backoff_s`` up to ``max_backoff_s``; the next call then
+    probes it, and a success resets the back-off. Around one sequence's drafter (its steps decode
+    without speculation meanwhile: one request's slow call never turns speculation off for
+    others), and around each drafter replica a verifier replica reaches directly (its sequences
+    are placed by Serve's router meanwhile, on the others)."""
 
     max_backoff_s: float = 10.0
+    min_backoff_s: float = 0.5
     down_until: float = 0.0
     backoff_s: float = 0.0
 
     def open(self, now: float) -> bool:
         return now < self.down_until
 
-    def failed(self, now: float) -> float:
-        self.backoff_s = min(self.max_backoff_s, max(0.5, 2 * self.backoff_s))
+    def failed(self, now: float, at_least: float = 0.0) -> float:
+        self.backoff_s = min(self.max_backoff_s, max(self.min_backoff_s, at_least, 2 * self.backoff_s))
         self.down_until = now + self.backoff_s
         return self.backoff_s
 

@@ -18,8 +18,10 @@ from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
-CHANNEL_DOWN_S = 30.0  # a drafter replica whose channel failed is reached through Serve this long
-SLOW_S = 5.0  # ... and one that did not answer within 90% of drafter_timeout_s
+# a drafter replica's breaker: one whose channel failed is reached through Serve for at least this long,
+CHANNEL_DOWN_S = 30.0
+SLOW_S = 5.0  # ... one that did not answer within 90% of drafter_timeout_s at least this long,
+REPLICA_MAX_BACKOFF_S = 300.0  # doubling on each failure after a probe, up to this
 
 
 class VerifierServer(EngineServer):
@@ -40,7 +42,7 @@ class VerifierServer(EngineServer):
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
-        self._down: dict[Endpoint, float] = {}  # endpoints whose channel failed -> when to try them again
+        self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
         self.pipeline_drafts = pipeline_drafts
         self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
         self.drafter_timeout_s = drafter_timeout_s
@@ -191,19 +193,23 @@ class VerifierServer(EngineServer):
             else:
                 self.drafter_calls["direct"] += 1
                 count.inc(tags={"transport": "direct", "outcome": "ok"})
+                if ep in self._breakers:
+                    self._breakers[ep].succeeded()
                 return out
         self.drafter_calls["serve"] += 1
         count.inc(tags={"transport": "serve", "outcome": "ok"})
         proposals, ep = await self.drafter.propose_bound.remote(requests)
-        if ep is not None and self._down.get(ep, 0.0) <= time.monotonic():
-            self._bound[seq_id] = ep
+        if ep is not None and not (ep in self._breakers and self._breakers[ep].open(time.monotonic())):
+            self._bound[seq_id] = ep  # (an expired breaker: this binding probes the replica again)
         return proposals
 
-    def _avoid(self, ep: Endpoint, seconds: float) -> None:
-        """Unbind every sequence from a replica whose channel failed, and bind none to it for a while
-        (their calls go through Serve meanwhile)."""
+    def _avoid(self, ep: Endpoint, seconds: float) -> float:
+        """A replica's channel failed: open its breaker (at least ``seconds``, doubling while it keeps
+        failing) and unbind its sequences (their calls go through Serve meanwhile). -> the back-off."""
         now = time.monotonic()
-        self._down = {e: t for e, t in self._down.items() if t > now}  # forget expired entries
-        self._down[ep] = now + seconds
+        self._breakers = {e: b for e, b in self._breakers.items()  # forget replicas long healthy or gone
+                          if b.open(now) or now < b.down_until + REPLICA_MAX_BACKOFF_S}
+        backoff = self._breakers.setdefault(ep, Breaker(max_backoff_s=REPLICA_MAX_BACKOFF_S)).failed(now, seconds)
         for s in [s for s, bound in self._bound.items() if bound == ep]:
             del self._bound[s]
+        return backoff

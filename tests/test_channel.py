@@ -121,3 +121,46 @@ def test_a_cancelled_call_is_cancelled_on_the_replica_too():
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server, tiny_engines):
+    """Per drafter replica: a replica whose channel fails gets no direct calls while its breaker is
+    open (Serve's router places the sequences meanwhile, speculation goes on), the back-off doubles
+    when the probe after it fails again."""
+    from deployments import verifier as vmod
+    from deployments.verifier import VerifierServer
+
+    _, _, ver, _ = tiny_engines
+
+    class Handle:  # Serve's drafter handle: every call answered by the drafter server, with its endpoint
+        def __init__(self, method):
+            self.method = method
+
+        async def remote(self, *args):
+            return await getattr(drafter_server, self.method)(*args)
+
+    class Drafter:
+        propose_bound, release = Handle("propose_bound"), Handle("release")
+
+    async def main():
+        server = VerifierServer({}, engine=ver, drafter=Drafter())
+        req = _requests([5, 6, 7, 8])
+        await server._propose(req)  # through Serve: binds the sequence to the replica
+        ep = server._bound["s0"]
+        assert (await server._propose(req))[0].tokens and server.drafter_calls["direct"] == 1
+        drafter_server.channel.close()  # the replica's channel dies (the replica still answers Serve)
+        server.channel.close()  # (and the open connection with it)
+        assert (await server._propose(req))[0].tokens  # falls back, speculation goes on
+        assert server.drafter_calls["fallback"] == 1 and "s0" not in server._bound
+        breaker = server._breakers[ep]
+        assert breaker.open(vmod.time.monotonic()) and breaker.backoff_s == vmod.CHANNEL_DOWN_S
+        await server._propose(req)  # Serve answers; the replica is not bound while its breaker is open
+        assert "s0" not in server._bound and server.drafter_calls["serve"] == 3
+        breaker.down_until = vmod.time.monotonic()  # the back-off expired: the next Serve answer binds it again (a probe)
+        await server._propose(req)
+        assert server._bound["s0"] == ep
+        await server._propose(req)  # the probe fails: twice the back-off
+        assert server._breakers[ep] is breaker and breaker.backoff_s == 2 * vmod.CHANNEL_DOWN_S and "s0" not in server._bound
+        server.channel.close()
+
+    asyncio.run(main())
