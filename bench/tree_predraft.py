@@ -21,19 +21,30 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_DTYPE, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
-                          rnd, serving, set_threads, write_json)
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_OUT,
+    app_args,
+    completion_body,
+    environment,
+    load_prompts,
+    log,
+    median,
+    rnd,
+    serving,
+    set_threads,
+    write_json,
+)
 
 MS = list(range(9))
 
 
 def coverage(args, temperature: float, k: int) -> dict:
     """Offline: the fraction of steps whose outcome a tree of m alternatives covers, per m and per outcome j."""
+    from bench.inproc import Reference
     from configs import SamplingParams
     from core.loop import tree_branches
     from core.sequence import Sequence
-
-    from bench.inproc import Reference
 
     ref = Reference(args.threads, args.dtype)
     ver, dr = ref.verifier, ref.drafter

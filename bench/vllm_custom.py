@@ -10,7 +10,7 @@ the wire protocol (``core.protocol``), three ways:
 - ``local``: a ``ModelDrafter`` in vLLM's own process (the interface's ceiling: no transport);
 - ``channel``: a ``ModelDrafter`` in another process behind splitspec's direct channel
   (``deployments.channel``), as a drafter pool replica is reached from a verifier replica;
-- ``channel`` with ``tree`` = m: as soon as a step's drafts are known, the pre-draft tree for
+- ``channel`` with ``tree`` = m (``--trees``): as soon as a step's drafts are known, the pre-draft tree for
   the step after it (``core.loop.tree_branches``) is requested, so it is drafted on the other
   process while vLLM verifies; the next call answers at once when the outcome is a branch.
 
@@ -33,11 +33,22 @@ import os
 import subprocess
 import sys
 import threading
-import time
+from pathlib import Path
 
 import numpy as np
 
-from bench.common import BENCH_DTYPE, DEFAULT_OUT, DRAFTER, ROOT, environment, load_prompts, log, median, rnd, write_json
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_OUT,
+    DRAFTER,
+    ROOT,
+    environment,
+    load_prompts,
+    log,
+    median,
+    rnd,
+    write_json,
+)
 
 ENV = "SPLITSPEC_PROPOSER"  # JSON: {"mode": "local"|"channel", "tree": m (-1: no pre-draft), endpoint...}
 
@@ -56,6 +67,10 @@ class SplitspecProposer:
         self.held: dict[str, list[int]] = {}  # what the drafter holds of each request
         self.pending: dict[str, object] = {}  # request key -> core.loop.PreDraft in flight
         self.stats = {"calls": 0, "hits": 0, "misses": 0}
+        if cfg.get("stats_path"):  # the engine's process is not ours to ask: leave the counts on exit
+            import atexit
+
+            atexit.register(lambda: Path(cfg["stats_path"]).write_text(json.dumps(self.stats)))
         if cfg["mode"] == "local":
             from configs import DraftModelConfig
             from drafter.model_drafter import ModelDrafter
@@ -207,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--tree", type=int, default=1, help="m of the pre-draft tree in the channel+tree run")
+    ap.add_argument("--trees", default="1,2", help="m of the pre-draft trees of the channel+tree runs")
     ap.add_argument("--dtype", default=BENCH_DTYPE)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
@@ -225,17 +240,19 @@ def main(argv=None):
             "vllm_draft_model": (args.k, "draft_model", None),
             "custom_local": (args.k, "custom_class", {"mode": "local", "dtype": args.dtype}),
             "custom_channel": (args.k, "custom_class", {**channel, "tree": -1}),
-            "custom_channel_tree": (args.k, "custom_class", {**channel, "tree": args.tree}),
-        }
+        } | {f"custom_channel_tree_m{m}": (args.k, "custom_class", {**channel, "tree": m})
+             for m in (int(x) for x in args.trees.split(","))}
         from transformers import AutoTokenizer
 
         from bench.common import TARGET
 
         prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
         rows = {name: [] for name in systems}
+        proposer_stats = {}  # the proposer's calls, pre-draft hits and misses, per system
         for name, (k, method, cfg) in systems.items():  # one engine at a time: they would share the two cores
             log(f"{name}: starting")
-            env = {ENV: json.dumps(cfg)} if cfg else {}
+            stats_path = f"/tmp/splitspec-proposer-{os.getpid()}-{name}.json"
+            env = {ENV: json.dumps({**cfg, "stats_path": stats_path})} if cfg else {}
             peer = VllmPeer(py, k, 1, dtype=args.dtype, method=method,
                             drafter="bench.vllm_custom.SplitspecProposer" if method == "custom_class" else DRAFTER,
                             env=env)
@@ -249,6 +266,9 @@ def main(argv=None):
                                            "output_ids": r["output_ids"], "spec": r.get("spec")})
             finally:
                 peer.close()
+            if cfg and os.path.exists(stats_path):
+                proposer_stats[name] = json.loads(Path(stats_path).read_text())
+                os.remove(stats_path)
     finally:
         drafter.kill()
     base = rows["vllm_draft_model"]
@@ -262,9 +282,10 @@ def main(argv=None):
             "speedup_vs_vllm_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, plain)])),
             "same_tokens_as_vllm_plain": rnd(sum(r["output_ids"] == p["output_ids"] for r, p in zip(rs, plain)) / len(rs)),
             "spec_counters_last_run": spec,
+            "proposer": proposer_stats.get(name),
         }
     result["environment"] = environment(1)
-    write_json(__import__("pathlib").Path(args.out), "vllm_custom", result)
+    write_json(Path(args.out), "vllm_custom", result)
     for name, s in result["systems"].items():
         print(name, {k: v for k, v in s.items() if k != "spec_counters_last_run"})
 
