@@ -118,23 +118,28 @@ def log(msg: str):
 
 # ------------------------------------------------------------------ serving
 def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, streams: int = 1,
-             dtype: str = BENCH_DTYPE, drafter: str = "draft_model") -> dict:
+             dtype: str = BENCH_DTYPE, drafter: str = "draft_model", pin: bool = True) -> dict:
     """The shipped app's args (serve_config.yaml) with explicit threads and dtype, a fixed context and
-    KV caches sized for ``streams`` concurrent sequences (512 float32 tokens each)."""
+    KV caches sized for ``streams`` concurrent sequences (512 float32 tokens each). ``pin``: on a
+    machine with cores enough, the verifier's replica on the first ``threads`` cores and the
+    drafter's on the next (``cpu_affinity``), as vLLM's threads are bound to cores in its runs."""
+    cores = os.cpu_count() or 1
+    pins = ({"cpu_affinity": list(range(threads))}, {"cpu_affinity": list(range(threads, 2 * threads))}) \
+        if pin and cores >= 2 * threads else ({}, {})
     slot_mb_target = 2 * 8 * 512 * 512 * 4 / 2**20  # layers x (K,V) x positions x hidden x fp32
     slot_mb_drafter = 2 * 1 * 512 * 128 * 4 / 2**20
     return {
         "model_name": "tiny-code",
         "verifier": {"model": TARGET, "cache_budget_mb": slot_mb_target * (streams + 2), "num_threads": threads, "dtype": dtype,
-                     "max_model_len": MAX_MODEL_LEN},
+                     "max_model_len": MAX_MODEL_LEN, **pins[0]},
         "drafter": {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k,
                     "cache_budget_mb": slot_mb_drafter * (2 * streams + 4), "num_threads": threads, "dtype": dtype,
-                    "max_model_len": MAX_MODEL_LEN},
+                    "max_model_len": MAX_MODEL_LEN, **pins[1]},
         "k_policy": k_policy,
         "max_tokens_limit": 1024,
         "max_active_requests": max(192, 2 * streams),
     } | ({"drafter": {"method": "eagle3", "model": EAGLE3, "num_speculative_tokens": k, "num_threads": threads,
-                      "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "cache_budget_mb": 8}}
+                      "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "cache_budget_mb": 8, **pins[1]}}
          if drafter == "eagle3" else {})
 
 

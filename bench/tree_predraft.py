@@ -7,7 +7,7 @@ outcome (j drafts accepted, then the target's token c) is checked against the tr
 whole-block branch only) to 8. The fraction covered is the ceiling of a pre-draft's hit rate.
 
 Served (one stream, non-streaming requests, fixed k, one app deployed at a time, each app once per
-repeat): speculation with pre-drafting off, with
+repeat; verifier and drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off, with
 trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default (m = 1,
 pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to pre-drafting
 off, then the median; the served hit rate per outcome beside the offline ceiling.
@@ -111,7 +111,7 @@ def served(args) -> dict:
     # one app at a time (idle replicas of the others would share the two cores), every app once per repeat
     for rep in range(args.repeats):
         for name, overrides in SERVED.items():
-            app = {**app_args(args.threads, "fixed", args.k, dtype=args.dtype), **overrides}
+            app = {**app_args(args.threads, "fixed", args.k, dtype=args.dtype, pin=not args.no_pin), **overrides}
             with serving({name: app}, args.threads) as urls, httpx.Client(timeout=600) as client:
                 url = urls[name]
                 client.post(f"{url}/v1/completions", json=completion_body(prompts[0][1], 16, 0.0, 1, args.k))  # warm-up
@@ -156,6 +156,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--no-pin", action="store_true", help="leave the replicas' cores to the OS (no cpu_affinity)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     set_threads(args.threads)

@@ -81,6 +81,7 @@ class DraftModelConfig(_Config):
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when full.")
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); measured here, pre-draft trees then pay instead of slowing the verify forward. On a cluster leave it unset.")
 
 
 class NgramConfig(_Config):
@@ -114,6 +115,7 @@ class Eagle3Config(_Config):
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description="Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full.")
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence; default: the head's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); measured here, pre-draft trees then pay instead of slowing the verify forward. On a cluster leave it unset.")
     verifier_model: str | None = Field(None, description="The target's directory (its EOS ids, for penalties in q); the app builder sets it from verifier.model.")
 
 
@@ -132,6 +134,7 @@ class VerifierConfig(_Config):
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); measured here, pre-draft trees then pay instead of slowing the verify forward. On a cluster leave it unset.")
     backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, prefix caching), one per replica, with the same verify protocol and guarantees.")
     vllm_kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description="vllm backend: memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it explicitly: vLLM's CPU default reserves a share of all RAM per engine.")
     vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description="vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU backend prefers multiples of 32.")

@@ -27,6 +27,31 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def pin_process(cores: list[int] | None) -> None:
+    """Run every thread of this process (and the threads and processes it starts later) on
+    ``cores``: a replica's engine, its event loop and Ray's threads. Linux only; None leaves the
+    OS to schedule. Where drafter and verifier replicas share one machine, disjoint cores keep
+    the drafter's pre-drafting from slowing the verifier's forward pass."""
+    if not cores:
+        return
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpu_affinity needs Linux (os.sched_setaffinity)")
+    machine = set(range(os.cpu_count() or 1))
+    if not set(cores) <= machine:
+        raise ValueError(f"cpu_affinity {sorted(cores)}: cores {sorted(set(cores) - machine)} are not available "
+                         f"(this machine has {sorted(machine)})")
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+        except OSError as e:  # e.g. none of them in this container's cpuset
+            raise ValueError(f"cpu_affinity {sorted(cores)}: {e}") from None
+    log.info("pinned to cores %s", sorted(cores))
+
+
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
     """The compute dtype for ``name``; ``auto`` is bf16 on GPUs that support it and on CPUs with
     native bf16, float32 elsewhere."""

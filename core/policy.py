@@ -190,32 +190,44 @@ class Breaker:
 @dataclass
 class PreDraftChoice:
     """Whether to pre-draft the next block, chosen by what it measures: seconds per emitted token
-    of the steps taken with and without pre-drafting. A pre-draft saves the drafting on the next
-    step's critical path when it hits; when it misses its compute was wasted, and where drafter
-    and verifier share cores (one CPU machine) that compute slows verification. Both arms are
-    measured first, then the faster one is used, the other retried every ``explore_every`` steps."""
+    of the steps taken with and without pre-drafting. A pre-draft costs the step that makes it
+    (where drafter and verifier share cores its compute slows verification) and pays in the step
+    after it (no drafting on the critical path when it hits). So an arm is measured on steady-state
+    steps only, those whose previous step used the same arm: their cost includes both sides, which
+    a step right after a switch would split between the arms. Both arms are tried first, in runs
+    of ``run`` steps; then the faster is used, and the other is tried for a run every
+    ``explore_every`` steps."""
 
     always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
-    explore_every: int = 16
-    first: int = 4  # steps measured per arm before choosing
+    explore_every: int = 32
+    run: int = 3  # steps an arm is used in a row when it is tried (the first is a switch: not measured)
+    first: int = 3  # steady-state steps measured per arm before choosing
     weight: float = 0.2  # of the newest step in an arm's seconds per token
     s_per_token: dict[bool, float] = field(default_factory=dict)
     n: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     steps: int = 0
+    _arms: list = field(default_factory=lambda: [None, None])  # the arms of the previous step and this one
+    _left: int = 0  # steps left in the run being tried
 
     def use(self) -> bool:
         if self.always:
             return True
         self.steps += 1
-        for arm in (True, False):
-            if self.n[arm] < self.first:
-                return arm
-        best = min((True, False), key=lambda arm: self.s_per_token[arm])
-        return (not best) if self.steps % self.explore_every == 0 else best
+        if self._left > 0:  # stay on the arm being tried
+            self._left -= 1
+            arm = self._arms[1]
+        else:
+            unmeasured = [a for a in (True, False) if self.n[a] < self.first]
+            best = None if unmeasured else min((True, False), key=lambda a: self.s_per_token[a])
+            arm = unmeasured[0] if unmeasured else (not best) if self.steps % self.explore_every == 0 else best
+            if arm != best:
+                self._left = self.run - 1
+        self._arms = [self._arms[1], arm]
+        return arm
 
     def observe(self, arm: bool, step_s: float, tokens: int):
-        if tokens <= 0 or step_s <= 0:
-            return
+        if tokens <= 0 or step_s <= 0 or self._arms != [arm, arm]:
+            return  # not steady state: the previous step used the other arm
         x = step_s / tokens
         old = self.s_per_token.get(arm)
         self.s_per_token[arm] = x if old is None else old + self.weight * (x - old)

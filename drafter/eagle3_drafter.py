@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from core.eagle3 import EagleHead, _rotate_half, load_head
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.llama import Linear
-from core.models import DTYPES, eos_token_ids, resolve_dtype, resolve_kv_dtype
+from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, prefix_hash
 from drafter.model_drafter import ModelDrafter
 
@@ -101,6 +101,7 @@ class Eagle3Drafter(ModelDrafter):
     def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        pin_process(config.cpu_affinity)
         self.config = config
         name = resolve_dtype(config.dtype, config.device)
         self.dtype = DTYPES[name]

@@ -16,7 +16,7 @@ import torch
 
 from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
-from core.models import eos_token_ids
+from core.models import eos_token_ids, pin_process
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
 from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
                            target_logits, uniform)
@@ -31,6 +31,7 @@ class ModelDrafter:
     def __init__(self, config: DraftModelConfig, model=None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        pin_process(config.cpu_affinity)
         self.config = config
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len

@@ -144,3 +144,32 @@ def test_affinity_entries_are_bounded_in_bytes_and_dropped_on_release():
     assert sequence_id(call("speculate", [1, 2], None, seq_id="xyz")) == "xyz"
     assert sequence_id(call("verify", [SimpleNamespace(seq_id="v")])) == "v"
     assert sequence_id(call("stats")) is None
+
+
+def test_cpu_affinity_pins_every_thread_and_refuses_missing_cores():
+    import os
+    import threading
+
+    import pydantic
+
+    from configs import VerifierConfig
+    from core.models import pin_process
+
+    with pytest.raises(pydantic.ValidationError, match="cpu_affinity"):
+        VerifierConfig(model="m", cpu_affinity=[-1])
+    before = os.sched_getaffinity(0)
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), stop.wait()))  # a thread that already runs
+    t.start()
+    started.wait()
+    try:
+        core = min(before)
+        pin_process([core])
+        assert os.sched_getaffinity(0) == {core} and os.sched_getaffinity(t.native_id) == {core}
+        with pytest.raises(ValueError, match="not available"):
+            pin_process([max(before) + 1000])
+    finally:
+        stop.set()
+        t.join()
+        pin_process(sorted(before))
+    assert os.sched_getaffinity(0) == before

@@ -1,5 +1,7 @@
 """The adaptive speculation policy picks k from acceptance, drafter cost and load."""
 
+import pytest
+
 from core.policy import AdaptiveK
 
 
@@ -45,3 +47,22 @@ def test_measured_slower_speculation_stops():
             assert slow.next_k() > 0  # not judged on a few steps
     assert slow.slower_than_plain and slow.next_k() == 0
     assert not fast.slower_than_plain and fast.next_k() > 0
+
+
+@pytest.mark.parametrize("build, saved, want", [(1.0, 3.0, True), (2.5, 3.0, False)])
+def test_pre_draft_choice_credits_a_pre_draft_with_the_step_it_saves(build, saved, want):
+    """A pre-draft costs the step that makes it (``build``) and saves drafting in the step after
+    it (``saved``, on a hit, here every other time). The choice must compare steady states: with a
+    cheap build it pre-drafts, with a dear one it does not. Crediting each step to its own arm
+    (the saving then lands on whichever arm the next step uses) gets the cheap case wrong."""
+    from core.policy import PreDraftChoice
+
+    choice, prev_built, used = PreDraftChoice(), False, []
+    for i in range(400):
+        arm = choice.use()
+        hit = prev_built and i % 2 == 0
+        step = 5.0 + (build if arm else 0.0) + (0.0 if hit else saved)
+        choice.observe(arm, step, 3)
+        prev_built = arm
+        used.append(arm)
+    assert sum(used[200:]) / 200 > 0.8 if want else sum(used[200:]) / 200 < 0.2, sum(used[200:])

@@ -17,7 +17,7 @@ import torch
 
 from core.kv_cache import CacheFull, batched_forward
 from core.llama import EngineModel
-from core.models import eos_token_ids
+from core.models import eos_token_ids, pin_process
 from core.protocol import CacheMiss, VerifyRequest, VerifyResult
 from core.rejection import decide
 
@@ -33,6 +33,7 @@ class VerifierEngine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        pin_process(config.cpu_affinity)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if tokenizer is None else tokenizer
         em = EngineModel(config, model)

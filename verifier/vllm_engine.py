@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.models import eos_token_ids, resolve_dtype
+from core.models import eos_token_ids, pin_process, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
 
@@ -94,6 +94,7 @@ class VllmVerifierEngine:
             # process on a shared machine; and its legacy KV-space variable would override ours
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        pin_process(config.cpu_affinity)  # vLLM's engine processes, started below, inherit it
         self.config = config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         text = AutoConfig.from_pretrained(config.model).get_text_config()
