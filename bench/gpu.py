@@ -52,6 +52,7 @@ class EngineSettings:
     max_model_len: int | None = 2048
     max_batch_tokens: int = 8192
     num_threads: int | None = None
+    cpu_affinity: list[int] | None = None
     draft_top_k: int = 64
 
 
