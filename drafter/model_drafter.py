@@ -117,7 +117,7 @@ class ModelDrafter:
                     continue
                 if step + 1 < k:
                     still.append((r, slot, [token], k, prop))
-                elif prop is out.get(r.seq_id):
+                elif not r.branches:  # (a branch's proposal holds its branch point, set when it was made)
                     prop.cached = len(slot.tokens)  # the context and the first k-1 drafts
             active = still
             step += 1

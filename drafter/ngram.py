@@ -90,13 +90,14 @@ class NgramDrafter:
                 continue
             else:
                 idx.set(r.start, list(r.new_tokens))
+            tree = self._tree(r, idx) if r.branches else None  # it appends to the index: before it is counted
             self.seqs[r.seq_id] = idx
             self.bytes += idx.nbytes()
             while self.bytes > self.budget and len(self.seqs) > 1:
                 _, old = self.seqs.popitem(last=False)
                 self.bytes -= old.nbytes()
-            if r.branches:
-                out.append(self._tree(r, idx))
+            if tree is not None:
+                out.append(tree)
                 continue
             draft = idx.propose(r.k) if r.k else []
             out.append(Proposal(r.seq_id, draft, None, cached=len(idx.tokens)))

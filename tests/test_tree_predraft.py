@@ -185,3 +185,16 @@ def test_sampled_outputs_with_trees_are_token_for_token_those_without(verificati
     assert hits > N // 20, hits  # steps verified drafts from the branches of a rejected block
     assert with_trees == without
     assert min_p_value_of(torch.tensor(with_trees), _exact(target, params[0], prompt, n)) > 1e-3
+
+
+def test_the_ngram_drafters_byte_count_includes_the_chain_token():
+    from configs import NgramConfig
+    from drafter.ngram import NgramDrafter
+
+    dr = NgramDrafter(NgramConfig(method="ngram", num_speculative_tokens=3))
+    params = SamplingParams(temperature=0)
+    context = [1, 2, 3, 4, 9, 1, 2, 3]
+    dr.propose([DraftRequest("s", 0, None, context, 3, params, 0, full=True)])
+    dr.propose([DraftRequest.for_tokens("s", context, len(context), None, None, k=3, sampling=params, seed=0,
+                                        branches=[(len(context), 4)])])
+    assert dr.bytes == dr.seqs["s"].nbytes()  # the budget counts what the index holds
