@@ -9,7 +9,7 @@ the wire protocol (``core.protocol``), three ways:
 
 - ``local``: a ``ModelDrafter`` in vLLM's own process (the interface's ceiling: no transport);
 - ``channel``: a ``ModelDrafter`` in another process behind splitspec's direct channel
-  (``deployments.channel``), as a drafter pool replica is reached from a verifier replica;
+  (``core.channel``), as a drafter pool replica is reached from a verifier replica;
 - ``channel`` with ``tree`` = m (``--trees``): as soon as a step's drafts are known, the pre-draft tree for
   the step after it (``core.loop.tree_branches``) is requested, so it is drafted on the other
   process while vLLM verifies; the next call answers at once when the outcome is a branch.
@@ -81,7 +81,7 @@ class SplitspecProposer:
             self._call = d.propose
             self._submit = None
         else:
-            from deployments.channel import ChannelClient, Endpoint
+            from core.channel import ChannelClient, Endpoint
 
             ep = Endpoint(cfg["host"], cfg["port"], bytes.fromhex(cfg["token"]))
             loop = asyncio.new_event_loop()
@@ -191,7 +191,7 @@ def serve_drafter(argv=None):
     from concurrent.futures import ThreadPoolExecutor
 
     from configs import DraftModelConfig
-    from deployments.channel import ChannelServer
+    from core.channel import ChannelServer
     from drafter.model_drafter import ModelDrafter
 
     d = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=1, dtype=args.dtype, cache_budget_mb=64,

@@ -140,7 +140,10 @@ class VerifierConfig(_Config):
     vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description="vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU backend prefers multiples of 32.")
     vllm_max_num_seqs: int = Field(64, ge=1, le=4096, description="vllm backend: most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1).")
     vllm_tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description="vllm backend: sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a forgotten sequence's next call is a cache miss.")
-    vllm_enforce_eager: bool = Field(True, description="vllm backend: run the model eagerly (no torch.compile or CUDA graphs); compiling takes minutes on CPU, set False on GPUs for speed.")
+    vllm_enforce_eager: bool | None = Field(None, description="vllm backend: run the model eagerly (no torch.compile or CUDA graphs). Default (None): eager on CPU, where compiling takes minutes; compiled with CUDA graphs on GPUs.")
+    vllm_loop: Literal["engine", "per_step"] = Field("engine", description="vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; 10x slower per step).")
+    vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description="vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the Verifier deployment a placement group of that many GPU bundles (configs/serve_gpu_cluster.yaml).")
 
 
 _C = TypeVar("_C", bound=BaseModel)

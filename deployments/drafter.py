@@ -8,7 +8,7 @@ from pydantic import TypeAdapter
 
 from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig
 from core.protocol import DraftRequest, Proposal
-from deployments.channel import ChannelServer, Endpoint
+from core.channel import ChannelServer, Endpoint
 from deployments.metrics import where
 from deployments.server import EngineServer
 
@@ -50,7 +50,7 @@ class DrafterServer(EngineServer):
         return await self.batcher.submit(requests)
 
     async def propose_bound(self, requests: list[DraftRequest]) -> tuple[list[Proposal], Endpoint | None]:
-        """``propose``, plus where to reach this replica directly (``deployments.channel``): the
+        """``propose``, plus where to reach this replica directly (``core.channel``): the
         verifier sends the sequence's later calls there. None when the channel cannot listen."""
         return await self.propose(requests), await self.endpoint()
 

@@ -165,9 +165,10 @@ def generation_defaults(model_dir: str) -> dict:
 
 
 def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
-                       defaults: dict, verification: str, backend: str):
+                       defaults: dict, verification: str, backend: str, vllm_loop: str = "per_step"):
     """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
-    its parameter, never an error inside the engine."""
+    its parameter, never an error inside the engine. ``backend`` vllm with ``vllm_loop`` engine:
+    vLLM's own loop and sampler (rejection sampling only; penalties applied by vLLM)."""
     from pydantic import ValidationError
 
     from configs import SamplingParams
@@ -199,9 +200,15 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
                               param="stop_token_ids")
     if body.min_tokens > max_new:
         raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
-    if backend == "vllm" and "repetition_penalty" not in given:
+    engine_loop = backend == "vllm" and vllm_loop == "engine"
+    if engine_loop:  # vLLM's rejection sampler is the only verification there
+        if body.verification == "gumbel":
+            raise OpenAIError(400, "verification 'gumbel' is not supported with the vllm verifier backend's engine "
+                              "loop (vLLM's rejection sampler); use 'rejection'", param="verification")
+        verification = "rejection"
+    if backend == "vllm" and not engine_loop and "repetition_penalty" not in given:
         fields["repetition_penalty"] = 1.0  # a model default the vLLM backend cannot apply: not imposed
-    if backend == "vllm" and fields["repetition_penalty"] != 1.0:
+    if backend == "vllm" and not engine_loop and fields["repetition_penalty"] != 1.0:
         # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
         raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",
                           param="repetition_penalty")

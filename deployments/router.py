@@ -265,7 +265,8 @@ class Router:
                               param="model", code="model_not_found")
         return to_sampling_params(body, prompt_len=prompt_len, max_len=self.max_len, vocab_size=self.vocab_size,
                                   max_tokens_limit=self.config.max_tokens_limit, defaults=self.defaults,
-                                  verification=self.config.verification, backend=self.config.verifier.backend)
+                                  verification=self.config.verification, backend=self.config.verifier.backend,
+                                  vllm_loop=self.config.verifier.vllm_loop)
 
     async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
         params = self._params(body, len(prompt_ids))

@@ -5,15 +5,17 @@ requests."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import random
 import time
 
 from configs import SamplingParams, VerifierConfig
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK
-from core.protocol import VerifyRequest, VerifyResult
+from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
-from deployments.channel import ChannelClient, Endpoint
+from core.channel import ChannelClient, Endpoint
 from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
 
@@ -50,11 +52,15 @@ class VerifierServer(EngineServer):
             cfg = VerifierConfig.model_validate(config)
             if cfg.backend == "vllm":
                 from verifier.vllm_engine import VllmVerifierEngine
-                engine = VllmVerifierEngine(cfg)
+                engine = VllmVerifierEngine(cfg, speculative=drafter is not None and cfg.vllm_loop == "engine")
             else:
                 engine = VerifierEngine(cfg)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
+        # vLLM's own loop (vllm_loop: engine): one engine request per stream, drafting from its worker
+        self.vllm_loop = self.is_async and engine.config.vllm_loop == "engine"
+        self._drafters_at, self._drafters_lock, self._watch = 0.0, None, None
+        self._vllm_ids, self._streams = itertools.count(), 0
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
         super().__init__(engine, engine.verify, max_batch, max_queue, stall_timeout_s)
 
@@ -109,7 +115,8 @@ class VerifierServer(EngineServer):
         from deployments.metrics import where
 
         eng = self.engine
-        return {"backend": "vllm", "drafter_calls": dict(self.drafter_calls), "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
+        proposer = await eng.proposer_status() if getattr(eng, "speculative", False) else None
+        return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls), "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
 
     def check_health(self):
@@ -131,6 +138,10 @@ class VerifierServer(EngineServer):
         by position, so a seeded request continues exactly as it would have."""
         from deployments.batcher import Overloaded
 
+        if self.vllm_loop:
+            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids):
+                yield item
+            return
         eng = self.engine
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
@@ -168,10 +179,104 @@ class VerifierServer(EngineServer):
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
 
+    async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
+                              logprobs: int | None, output_ids):
+        """``speculate`` on vLLM's own loop: one engine request for the rest of the sequence; vLLM
+        verifies, and drafts through splitspec's proposer in its worker (``verifier.vllm_proposer``),
+        which calls the drafter pool directly. k is per request (at most the engine's
+        ``vllm_num_speculative_tokens``); the adaptive policy is not available here (vLLM
+        schedules k), so a request speculates its k every step. Each stream item is what one engine
+        step emitted (vLLM coalesces steps when the stream is read late: then ``accepted`` is capped
+        at k)."""
+        from deployments.batcher import Overloaded
+
+        eng = self.engine
+        if self.drafter is None or not eng.speculative:
+            k = 0
+        k = min(k, eng.config.vllm_num_speculative_tokens)
+        if eng.inflight + 1 > self.batcher.max_queue:
+            raise Overloaded(f"queue full ({eng.inflight} streams)")
+        tokens = list(prompt_ids) + list(output_ids)
+        limit = min(max_len or eng.max_len, eng.max_len)
+        if len(tokens) >= limit:
+            raise ValueError(f"{len(tokens)} tokens reach the context limit {limit}")
+        max_tokens = min(params.max_tokens - len(output_ids), limit - len(tokens))
+        if max_tokens <= 0:
+            return
+        if k > 0:
+            await self._bind_drafters()
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        sp = eng.sampling_params(params, k, seq_id, seed, len(prompt_ids), max_tokens, logprobs)
+        if not self._streams:  # autoscaling load: busy while any stream runs in the engine
+            self.load.begin()
+        self._streams += 1
+        t_prev = time.perf_counter()
+        drafted = accepted = 0  # as reported so far
+        try:
+            first = True
+            async for ids, lps, spec in eng.generate(tokens, sp, f"{seq_id}-{next(self._vllm_ids)}"):
+                if not ids and spec is None:
+                    continue
+                now = time.perf_counter()
+                # per output: k drafts (none in the prefill's), those of its tokens but the last accepted;
+                # vLLM's own counts, which come with the last output, make the request's totals exact
+                k_i, a_i = (0, 0) if first or not k else (k, min(len(ids) - 1, k))
+                if spec is not None:
+                    k_i = max(0, spec.num_draft_tokens - drafted)
+                    a_i = max(0, sum(j * c for j, c in enumerate(spec.histogram)) - accepted)
+                drafted, accepted, first = drafted + k_i, accepted + a_i, False
+                yield ids, lps or [], StepInfo(k=k_i, accepted=a_i, step_s=now - t_prev, batch_size=eng.inflight)
+                t_prev = now
+        finally:
+            self._streams -= 1
+            if not self._streams:
+                self.load.end([])
+            if k > 0:
+                self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
+
+    async def _bind_drafters(self, force: bool = False):
+        """Tell vLLM's proposer where the drafter pool's replicas listen: learned from the pool through
+        Serve (its router picks live replicas), refreshed every 10 s and at once when the proposer
+        reports a failed endpoint (the watcher below)."""
+        if not force and time.monotonic() - self._drafters_at < 10.0:
+            return
+        if self._drafters_lock is None:
+            self._drafters_lock = asyncio.Lock()
+        async with self._drafters_lock:
+            if not force and time.monotonic() - self._drafters_at < 10.0:
+                return
+            try:  # several calls, so Serve's router spreads them over the pool's replicas
+                found = await asyncio.wait_for(asyncio.gather(*(self.drafter.endpoint.remote() for _ in range(4)),
+                                                              return_exceptions=True), 10.0)
+            except TimeoutError:
+                found = []
+            eps = sorted({e for e in found if isinstance(e, Endpoint)}, key=lambda e: (e.host, e.port))
+            await self.engine.bind({"endpoints": [[e.host, e.port, e.token.hex(), e.replica] for e in eps],
+                                    "timeout_s": 0.9 * self.drafter_timeout_s,
+                                    "tree": self.pre_draft_alternatives if self.pipeline_drafts else -1})
+            self._drafters_at = time.monotonic()
+            log.info("vLLM proposer bound to %d drafter replica(s)", len(eps))
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_proposer())
+
+    async def _watch_proposer(self):
+        """While streams run, ask the proposer every second whether an endpoint failed; rebind then."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.engine.inflight:
+                continue
+            try:
+                status = await self.engine.proposer_status()
+                if any(s.get("failed") for s in status):
+                    self.drafter_calls["fallback"] += 1
+                    await self._bind_drafters(force=True)
+            except Exception as e:  # noqa: BLE001 - keep watching; the streams go on without drafts meanwhile
+                log.warning("vLLM proposer status failed: %r", e)
+
     async def _propose(self, requests):
         """One sequence's drafter call. The first goes through Serve's handle (its router places the
         sequence); with ``drafter_transport: direct`` the later ones go down a connection to the
-        replica that answered (``deployments.channel``), back to the handle if it breaks."""
+        replica that answered (``core.channel``), back to the handle if it breaks."""
         from deployments.metrics import metrics
 
         count = metrics()["drafter_calls"]

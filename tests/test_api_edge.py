@@ -326,3 +326,18 @@ def test_vllm_backend_drops_a_default_repetition_penalty_but_refuses_a_requested
     with pytest.raises(OpenAIError) as e:
         to_sampling_params(CompletionRequest(prompt="x", repetition_penalty=1.3), **kw)
     assert e.value.status == 400 and e.value.param == "repetition_penalty"
+
+
+def test_vllm_engine_loop_takes_penalties_and_refuses_gumbel_by_name():
+    """vLLM's own loop applies repetition penalties itself and has only rejection sampling: a server
+    default of gumbel becomes rejection, a request that asks for gumbel gets a 400 naming it."""
+    from deployments.openai_api import CompletionRequest, OpenAIError, to_sampling_params
+
+    kw = dict(prompt_len=3, max_len=64, vocab_size=100, max_tokens_limit=32, defaults={"repetition_penalty": 1.05},
+              verification="gumbel", backend="vllm", vllm_loop="engine")
+    p = to_sampling_params(CompletionRequest(prompt="x", temperature=0.8), **kw)
+    assert p.verification == "rejection" and p.repetition_penalty == 1.05
+    assert to_sampling_params(CompletionRequest(prompt="x", repetition_penalty=1.3), **kw).repetition_penalty == 1.3
+    with pytest.raises(OpenAIError) as e:
+        to_sampling_params(CompletionRequest(prompt="x", verification="gumbel"), **kw)
+    assert e.value.status == 400 and e.value.param == "verification"

@@ -1,4 +1,4 @@
-"""The direct verifier -> drafter channel (deployments/channel.py), on a real TCP connection to a
+"""The direct verifier -> drafter channel (core/channel.py), on a real TCP connection to a
 real DrafterServer with the tiny drafter engine; no cluster (the served fallback when a drafter
 replica dies is covered by tests/test_pools.py, whose app uses this transport by default)."""
 
@@ -25,7 +25,7 @@ def drafter_server(tiny_engines):
 
 
 def test_calls_down_the_channel_equal_calls_through_the_server(drafter_server):
-    from deployments.channel import ChannelClient
+    from core.channel import ChannelClient
 
     async def main():
         reqs = _requests([5, 6, 7, 8, 9, 10], n=3)
@@ -56,7 +56,7 @@ def test_calls_down_the_channel_equal_calls_through_the_server(drafter_server):
 def test_a_wrong_token_or_a_closed_replica_is_a_connection_error(drafter_server):
     from dataclasses import replace
 
-    from deployments.channel import ChannelClient
+    from core.channel import ChannelClient
 
     async def main():
         ep = await drafter_server.endpoint()
@@ -76,7 +76,7 @@ def test_a_wrong_token_or_a_closed_replica_is_a_connection_error(drafter_server)
 
 
 def test_a_cancelled_call_leaves_the_connection_usable(drafter_server):
-    from deployments.channel import ChannelClient
+    from core.channel import ChannelClient
 
     async def main():
         ep = await drafter_server.endpoint()
@@ -97,7 +97,7 @@ def test_a_cancelled_call_leaves_the_connection_usable(drafter_server):
 def test_a_cancelled_call_is_cancelled_on_the_replica_too():
     """The caller's cancellation travels as a frame: the replica stops the call (a drafter's queued
     work is then skipped by its batcher) instead of computing an answer nobody reads."""
-    from deployments.channel import ChannelClient, ChannelServer
+    from core.channel import ChannelClient, ChannelServer
 
     async def main():
         started, stopped = asyncio.Event(), asyncio.Event()

@@ -37,7 +37,7 @@ def test_engine_packages_import_without_serving_stack():
     out = subprocess.run([sys.executable, "-c", PROBE.format(blocked=SERVING_ONLY, packages=ENGINE_PACKAGES)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for must in ("core.protocol", "core.loop", "drafter.model_drafter", "verifier.engine", "verifier.vllm_engine"):
+    for must in ("core.protocol", "core.loop", "drafter.model_drafter", "verifier.engine", "verifier.vllm_engine", "verifier.vllm_proposer"):
         assert must in out.stdout.split(), out.stdout
 
 

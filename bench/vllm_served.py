@@ -1,0 +1,142 @@
+"""``backend: vllm`` served (vLLM runs the loop, splitspec's proposer drafts from the drafter pool)
+against vLLM's own decoding, issue #18's measurement.
+
+Systems, greedy unless told, bf16, one thread per engine:
+- ``vllm_plain`` and ``vllm_draft_model`` (k): vLLM alone, in its own process (``bench.vllm_peer``,
+  no HTTP: its best case), one engine at a time;
+- ``served_spec`` (k) and ``served_off`` (k = 0, the same app and vLLM engine): splitspec over HTTP
+  with ``configs/serve_vllm.yaml``'s verifier (backend vllm, vLLM's loop) and the shipped draft
+  model on the drafter pool, the verifier and drafter replicas on cores of their own; interleaved
+  by prompt.
+Per (prompt, repeat) the ratio to ``vllm_draft_model`` and the speed-up over ``vllm_plain``, then
+medians. ``--streams`` adds throughput at those concurrencies, speculation against off on the
+served app (the same vLLM engine and client).
+
+``python -m bench.vllm_served --out bench/results/vllm-served``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_OUT,
+    app_args,
+    completion_body,
+    environment,
+    load_prompts,
+    log,
+    median,
+    rnd,
+    serving,
+    stream_completion,
+    vllm_python,
+    write_json,
+)
+
+
+def served_args(k: int, dtype: str) -> dict:
+    """The shipped app with serve_vllm.yaml's verifier (vLLM's loop), k fixed, the bench's dtype."""
+    args = app_args(1, "fixed", k, streams=64, dtype=dtype)
+    v = args["verifier"]
+    args["verifier"] = {"model": v["model"], "backend": "vllm", "dtype": dtype, "vllm_kv_cache_gib": 1.0,
+                        "vllm_max_num_seqs": 128, "max_model_len": v["max_model_len"], "num_threads": 1,
+                        "vllm_num_speculative_tokens": max(k, 1), **({"cpu_affinity": v["cpu_affinity"]}
+                                                                     if "cpu_affinity" in v else {})}
+    return args
+
+
+async def _one(client, url, ids, max_tokens, temperature, seed, k):
+    r = await stream_completion(client, url, completion_body(ids, max_tokens, temperature, seed, k, stream=True))
+    return r
+
+
+async def _served_runs(url: str, prompts, args) -> dict:
+    import httpx
+
+    rows = {"served_spec": [], "served_off": []}
+    async with httpx.AsyncClient(timeout=600) as client:
+        await _one(client, url, prompts[0][1], 16, 0.0, 0, args.k)  # warm-up
+        for rep in range(args.repeats):
+            for i, (_, ids) in enumerate(prompts):
+                for name, k in (("served_spec", args.k), ("served_off", 0)):
+                    r = await _one(client, url, ids, args.max_tokens, 0.0, 0, k)
+                    rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * r["latency_s"] / r["tokens"],
+                                       "speculation": r["speculation"]})
+        load = {}
+        for n in args.streams:
+            for name, k in (("spec", args.k), ("off", 0)):
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(_one(client, url, prompts[j % len(prompts)][1], args.load_tokens, 0.0, 0, k)
+                                              for j in range(2 * n)))
+                wall = time.perf_counter() - t0
+                load.setdefault(str(n), {})[name] = {"tok_s": rnd(sum(o["tokens"] for o in outs) / wall),
+                                                     "requests": len(outs)}
+            load[str(n)]["spec_over_off"] = rnd(load[str(n)]["spec"]["tok_s"] / load[str(n)]["off"]["tok_s"])
+            log(f"{n} streams: {load[str(n)]}")
+    return {"rows": rows, "load": load}
+
+
+def main(argv=None):
+    from transformers import AutoTokenizer
+
+    from bench.common import DRAFTER, TARGET
+    from bench.vllm_peer import VllmPeer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 64])
+    ap.add_argument("--load-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default=BENCH_DTYPE)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    py = vllm_python()
+    if py is None:
+        raise SystemExit("no interpreter here imports vllm")
+    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    rows: dict[str, list] = {}
+    for name, k in (("vllm_plain", 0), ("vllm_draft_model", args.k)):  # one engine at a time
+        log(f"{name}: starting")
+        peer = VllmPeer(py, k, 1, dtype=args.dtype, method="draft_model", drafter=DRAFTER)
+        try:
+            peer.wait_ready()
+            peer.run(prompts[0][1], 16, 0.0, 0)  # warm-up
+            rows[name] = []
+            for rep in range(args.repeats):
+                for i, (_, ids) in enumerate(prompts):
+                    r = peer.run(ids, args.max_tokens, 0.0, 0)
+                    rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * r["wall_s"] / r["tokens"],
+                                       "spec": r.get("spec")})
+        finally:
+            peer.close()
+    with serving({"vllm": served_args(args.k, args.dtype)}, 1) as urls:
+        served = asyncio.run(_served_runs(urls["vllm"], prompts, args))
+    rows.update(served["rows"])
+    base, plain = rows["vllm_draft_model"], rows["vllm_plain"]
+    result = {"scenario": "vllm_served", "config": vars(args), "systems": {}, "load": served["load"]}
+    for name, rs in rows.items():
+        result["systems"][name] = {
+            "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
+            "vs_vllm_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)])),
+            "speedup_vs_vllm_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, plain)])),
+        }
+        spec = [r["speculation"] for r in rs if r.get("speculation")]
+        if spec:
+            result["systems"][name]["mean_acceptance_length"] = rnd(median(
+                [1 + s["num_accepted_tokens"] / max(1, s["num_drafts"]) for s in spec]))
+    result["environment"] = environment(1)
+    write_json(Path(args.out), "vllm_served", result)
+    for name, s in result["systems"].items():
+        print(name, s)
+    print("load", result["load"])
+
+
+if __name__ == "__main__":
+    main()

