@@ -39,13 +39,13 @@ from bench.common import (
 )
 
 
-def served_args(k: int, dtype: str) -> dict:
+def served_args(k: int, dtype: str, pin: bool = True, speculate: str = "measured") -> dict:
     """The shipped app with serve_vllm.yaml's verifier (vLLM's loop), k fixed, the bench's dtype."""
-    args = app_args(1, "fixed", k, streams=64, dtype=dtype)
+    args = app_args(1, "fixed", k, streams=64, dtype=dtype, pin=pin)
     v = args["verifier"]
     args["verifier"] = {"model": v["model"], "backend": "vllm", "dtype": dtype, "vllm_kv_cache_gib": 1.0,
                         "vllm_max_num_seqs": 128, "max_model_len": v["max_model_len"], "num_threads": 1,
-                        "vllm_num_speculative_tokens": max(k, 1), **({"cpu_affinity": v["cpu_affinity"]}
+                        "vllm_num_speculative_tokens": max(k, 1), "vllm_speculate": speculate, **({"cpu_affinity": v["cpu_affinity"]}
                                                                      if "cpu_affinity" in v else {})}
     return args
 
@@ -78,7 +78,10 @@ async def _served_runs(url: str, prompts, args) -> dict:
                                                      "requests": len(outs)}
             load[str(n)]["spec_over_off"] = rnd(load[str(n)]["spec"]["tok_s"] / load[str(n)]["off"]["tok_s"])
             log(f"{n} streams: {load[str(n)]}")
-    return {"rows": rows, "load": load}
+        from ray import serve
+
+        stats = await serve.get_deployment_handle("Verifier", app_name="bench-vllm").stats.remote()
+    return {"rows": rows, "load": load, "verifier": stats}
 
 
 def main(argv=None):
@@ -95,6 +98,9 @@ def main(argv=None):
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 64])
     ap.add_argument("--load-tokens", type=int, default=64)
     ap.add_argument("--dtype", default=BENCH_DTYPE)
+    ap.add_argument("--speculate", default="measured", choices=["measured", "always"], help="verifier.vllm_speculate")
+    ap.add_argument("--no-pin", action="store_true", help="leave the replicas (and vLLM's processes) to the OS")
+    ap.add_argument("--no-peers", action="store_true", help="served systems only (ratios to the peers then absent)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     py = vllm_python()
@@ -102,7 +108,7 @@ def main(argv=None):
         raise SystemExit("no interpreter here imports vllm")
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
     rows: dict[str, list] = {}
-    for name, k in (("vllm_plain", 0), ("vllm_draft_model", args.k)):  # one engine at a time
+    for name, k in () if args.no_peers else (("vllm_plain", 0), ("vllm_draft_model", args.k)):  # one at a time
         log(f"{name}: starting")
         peer = VllmPeer(py, k, 1, dtype=args.dtype, method="draft_model", drafter=DRAFTER)
         try:
@@ -116,11 +122,12 @@ def main(argv=None):
                                        "spec": r.get("spec")})
         finally:
             peer.close()
-    with serving({"vllm": served_args(args.k, args.dtype)}, 1) as urls:
+    with serving({"vllm": served_args(args.k, args.dtype, pin=not args.no_pin, speculate=args.speculate)}, 1) as urls:
         served = asyncio.run(_served_runs(urls["vllm"], prompts, args))
     rows.update(served["rows"])
-    base, plain = rows["vllm_draft_model"], rows["vllm_plain"]
-    result = {"scenario": "vllm_served", "config": vars(args), "systems": {}, "load": served["load"]}
+    base, plain = rows.get("vllm_draft_model", rows["served_spec"]), rows.get("vllm_plain", rows["served_off"])
+    result = {"scenario": "vllm_served", "config": vars(args), "systems": {}, "load": served["load"],
+              "proposer": (served["verifier"].get("proposer") or [None])[0]}
     for name, rs in rows.items():
         result["systems"][name] = {
             "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
@@ -136,6 +143,7 @@ def main(argv=None):
     for name, s in result["systems"].items():
         print(name, s)
     print("load", result["load"])
+    print("proposer", result["proposer"])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.models import DrafterConfig, VerifierConfig
 
@@ -38,3 +38,12 @@ class AppConfig(BaseModel):
     stall_timeout_s: float = Field(30.0, gt=0, le=3600, description="A drafter or verifier engine whose current batch has finished no forward pass for this long reports its replica unhealthy (checked every 2 s); Serve replaces it and its requests fail over to other replicas.")
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
+
+    @model_validator(mode="after")
+    def _vllm_loop_fits_k(self):
+        v = self.verifier
+        if v.backend == "vllm" and v.vllm_loop == "engine" and self.drafter.num_speculative_tokens > v.vllm_num_speculative_tokens:
+            raise ValueError(f"drafter.num_speculative_tokens {self.drafter.num_speculative_tokens} exceeds "
+                             f"verifier.vllm_num_speculative_tokens {v.vllm_num_speculative_tokens}, the most drafts "
+                             "vLLM's loop verifies per step: raise the latter")
+        return self

@@ -253,7 +253,8 @@ class VerifierServer(EngineServer):
             eps = sorted({e for e in found if isinstance(e, Endpoint)}, key=lambda e: (e.host, e.port))
             await self.engine.bind({"endpoints": [[e.host, e.port, e.token.hex(), e.replica] for e in eps],
                                     "timeout_s": 0.9 * self.drafter_timeout_s,
-                                    "tree": self.pre_draft_alternatives if self.pipeline_drafts else -1})
+                                    "tree": self.pre_draft_alternatives if self.pipeline_drafts else -1,
+                                    "speculate": self.engine.config.vllm_speculate})
             self._drafters_at = time.monotonic()
             log.info("vLLM proposer bound to %d drafter replica(s)", len(eps))
         if self._watch is None:

@@ -180,3 +180,25 @@ def test_the_scenario_deploys_the_gpu_serve_config_changed_only_for_cpus(gpu_ser
         changed = {k for k in set(args[role]) | set(args_before[role]) if args[role].get(k) != args_before[role].get(k)}
         assert changed <= {"model", *LOCAL_ARGS[role]}
     ServeDeploySchema.model_validate({"applications": [app]})
+
+
+def test_the_vllm_gpu_config_gives_each_verifier_replica_its_tensor_parallel_gpus():
+    """configs/serve_gpu_vllm.yaml: a verifier replica on vLLM over tensor_parallel_size GPUs gets a
+    placement group of one CPU bundle (the replica, with its pool's resource) and one GPU bundle per
+    rank on one node; vLLM compiles there (enforce_eager unset: CUDA graphs on GPUs)."""
+    from configs import AppConfig
+
+    config = load("serve_gpu_vllm.yaml")
+    ServeDeploySchema.model_validate(config)
+    args = AppConfig.model_validate(config["applications"][0]["args"])
+    v = args.verifier
+    assert v.backend == "vllm" and v.vllm_loop == "engine" and v.device == "cuda" and v.vllm_enforce_eager is None
+    dep = deployments(config)["Verifier"]
+    bundles = dep["placement_group_bundles"]
+    assert dep["placement_group_strategy"] == "STRICT_PACK"
+    gpu = [b for b in bundles if b.get("GPU")]
+    assert len(gpu) == v.tensor_parallel_size > 1 and all(b["GPU"] == 1 for b in gpu)
+    opts = dep["ray_actor_options"]  # the replica itself fits the first bundle, which has no GPU
+    assert not bundles[0].get("GPU") and not opts.get("num_gpus")
+    assert all(bundles[0].get(r, 0) >= n for r, n in {"CPU": opts.get("num_cpus", 1), **opts["resources"]}.items())
+    assert args.drafter.num_speculative_tokens <= v.vllm_num_speculative_tokens

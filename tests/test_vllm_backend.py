@@ -71,7 +71,8 @@ def vllm_app(ray_cluster, vllm_pair):
     app = build_app_with({
         "model_name": "tiny",
         "verifier": {"model": str(target_dir), "dtype": "float32", "backend": "vllm", "vllm_kv_cache_gib": 0.25,
-                     "vllm_max_num_seqs": 64, "max_model_len": 512},
+                     "vllm_max_num_seqs": 64, "max_model_len": 512,
+                     "vllm_speculate": "always"},  # drafts every step: what these tests check
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 8,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 256,
@@ -368,10 +369,15 @@ def test_serve_vllm_config_and_bounds():
     cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
     app = AppConfig.model_validate(cfg["applications"][0]["args"])
     assert app.verifier.backend == "vllm" and app.verifier.vllm_kv_cache_gib <= 1
+    assert app.verifier.vllm_loop == "engine" and app.drafter.num_speculative_tokens <= app.verifier.vllm_num_speculative_tokens
     for bad in ({"backend": "sglang"}, {"vllm_kv_cache_gib": 0}, {"vllm_block_size": 24}, {"vllm_max_num_seqs": 0},
-                {"vllm_tracked_sequences": 0}):
+                {"vllm_tracked_sequences": 0}, {"vllm_loop": "async"}, {"vllm_num_speculative_tokens": 0},
+                {"vllm_num_speculative_tokens": 33}, {"tensor_parallel_size": 0}):
         with pytest.raises(ValidationError):
             VerifierConfig(model="m", **bad)
+    args = cfg["applications"][0]["args"]
+    with pytest.raises(ValidationError, match="vllm_num_speculative_tokens"):  # vLLM's loop verifies at most that many
+        AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm_num_speculative_tokens": 2}})
 
 
 def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
@@ -428,3 +434,30 @@ def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
         time.sleep(1.0)
     else:
         raise AssertionError("no drafts after the drafter pool was restored")
+
+
+def test_the_vllm_internals_the_proposer_relies_on():
+    """verifier/vllm_proposer.py relies on vLLM 0.32 internals beyond its documented hook; an upgrade
+    that changes one of them fails here, by name, before any engine starts."""
+    import inspect
+
+    import vllm
+    from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert vllm.__version__.startswith("0.32"), vllm.__version__
+    assert list(inspect.signature(create_custom_proposer).parameters) == ["vllm_config"]
+    src = inspect.getsource(GPUModelRunner.propose_draft_token_ids)
+    # the runner clears the draft probabilities, then calls the custom proposer: q set inside propose survives
+    reset, call = src.index("self._draft_probs = None"), src.index("cast(Any, self.drafter).propose(")
+    assert reset < call
+    assert "self.input_batch.token_ids_cpu" in src[call:call + 300]
+    q = inspect.getsource(GPUModelRunner._get_spec_decode_draft_probs)  # q read by request id, first num_draft rows
+    assert "self._draft_prob_req_ids" in q and "self._draft_probs[row_idx, :num_draft]" in q
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = AsyncEngineArgs.__dataclass_fields__
+    assert {"worker_extension_cls", "speculative_config", "per_request_spec_decode_metrics"} <= set(fields)
+    from vllm.sampling_params import SamplingParams as VllmParams
+
+    assert "extra_args" in inspect.signature(VllmParams).parameters

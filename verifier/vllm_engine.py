@@ -128,7 +128,9 @@ class VllmVerifierEngine:
             max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
             skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
             enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
-            tensor_parallel_size=config.tensor_parallel_size, disable_log_stats=True,
+            tensor_parallel_size=config.tensor_parallel_size,
+            # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
+            distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
             per_request_spec_decode_metrics="summary" if speculative else "none")
         self.speculative = speculative
         if speculative:

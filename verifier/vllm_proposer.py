@@ -53,8 +53,8 @@ from concurrent.futures import Future
 import torch
 
 from core.channel import ChannelClient, Endpoint
-from core.loop import PreDraft, tree_branches
-from core.policy import Breaker
+from core.loop import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
+from core.policy import BatchSpeculation, Breaker
 from core.protocol import DraftRequest, Proposal, common_prefix_len
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,13 @@ class SplitspecProposer:
         self.endpoints: list[Endpoint] = []
         self.breakers: dict[Endpoint, Breaker] = {}
         self.timeout_s, self.tree, self.send_q = 2.0, 1, True
+        self._pre_draft = True  # this step asks for the next step's pre-drafts
         self.bound: dict[str, Endpoint] = {}  # seq id -> the drafter replica its calls go to
         self.held: dict[str, list[int]] = {}  # seq id -> what that replica holds of it
         self.pending: dict[str, PreDraft] = {}  # seq id -> the pre-draft in flight
         self.seqs: dict[str, str] = {}  # vLLM request id -> seq id
-        self.stats = {"calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
+        self.choice = BatchSpeculation()  # speculate at this batch size or not, measured
+        self.stats = {"off_steps": 0, "calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
                       "failures": 0, "no_drafter": 0, "q_rows": 0, "propose_s": 0.0, "wait_s": 0.0}
         self.failed: list[str] = []  # endpoints that failed since the last status call
         self._client: ChannelClient | None = None
@@ -96,6 +98,7 @@ class SplitspecProposer:
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
         self.send_q = bool(config.get("send_q", True))  # False: drafts count as one-hot (measurements)
+        self.choice.always = config.get("speculate", "measured") == "always"
         eps = [Endpoint(h, int(p), bytes.fromhex(t), r) for h, p, t, r in config.get("endpoints", [])]
         gone = set(self.endpoints) - set(eps)
         self.endpoints = eps
@@ -112,7 +115,8 @@ class SplitspecProposer:
         failed, self.failed = self.failed, []
         return {"rank": self.rank, "endpoints": len(self.endpoints),
                 "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
-                "sequences": len(self.held), "pending": len(self.pending), **self.stats}
+                "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(), 
+                **self.stats}
 
     # --- vLLM's side ---------------------------------------------------------------------
 
@@ -124,16 +128,28 @@ class SplitspecProposer:
             return out
         req_ids = runner.input_batch.req_ids
         self._forget(runner.requests)
-        todo = []  # (row, seq id, context, settings)
+        rows = []  # (row, vLLM request id, settings, context length) of the rows that want drafts
         for i, sampled in enumerate(sampled_token_ids):
             state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
             ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
                   else None)
             n = int(num_tokens_no_spec[i])
-            if not ex or not len(sampled) or ex["k"] <= 0 or n + 2 > self.max_len:
-                continue  # not ours, k = 0, or a chunked prefill not finished (nothing sampled)
+            if ex and len(sampled) and ex["k"] > 0 and n + 2 <= self.max_len:  # not a chunked prefill half-way
+                rows.append((i, req_ids[i], ex, n))
+        if not rows:
+            self.choice._last = None  # nothing to measure across steps without drafts
+            return out
+        # the whole step speculates or not, by what each choice measured at this batch size
+        spec = self.choice.use(len(sampled_token_ids), sum(len(s) for s in sampled_token_ids), time.perf_counter())
+        if not spec:
+            self.stats["off_steps"] += 1
+            for seq in list(self.pending):
+                self.pending.pop(seq).task.cancel()
+            return out
+        todo = []  # (row, seq id, context, k, settings)
+        for i, rid, ex, n in rows:
             seq = ex["seq"]
-            self.seqs[req_ids[i]] = seq
+            self.seqs[rid] = seq
             ctx = token_ids_cpu[i, :n].tolist()
             k = min(ex["k"], self.k_max, self.max_len - n - 1)
             self.stats["rows"] += 1
@@ -147,6 +163,11 @@ class SplitspecProposer:
                     continue
                 self.stats["misses"] += 1
             todo.append((i, seq, ctx, k, ex))
+        # pre-drafts double the drafter pool's work; past a few rows per step it cannot keep up with them
+        self._pre_draft = len(rows) <= TREE_MAX_DRAFTER_BATCH
+        if not self._pre_draft:
+            for seq in list(self.pending):
+                self.pending.pop(seq).task.cancel()
         if todo:
             self._draft(todo, out)
         q = getattr(self, "_q", None)
@@ -206,7 +227,7 @@ class SplitspecProposer:
         self.stats["drafted"] += len(drafts)
         if drafts and self.tp == 1 and self.send_q and not _params(ex).greedy:
             self._set_q(row, drafts, p)
-        if self.tree < 0 or len(p.tokens) <= len(drafts) or seq not in self.bound:
+        if self.tree < 0 or not self._pre_draft or len(p.tokens) <= len(drafts) or seq not in self.bound:
             return
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
