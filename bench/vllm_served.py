@@ -84,6 +84,41 @@ async def _served_runs(url: str, prompts, args) -> dict:
     return {"rows": rows, "load": load, "verifier": stats}
 
 
+def async_alone(argv=None):
+    """vLLM's AsyncLLM alone (this package's vLLM engine, no speculation), in this process, no Ray or
+    HTTP: the engine's own per-token cost on the async path the replica uses, to set against vLLM's
+    ``LLM`` (``vllm_plain``) and the served path. ``python -m bench.vllm_served async-alone``"""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+    from configs import SamplingParams, VerifierConfig
+    from verifier.vllm_engine import VllmVerifierEngine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default=BENCH_DTYPE)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    async def run():
+        eng = VllmVerifierEngine(VerifierConfig(model=TARGET, backend="vllm", dtype=args.dtype, vllm_kv_cache_gib=0.25,
+                                                max_model_len=512, num_threads=1))
+        prompt = load_prompts(1, AutoTokenizer.from_pretrained(TARGET))[0][1]
+        for rep in range(args.repeats):
+            sp = eng.sampling_params(SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), 0, "s", 0,
+                                     len(prompt), args.max_tokens, None)
+            n, t0 = 0, time.perf_counter()
+            async for ids, _, _ in eng.generate(prompt, sp, f"alone-{rep}"):
+                n += len(ids)
+            print(f"AsyncLLM alone, k = 0: {1000 * (time.perf_counter() - t0) / n:.2f} ms/token", flush=True)
+        eng.shutdown()
+
+    asyncio.run(run())
+
+
 def main(argv=None):
     from transformers import AutoTokenizer
 
@@ -147,4 +182,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "async-alone":
+        async_alone(sys.argv[2:])
+    else:
+        main()

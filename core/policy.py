@@ -277,8 +277,8 @@ class BatchSpeculation:
         if self.always:
             return True
         bucket = max(1, batch).bit_length()
-        choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=64, run=12, first=6, window=32,
-                                                                margin=1.2, settle=5))
+        choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=64, run=12, first=6, window=6,
+                                                                margin=1.2, settle=6))
         arm = choice.use()
         self._last = (choice, arm, now)
         return arm
