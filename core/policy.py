@@ -21,7 +21,9 @@ requests, so speculation is cut back.
 
 k = 0 is one of the choices, and one it returns from: after ``recheck_steps`` plain steps the
 best speculative k is measured again. Every ``explore_every`` steps a neighbour of the best k
-is tried, so the table follows the cost curve as load changes.
+is tried, so the table follows the cost curve as load changes. A k is tried for ``run`` steps in
+a row and its step time measured on steady-state steps only (the previous step used the same k):
+the step right after a change pays for it (its pre-draft, made for the old k, misses).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class AdaptiveK:
     margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
     plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
     explore_every: int = 16  # steps between tries of a neighbour of the best k
+    run: int = 3  # steps a k is tried in a row: a step right after a change of k is not measured
     accepted_w: float = 0.0
     tested_w: float = 0.0
     steps: int = 0
@@ -50,6 +53,8 @@ class AdaptiveK:
     plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
     draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
     _explore_up: bool = True
+    _trying: tuple[int, int] = (0, 0)  # (k, steps left) of a try in progress
+    _prev_k: int | None = None  # the k of the previous observed step
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
@@ -100,9 +105,17 @@ class AdaptiveK:
         v = self.values()
         return self.steps >= self.min_steps and len(v) > 1 and v[0] > max(v[1:])
 
+    def _try(self, k: int) -> int:
+        self._trying = (k, self.run - 1)
+        return k
+
     def next_k(self, batch_size: int = 1) -> int:
         if self.bound == 0:
             return 0
+        k, left = self._trying
+        if left > 0:  # a try runs `run` steps: its first pays for the change, the others are measured
+            self._trying = (k, left - 1)
+            return k
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
@@ -116,13 +129,13 @@ class AdaptiveK:
                 return 0
             self.plain_run = 0  # measure speculation again: conditions may have changed
             self.current = best_spec
-            return best_spec
+            return self._try(best_spec)
         self.plain_run = 0
         if self.steps >= self.min_steps and self.steps % self.explore_every == 0:
             self._explore_up = not self._explore_up
             step = 1 if self._explore_up else -1
             if 1 <= best + step <= self.bound:
-                return best + step
+                return self._try(best + step)
         return best
 
     def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
@@ -137,9 +150,12 @@ class AdaptiveK:
             per = draft_s / k
             self.draft_per_token_s += w * (per - self.draft_per_token_s)
         wall = step_s if step_s > 0 else verify_s + draft_s
-        if wall > 0:
+        # steady state only: a step right after a change of k pays for it (a pre-draft made for the
+        # old k misses), which would make every k tried once look slower than the one in use
+        if wall > 0 and (self._prev_k == k or not self.step_s):
             old = self.step_s.get(k)
             self.step_s[k] = wall if old is None else old + w * (wall - old)
+        self._prev_k = k
         if k <= 0:
             return
         self.steps += 1
