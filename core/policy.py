@@ -3,7 +3,8 @@
 A request's ``num_speculative_tokens`` is an upper bound. Each step the policy picks the
 k in [0, bound] that maximises expected tokens per second of wall time:
 
-    tokens(k) = (1 - a^(k+1)) / (1 - a)     (Leviathan et al., per-token acceptance a; tokens(0) = 1)
+    tokens(k) = 1 + sum_{j<=k} S(j)        (S(j): the measured chance that drafts 1..j are all
+                                            accepted; for i.i.d. acceptance a, (1 - a^(k+1)) / (1 - a))
     value(k)  = tokens(k) / t(k) / (1 + c_verify * k * extra_load)
 
 a is the request's own acceptance so far (smoothed, from a neutral prior). t(k) is the wall
@@ -50,6 +51,8 @@ class AdaptiveK:
     steps: int = 0
     plain_run: int = 0
     step_s: dict[int, float] = field(default_factory=dict)  # k -> smoothed wall seconds of a step
+    pos_tested: list[float] = field(default_factory=list)  # draft j+1: steps it was tested (decayed)
+    pos_accepted: list[float] = field(default_factory=list)  # ... and accepted
     plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
     draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
     _explore_up: bool = True
@@ -62,6 +65,22 @@ class AdaptiveK:
         """Per-token acceptance: accepted / tested draft positions (a position is tested when
         all before it were accepted), smoothed towards the prior with two pseudo-observations."""
         return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
+
+    def expected_tokens(self, bound: int) -> list[float]:
+        """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
+        chance the first j drafts are all accepted, S(j) the product of the measured acceptance of
+        draft j given the ones before (each shrunk towards the pooled acceptance). On predictable
+        text acceptance comes in runs, so a draft after accepted ones is likelier accepted than the
+        pooled rate says (the i.i.d. model, a^j, undervalues large k there). Positions never tested
+        take the last tested position's rate."""
+        a = min(max(self.acceptance, 1e-3), 0.999)
+        out, surv, c = [1.0], 1.0, a
+        for j in range(bound):
+            if j < len(self.pos_tested) and self.pos_tested[j] > 0:
+                c = (self.pos_accepted[j] + 2 * a) / (self.pos_tested[j] + 2)
+            surv *= min(max(c, 1e-3), 0.999)
+            out.append(out[-1] + surv)
+        return out
 
     def model_s(self, k: int) -> float:
         """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
@@ -88,15 +107,14 @@ class AdaptiveK:
         return self.model_s(k)
 
     def values(self, batch_size: int = 1) -> list[float]:
-        a = min(max(self.acceptance, 1e-3), 0.999)
         extra_load = max(0.0, batch_size / self.saturation_batch - 1)
+        tokens = self.expected_tokens(self.bound)
         out = []
         for k in range(self.bound + 1):
             cost = self.cost_s(k)
             if cost <= 0:  # nothing measured at all yet
                 cost = 1 + self.c_verify * k
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            out.append(tokens / cost / (1 + self.c_verify * k * extra_load))
+            out.append(tokens[k] / cost / (1 + self.c_verify * k * extra_load))
         return out
 
     @property
@@ -152,7 +170,7 @@ class AdaptiveK:
         wall = step_s if step_s > 0 else verify_s + draft_s
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
-        if wall > 0 and (self._prev_k == k or not self.step_s):
+        if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
             old = self.step_s.get(k)
             self.step_s[k] = wall if old is None else old + w * (wall - old)
         self._prev_k = k
@@ -162,6 +180,15 @@ class AdaptiveK:
         tested = num_accepted + (1 if num_accepted < k else 0)
         self.accepted_w = self.decay * self.accepted_w + num_accepted
         self.tested_w = self.decay * self.tested_w + tested
+        if len(self.pos_tested) < k:
+            self.pos_tested += [0.0] * (k - len(self.pos_tested))
+            self.pos_accepted += [0.0] * (k - len(self.pos_accepted))
+        for j in range(len(self.pos_tested)):  # draft j + 1: tested when the j before it were accepted
+            self.pos_tested[j] *= self.decay
+            self.pos_accepted[j] *= self.decay
+            if j < k and j <= num_accepted:
+                self.pos_tested[j] += 1
+                self.pos_accepted[j] += j < num_accepted
 
 
 @dataclass

@@ -17,15 +17,30 @@ def test_high_acceptance_speculates_more():
 def test_expensive_drafter_turns_speculation_off():
     p = AdaptiveK(8)
     for _ in range(20):
-        p.observe(2, 1, draft_s=0.05, verify_s=0.05)  # drafting a token costs a whole verify step
+        p.observe(2, 1, draft_s=0.1, verify_s=0.05)  # drafting a token costs two verify steps
     assert p.next_k() == 0
 
 
 def test_saturated_verifier_speculates_less():
+    p, q = AdaptiveK(8), AdaptiveK(8)
+    for i in range(20):
+        for x in (p, q):
+            x.observe(4, (3, 1)[i % 2], draft_s=0.001, verify_s=0.02)
+    assert p.next_k(batch_size=1) > q.next_k(batch_size=64)
+
+
+def test_acceptance_in_runs_values_long_blocks():
+    """On predictable text whole blocks are accepted or the first draft is not: a draft after
+    accepted ones is likelier accepted than the first. The per-position estimate values the drafts
+    past 4 by that, more than the i.i.d. a^j model from the pooled rate of the same data does."""
     p = AdaptiveK(8)
-    for _ in range(20):
-        p.observe(4, 3, draft_s=0.001, verify_s=0.02)
-    assert p.next_k(batch_size=1) > p.next_k(batch_size=64)
+    for i in range(40):
+        p.observe(4, (4, 0)[i % 3 == 2], draft_s=0.001, verify_s=0.02)  # 2 of 3 blocks all accepted
+    a = p.acceptance
+    tokens = p.expected_tokens(8)
+    iid = [(1 - a ** (k + 1)) / (1 - a) for k in range(9)]
+    assert tokens[1] < iid[1] and tokens[8] - tokens[4] > iid[8] - iid[4] + 0.5  # runs: later drafts count more
+    assert p.next_k() >= 6
 
 
 def test_bound_is_respected():
