@@ -206,6 +206,16 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
             raise OpenAIError(400, "verification 'gumbel' is not supported with the vllm verifier backend's engine "
                               "loop (vLLM's rejection sampler); use 'rejection'", param="verification")
         verification = "rejection"
+        # vLLM 0.32 refuses min_p and logit_bias in an engine that speculates: a model default is
+        # not imposed, a request's own value is a 400 naming it
+        if "min_p" not in given:
+            fields["min_p"] = 0.0
+        if fields["min_p"] > 0:
+            raise OpenAIError(400, "min_p is not supported with the vllm verifier backend's engine loop "
+                              "(vLLM 0.32 speculative decoding)", param="min_p")
+        if body.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported with the vllm verifier backend's engine loop "
+                              "(vLLM 0.32 speculative decoding)", param="logit_bias")
     if backend == "vllm" and not engine_loop and "repetition_penalty" not in given:
         fields["repetition_penalty"] = 1.0  # a model default the vLLM backend cannot apply: not imposed
     if backend == "vllm" and not engine_loop and fields["repetition_penalty"] != 1.0:

@@ -60,6 +60,7 @@ class VerifierServer(EngineServer):
         # vLLM's own loop (vllm_loop: engine): one engine request per stream, drafting from its worker
         self.vllm_loop = self.is_async and engine.config.vllm_loop == "engine"
         self._drafters_at, self._drafters_lock, self._watch = 0.0, None, None
+        self._drafter_eps: list[Endpoint] = []  # the drafter replicas the proposer was last told of
         self._vllm_ids, self._streams = itertools.count(), 0
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
         super().__init__(engine, engine.verify, max_batch, max_queue, stall_timeout_s)
@@ -206,6 +207,8 @@ class VerifierServer(EngineServer):
         if k > 0:
             await self._bind_drafters()
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        # a resumed stream has emitted output_ids already: they count towards min_tokens
+        params = params.model_copy(update={"min_tokens": max(0, params.min_tokens - len(output_ids))})
         sp = eng.sampling_params(params, k, seq_id, seed, len(prompt_ids), max_tokens, logprobs)
         if not self._streams:  # autoscaling load: busy while any stream runs in the engine
             self.load.begin()
@@ -234,7 +237,7 @@ class VerifierServer(EngineServer):
             if k > 0:
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
 
-    async def _bind_drafters(self, force: bool = False):
+    async def _bind_drafters(self, force: bool = False, failed: list[str] | None = None):
         """Tell vLLM's proposer where the drafter pool's replicas listen: learned from the pool through
         Serve (its router picks live replicas), refreshed every 10 s and at once when the proposer
         reports a failed endpoint (the watcher below)."""
@@ -250,7 +253,16 @@ class VerifierServer(EngineServer):
                                                               return_exceptions=True), 10.0)
             except TimeoutError:
                 found = []
-            eps = sorted({e for e in found if isinstance(e, Endpoint)}, key=lambda e: (e.host, e.port))
+            new = {e for e in found if isinstance(e, Endpoint)}
+            failed = set(failed or ())
+            # a refresh reaches a few replicas through Serve's router: the ones known before stay
+            # unless the proposer saw them fail (or they were all that answered)
+            eps = sorted(new | {e for e in self._drafter_eps if f"{e.host}:{e.port}" not in failed},
+                         key=lambda e: (e.host, e.port))
+            if not eps:
+                log.warning("no drafter replica answered: the proposer keeps its endpoints")
+                return
+            self._drafter_eps = eps
             await self.engine.bind({"endpoints": [[e.host, e.port, e.token.hex(), e.replica] for e in eps],
                                     "timeout_s": 0.9 * self.drafter_timeout_s,
                                     "tree": self.pre_draft_alternatives if self.pipeline_drafts else -1,
@@ -267,10 +279,11 @@ class VerifierServer(EngineServer):
             if not self.engine.inflight:
                 continue
             try:
-                status = await self.engine.proposer_status()
-                if any(s.get("failed") for s in status):
+                status = await self.engine.proposer_status(consume=True)
+                failed = [f for s in status for f in s.get("failed", [])]
+                if failed:
                     self.drafter_calls["fallback"] += 1
-                    await self._bind_drafters(force=True)
+                    await self._bind_drafters(force=True, failed=failed)
             except Exception as e:  # noqa: BLE001 - keep watching; the streams go on without drafts meanwhile
                 log.warning("vLLM proposer status failed: %r", e)
 

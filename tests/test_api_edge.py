@@ -341,3 +341,9 @@ def test_vllm_engine_loop_takes_penalties_and_refuses_gumbel_by_name():
     with pytest.raises(OpenAIError) as e:
         to_sampling_params(CompletionRequest(prompt="x", verification="gumbel"), **kw)
     assert e.value.status == 400 and e.value.param == "verification"
+    # vLLM 0.32 refuses min_p and logit_bias while it speculates: a default is dropped, a request's named
+    assert to_sampling_params(CompletionRequest(prompt="x"), **{**kw, "defaults": {"min_p": 0.05}}).min_p == 0.0
+    for bad, param in (({"min_p": 0.1}, "min_p"), ({"logit_bias": {"5": 2.0}}, "logit_bias")):
+        with pytest.raises(OpenAIError) as e:
+            to_sampling_params(CompletionRequest(prompt="x", **bad), **kw)
+        assert e.value.status == 400 and e.value.param == param

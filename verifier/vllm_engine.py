@@ -79,6 +79,13 @@ def _row(flat, i: int, out: torch.Tensor):
     out[torch.tensor(flat.token_ids[s:e], dtype=torch.long)] = torch.tensor(flat.logprobs[s:e], dtype=torch.float32)
 
 
+async def _chain(first, rest):
+    if first is not None:
+        yield first
+    async for out in rest:
+        yield out
+
+
 def _token_logprobs(logprobs, i: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """Position i of vLLM's logprobs (a list of {id: Logprob} or FlatLogprobs) as splitspec's
     (the emitted token's logprob, its top alternatives [(id, logprob)], best first)."""
@@ -271,9 +278,9 @@ class VllmVerifierEngine:
         """Push the drafter endpoints (and the proposer's settings) to every worker's proposer."""
         return await self.llm.collective_rpc("splitspec_bind", args=(config,))
 
-    async def proposer_status(self) -> list[dict]:
-        """Each worker's proposer: counters, and the endpoints that failed since the last call."""
-        return await self.llm.collective_rpc("splitspec_status")
+    async def proposer_status(self, consume: bool = False) -> list[dict]:
+        """Each worker's proposer: counters, and the endpoints that failed (since the last consuming call)."""
+        return await self.llm.collective_rpc("splitspec_status", args=(consume,))
 
     def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,
                         logprobs: int | None):
@@ -308,7 +315,15 @@ class VllmVerifierEngine:
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+            try:
+                stream = self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id)
+                first = await anext(stream, None)
+            except Exception as e:  # vLLM refused the request itself: no replica will take it
+                if type(e).__name__ == "VLLMValidationError":
+                    raise ValueError(str(e)) from None
+                raise
+            outs = _chain(first, stream)
+            async for out in outs:
                 o = out.outputs[0]
                 lps = None
                 if params.logprobs is not None and o.logprobs is not None:

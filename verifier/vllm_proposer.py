@@ -110,9 +110,11 @@ class SplitspecProposer:
             self._client = ChannelClient()
         return self.status()
 
-    def status(self) -> dict:
+    def status(self, consume: bool = False) -> dict:
         now = time.monotonic()
-        failed, self.failed = self.failed, []
+        failed = self.failed
+        if consume:
+            self.failed = []
         return {"rank": self.rank, "endpoints": len(self.endpoints),
                 "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
                 "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(), 
@@ -269,9 +271,16 @@ class SplitspecProposer:
         t0 = time.perf_counter()
         try:
             out = fut.result(timeout=self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - gone, broken or late: this step goes on without it
+        except (OSError, TimeoutError) as e:  # gone, broken or late: this step goes on without it
             fut.cancel()
             self._failed(ep, e)
+            return None
+        except Exception as e:  # noqa: BLE001 - the replica answered with an error: this step only
+            if type(e).__name__ == "Overloaded":  # full: leave it alone briefly, as a late one
+                self._failed(ep, TimeoutError(repr(e)))
+            else:
+                log.warning("drafter %s:%d answered with an error: %r", ep.host, ep.port, e)
+                self.stats["failures"] += 1
             return None
         finally:
             self.stats["wait_s"] += time.perf_counter() - t0
@@ -296,9 +305,15 @@ class SplitspecProposer:
             pre.task.cancel()
 
     def _forget(self, requests):
-        """Drop the state of requests vLLM no longer runs (finished, aborted)."""
+        """Drop the state of requests vLLM no longer runs (finished, aborted), and free their caches on
+        the drafter replicas that hold them (Serve's router does not know where: it never placed them)."""
         for rid in [r for r in self.seqs if r not in requests]:
-            self._unbind(self.seqs.pop(rid))
+            seq = self.seqs.pop(rid)
+            ep = self.bound.get(seq)
+            self._unbind(seq)
+            if ep is not None:
+                fut = asyncio.run_coroutine_threadsafe(self._client.call(ep, "release", [seq]), self._loop)
+                fut.add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
 
 
 _PARAMS: dict[bytes, object] = {}
@@ -364,6 +379,6 @@ class ProposerWorker:
             rank = 0
         return {**prop.bind(runner, rank, config), "fixed": getattr(self, "splitspec_fixed", [])}
 
-    def splitspec_status(self) -> dict:
+    def splitspec_status(self, consume: bool = False) -> dict:
         prop = getattr(self.model_runner, "drafter", None)
-        return prop.status() if isinstance(prop, SplitspecProposer) else {}
+        return prop.status(consume) if isinstance(prop, SplitspecProposer) else {}
