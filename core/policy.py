@@ -240,7 +240,7 @@ class MeasuredChoice:
     a run every ``explore_every`` steps. ``use()`` picks the arm of a step; ``observe`` records the
     step once it is done."""
 
-    always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
+    always: bool = False  # always the first arm, measuring nothing (pre-drafting: pools on hardware of their own)
     explore_every: int = 32
     run: int = 3  # steps an arm is used in a row when it is tried (the first is a switch: not measured)
     first: int = 3  # steady-state steps measured per arm before choosing

@@ -7,8 +7,8 @@ import logging
 from pydantic import TypeAdapter
 
 from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig
-from core.protocol import DraftRequest, Proposal
 from core.channel import ChannelServer, Endpoint
+from core.protocol import DraftRequest, Proposal
 from deployments.metrics import where
 from deployments.server import EngineServer
 

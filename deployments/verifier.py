@@ -11,11 +11,11 @@ import random
 import time
 
 from configs import SamplingParams, VerifierConfig
+from core.channel import ChannelClient, Endpoint
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
-from core.channel import ChannelClient, Endpoint
 from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
 
@@ -234,8 +234,8 @@ class VerifierServer(EngineServer):
             self._streams -= 1
             if not self._streams:
                 self.load.end([])
-            if k > 0:
-                self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
+            # the sequence's drafter cache is released by the proposer, on the replica it bound it to
+            # (Serve's router never placed it, so a release through Serve would reach a random replica)
 
     async def _bind_drafters(self, force: bool = False, failed: list[str] | None = None):
         """Tell vLLM's proposer where the drafter pool's replicas listen: learned from the pool through

@@ -79,13 +79,6 @@ def _row(flat, i: int, out: torch.Tensor):
     out[torch.tensor(flat.token_ids[s:e], dtype=torch.long)] = torch.tensor(flat.logprobs[s:e], dtype=torch.float32)
 
 
-async def _chain(first, rest):
-    if first is not None:
-        yield first
-    async for out in rest:
-        yield out
-
-
 def _token_logprobs(logprobs, i: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """Position i of vLLM's logprobs (a list of {id: Logprob} or FlatLogprobs) as splitspec's
     (the emitted token's logprob, its top alternatives [(id, logprob)], best first)."""
@@ -315,20 +308,16 @@ class VllmVerifierEngine:
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
         try:
-            try:
-                stream = self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id)
-                first = await anext(stream, None)
-            except Exception as e:  # vLLM refused the request itself: no replica will take it
-                if type(e).__name__ == "VLLMValidationError":
-                    raise ValueError(str(e)) from None
-                raise
-            outs = _chain(first, stream)
-            async for out in outs:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
                 o = out.outputs[0]
                 lps = None
                 if params.logprobs is not None and o.logprobs is not None:
                     lps = [_token_logprobs(o.logprobs, i, tid, params.logprobs) for i, tid in enumerate(o.token_ids)]
                 yield list(o.token_ids), lps, o.spec_decode_metrics if out.finished else None
+        except Exception as e:
+            if type(e).__name__ == "VLLMValidationError":  # vLLM refused the request: no replica will take it
+                raise ValueError(str(e)) from None
+            raise
         finally:
             self.inflight -= 1
 

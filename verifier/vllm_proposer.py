@@ -74,8 +74,9 @@ class SplitspecProposer:
         self.rank = 0
         self.endpoints: list[Endpoint] = []
         self.breakers: dict[Endpoint, Breaker] = {}
-        self.timeout_s, self.tree, self.send_q = 2.0, 1, True
+        self.timeout_s, self.tree = 2.0, 1
         self._pre_draft = True  # this step asks for the next step's pre-drafts
+        self._q: torch.Tensor | None = None  # this step's q for the runner, [rows, k_max, V], when any row samples
         self.bound: dict[str, Endpoint] = {}  # seq id -> the drafter replica its calls go to
         self.held: dict[str, list[int]] = {}  # seq id -> what that replica holds of it
         self.pending: dict[str, PreDraft] = {}  # seq id -> the pre-draft in flight
@@ -83,7 +84,7 @@ class SplitspecProposer:
         self.choice = BatchSpeculation()  # speculate at this batch size or not, measured
         self.stats = {"off_steps": 0, "calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
                       "failures": 0, "no_drafter": 0, "q_rows": 0, "propose_s": 0.0, "wait_s": 0.0}
-        self.failed: list[str] = []  # endpoints that failed since the last status call
+        self.failed: list[str] = []  # endpoints that failed since the last consuming status call
         self._client: ChannelClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -93,11 +94,11 @@ class SplitspecProposer:
     # --- the replica's side (through ProposerWorker) --------------------------------------
 
     def bind(self, runner, rank: int, config: dict) -> dict:
-        """``config``: {"endpoints": [[host, port, token hex, replica], ...], "timeout_s", "tree"}."""
+        """``config``: {"endpoints": [[host, port, token hex, replica], ...], "timeout_s", "tree",
+        "speculate": "measured" | "always"}."""
         self.runner, self.rank = runner, rank
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
-        self.send_q = bool(config.get("send_q", True))  # False: drafts count as one-hot (measurements)
         self.choice.always = config.get("speculate", "measured") == "always"
         eps = [Endpoint(h, int(p), bytes.fromhex(t), r) for h, p, t, r in config.get("endpoints", [])]
         gone = set(self.endpoints) - set(eps)
@@ -117,7 +118,7 @@ class SplitspecProposer:
             self.failed = []
         return {"rank": self.rank, "endpoints": len(self.endpoints),
                 "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
-                "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(), 
+                "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(),
                 **self.stats}
 
     # --- vLLM's side ---------------------------------------------------------------------
@@ -145,8 +146,7 @@ class SplitspecProposer:
         spec = self.choice.use(len(sampled_token_ids), sum(len(s) for s in sampled_token_ids), time.perf_counter())
         if not spec:
             self.stats["off_steps"] += 1
-            for seq in list(self.pending):
-                self.pending.pop(seq).task.cancel()
+            self._drop_pre_drafts()
             return out
         todo = []  # (row, seq id, context, k, settings)
         for i, rid, ex, n in rows:
@@ -168,13 +168,11 @@ class SplitspecProposer:
         # pre-drafts double the drafter pool's work; past a few rows per step it cannot keep up with them
         self._pre_draft = len(rows) <= TREE_MAX_DRAFTER_BATCH
         if not self._pre_draft:
-            for seq in list(self.pending):
-                self.pending.pop(seq).task.cancel()
+            self._drop_pre_drafts()
         if todo:
             self._draft(todo, out)
-        q = getattr(self, "_q", None)
-        if q is not None:  # read by the runner's rejection sampler in the next step, by request id
-            runner._draft_probs, runner._draft_prob_req_ids = q, list(req_ids)
+        if self._q is not None:  # read by the runner's rejection sampler in the next step, by request id
+            runner._draft_probs, runner._draft_prob_req_ids = self._q, list(req_ids)
             self._q = None
         self.stats["propose_s"] += time.perf_counter() - t0
         return out
@@ -195,7 +193,7 @@ class SplitspecProposer:
                 ep = self.bound[t[1]] = live[hash(t[1]) % len(live)]
             groups.setdefault(ep, []).append(t)
         self.stats["calls"] += 1
-        futs = {ep: self._call(ep, [self._request(t) for t in ts]) for ep, ts in groups.items()}
+        futs = {ep: self._call(ep, "propose", [self._request(t) for t in ts]) for ep, ts in groups.items()}
         for ep, ts in groups.items():
             props = self._result(ep, futs[ep])
             if props is None:
@@ -203,7 +201,7 @@ class SplitspecProposer:
             missed = [t for t, p in zip(ts, props) if p.cache_miss]
             if missed:
                 self.stats["cache_misses"] += len(missed)
-                again = self._result(ep, self._call(ep, [self._request(t, full=True) for t in missed]))
+                again = self._result(ep, self._call(ep, "propose", [self._request(t, full=True) for t in missed]))
                 if again is None:
                     continue
                 redo = iter(again)
@@ -213,11 +211,16 @@ class SplitspecProposer:
                     out[i] = p.tokens[:k]
                     self._keep(i, seq, ctx, k, p, ex)
 
+    def _draft_kw(self, ex: dict, k: int) -> dict:
+        """A drafter call's fields for a request: k drafts, its sampling, seed and prompt length, and
+        the alternatives a pre-draft tree needs."""
+        return dict(k=k, sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
+                    alternatives=self.tree + 1 if self.tree > 0 else 0)
+
     def _request(self, t, full: bool = False) -> DraftRequest:
         _, seq, ctx, k, ex = t
-        k_ask = k + 1 if self.tree >= 0 else k  # one more: the guess of the bonus token, for the pre-draft
-        kw = dict(k=k_ask, sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
-                  alternatives=self.tree + 1 if self.tree > 0 else 0)
+        # one more than k with pre-drafting: the guess of the bonus token the tree starts from
+        kw = self._draft_kw(ex, k + 1 if self.tree >= 0 else k)
         if full:
             return DraftRequest(seq, 0, None, ctx, full=True, **kw)
         return DraftRequest.for_tokens(seq, ctx, common_prefix_len(self.held.get(seq, []), ctx), None, None, **kw)
@@ -227,18 +230,16 @@ class SplitspecProposer:
         drafts = p.tokens[:k]
         self.held[seq] = (ctx + p.tokens)[: p.cached]
         self.stats["drafted"] += len(drafts)
-        if drafts and self.tp == 1 and self.send_q and not _params(ex).greedy:
+        if drafts and self.tp == 1 and not _params(ex).greedy:
             self._set_q(row, drafts, p)
         if self.tree < 0 or not self._pre_draft or len(p.tokens) <= len(drafts) or seq not in self.bound:
             return
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
-        req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), None, None, k=k + 1,
-                                      sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
-                                      alternatives=self.tree + 1 if self.tree > 0 else 0,
-                                      branches=[(len(ctx) + j, c) for j, c in branches])
+        req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), None, None,
+                                      branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
         ep = self.bound[seq]
-        self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, [req]))
+        self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, "propose", [req]))
         self.pending[seq].endpoint = ep
 
     def _pre_drafted(self, pre: PreDraft, ctx: list[int]) -> Proposal | None:
@@ -251,7 +252,7 @@ class SplitspecProposer:
         return p if p is not None and p.tokens and not p.cache_miss else None
 
     def _set_q(self, row: int, drafts: list[int], p: Proposal):
-        q = getattr(self, "_q", None)
+        q = self._q
         if q is None:
             runner = self.runner
             V = runner.model_config.get_vocab_size()
@@ -264,8 +265,9 @@ class SplitspecProposer:
 
     # --- transport ------------------------------------------------------------------------
 
-    def _call(self, ep: Endpoint, reqs: list[DraftRequest]) -> Future:
-        return asyncio.run_coroutine_threadsafe(self._client.call(ep, "propose", reqs), self._loop)
+    def _call(self, ep: Endpoint, method: str, *args) -> Future:
+        """A channel call on the proposer's event loop thread (vLLM calls ``propose`` synchronously)."""
+        return asyncio.run_coroutine_threadsafe(self._client.call(ep, method, *args), self._loop)
 
     def _result(self, ep: Endpoint, fut: Future) -> list[Proposal] | None:
         t0 = time.perf_counter()
@@ -273,11 +275,11 @@ class SplitspecProposer:
             out = fut.result(timeout=self.timeout_s)
         except (OSError, TimeoutError) as e:  # gone, broken or late: this step goes on without it
             fut.cancel()
-            self._failed(ep, e)
+            self._failed(ep, e, slow=isinstance(e, TimeoutError))
             return None
         except Exception as e:  # noqa: BLE001 - the replica answered with an error: this step only
             if type(e).__name__ == "Overloaded":  # full: leave it alone briefly, as a late one
-                self._failed(ep, TimeoutError(repr(e)))
+                self._failed(ep, e, slow=True)
             else:
                 log.warning("drafter %s:%d answered with an error: %r", ep.host, ep.port, e)
                 self.stats["failures"] += 1
@@ -288,14 +290,17 @@ class SplitspecProposer:
             self.breakers[ep].succeeded()
         return out
 
-    def _failed(self, ep: Endpoint, e: BaseException):
+    def _failed(self, ep: Endpoint, e: BaseException, slow: bool):
         log.warning("drafter %s:%d failed (%r): its sequences move to another", ep.host, ep.port, e)
         self.stats["failures"] += 1
-        slow = isinstance(e, TimeoutError)
         self.breakers.setdefault(ep, Breaker(max_backoff_s=300.0)).failed(time.monotonic(), SLOW_S if slow else DOWN_S)
         self.failed.append(f"{ep.host}:{ep.port}")
         for s in [s for s, b in self.bound.items() if b == ep]:
             self._unbind(s)
+
+    def _drop_pre_drafts(self):
+        for seq in list(self.pending):
+            self.pending.pop(seq).task.cancel()
 
     def _unbind(self, seq: str):
         self.bound.pop(seq, None)
@@ -312,8 +317,7 @@ class SplitspecProposer:
             ep = self.bound.get(seq)
             self._unbind(seq)
             if ep is not None:
-                fut = asyncio.run_coroutine_threadsafe(self._client.call(ep, "release", [seq]), self._loop)
-                fut.add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
+                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
 
 
 _PARAMS: dict[bytes, object] = {}
