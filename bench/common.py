@@ -21,7 +21,8 @@ BENCH_DTYPE = "bfloat16"
 DRAFTER = str(ROOT / "models" / "tiny-code-drafter")
 EAGLE3 = str(ROOT / "models" / "tiny-code-eagle3")  # the EAGLE-3 head for the same target
 DEFAULT_OUT = ROOT / "bench" / "results"
-DEFAULT_K = 4  # the shipped drafter config's num_speculative_tokens (serve_config.yaml)
+DEFAULT_K = 8  # the shipped drafter config's num_speculative_tokens (serve_config.yaml): the policy's ceiling
+PEER_K = 4  # k of the peers' fixed speculation (transformers assisted generation, vLLM in-engine)
 MAX_MODEL_LEN = 512  # prompts (~100-200 tokens) + 256 new tokens fit; halves the KV slot size
 
 

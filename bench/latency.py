@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, complete, completion_body, environment, expected_tokens,
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, PEER_K, app_args, complete, completion_body, environment, expected_tokens,
                           load_prompts, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
                           write_json)
 
@@ -61,8 +61,8 @@ def parse(argv=None):
                     help="temperatures that get the full k sweep (the others: k = default k only)")
     ap.add_argument("--ks", type=ints, default=list(range(1, 9)), help="k sweep, e.g. 1-8 or 1,2,4")
     ap.add_argument("--default-k", type=int, default=DEFAULT_K)
-    ap.add_argument("--hf-ks", type=ints, default=[DEFAULT_K], help="k of transformers assisted generation")
-    ap.add_argument("--vllm-ks", type=ints, default=[DEFAULT_K], help="k of vLLM speculation (one engine each)")
+    ap.add_argument("--hf-ks", type=ints, default=[PEER_K], help="k of transformers assisted generation")
+    ap.add_argument("--vllm-ks", type=ints, default=[PEER_K], help="k of vLLM speculation (one engine each)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
@@ -89,8 +89,8 @@ class Served:
 
 def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> list[dict]:
     """The systems measured at one temperature: id, label, family, k, and run(prompt, max_tokens, seed)."""
-    ks = args.ks if temperature in args.sweep_temperatures else [args.default_k]
-    ks = sorted(set(ks) | {args.default_k}) if temperature in args.sweep_temperatures else ks
+    # off the sweep: the policy's ceiling and the peers' k, so the default is compared with both
+    ks = sorted(set(args.ks if temperature in args.sweep_temperatures else [PEER_K]) | {args.default_k})
     out = []
 
     def add(id_, label, family, k, policy, fn):

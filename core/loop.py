@@ -233,8 +233,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 info.pre_branches, info.pre_outcome = len(pre.branches), len(seq.tokens) - pre.base - 1
             if k > 0:
                 branch = pre.branch_for(seq.tokens) if pre is not None else None
+                t_wait = clock()  # waiting for a pre-draft still running is drafting on the critical path too
                 if branch is not None:
                     answer = await pre.task
+                    info.draft_s = clock() - t_wait
                     if answer is not None and answer.branches is not None and branch < len(answer.branches):
                         proposal = answer.branches[branch]
                         seq.note_proposal(proposal, seq.tokens)
@@ -245,10 +247,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                     if pre is not None:
                         pre.task.cancel()  # drafted for continuations that did not happen
                         info.pre_draft = "miss"
-                    t = clock()
                     proposal = await (early or draft(k + 1 if pre_drafting else k, seq.tokens,
                                                      alternatives=alts_now(pre_drafting)))
-                    info.draft_s = clock() - t  # what of the drafting the step waited for
+                    info.draft_s = clock() - t_wait  # what of the drafting the step waited for
                     info.draft_engine_s = min(info.draft_s, proposal.draft_s) if proposal else 0.0
                     if proposal is not None:
                         drafter_batch = proposal.batch_size
@@ -282,7 +283,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.step_s = clock() - t0
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             # every step, plain ones too: the policy compares what each k costs here, end to end
-            policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s)
+            policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s, batch)
             if choice is not None and res.num_drafts:
                 choice.observe(pre_drafting, info.step_s, len(new))
             if not seq.done:

@@ -7,29 +7,133 @@ k in [0, bound] that maximises expected tokens per second of wall time:
                                             accepted; for i.i.d. acceptance a, (1 - a^(k+1)) / (1 - a))
     value(k)  = tokens(k) / t(k) / (1 + c_verify * k * extra_load)
 
-a is the request's own acceptance so far (smoothed, from a neutral prior). t(k) is the wall
-time of a step with k drafts as this request measured it where its loop runs (on the
-verifier replica: queueing, batching, drafting on the critical path, everything), kept per k.
-A k not measured yet is read off a line through the measured ks (its slope is the measured
-extra cost per draft token), or, with one measured k, from it scaled by the engine model
-t0 (1 + c_verify k) + k d, with t0 the verify forward scaled to one token and d the drafter's
-time per token on the critical path; an unmeasured plain step is the model's t0, so
-speculation must beat plain decoding as measured (once chosen, plain steps are measured too);
-before ``min_steps`` steps only the model is used. No CPU or GPU constant decides: c_verify only shapes estimates
-until the measurements exist. ``extra_load`` grows with the verifier's batch beyond
-``saturation_batch``: there every extra verified token is throughput taken from other
-requests, so speculation is cut back.
+S(j) comes from the request's own acceptance per draft position (decayed; plain steps age it
+too), each position shrunk towards what every sequence on the replica measured there, plus one
+pseudo-acceptance of optimism: a position the request has not tested looks as likely as the
+replica's sequences found it, never as unlikely as the last one this request tested (which would
+trap a request at a low k), and under-speculating on predictable text loses more than
+over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
+(on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
+at this batch size by every sequence on the replica (``StepCosts``: per k, shrunk towards a line
+through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
+on the request too: its pre-drafts hit as often as its drafts are accepted). A new request thus
+starts from what the replica knows. Until ``min_steps`` speculative steps are measured, the
+engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
+and d the drafter's time per token on the critical path; an unmeasured plain step is the model's
+t0, so speculation must beat plain decoding as measured (once chosen, plain steps are measured
+too). No CPU or GPU constant decides: c_verify only shapes estimates until the measurements
+exist. ``extra_load`` grows with the verifier's batch beyond ``saturation_batch``: there every
+extra verified token is throughput taken from other requests, so speculation is cut back.
 
 k = 0 is one of the choices, and one it returns from: after ``recheck_steps`` plain steps the
 best speculative k is measured again. Every ``explore_every`` steps a neighbour of the best k
-is tried, so the table follows the cost curve as load changes. A k is tried for ``run`` steps in
-a row and its step time measured on steady-state steps only (the previous step used the same k):
-the step right after a change pays for it (its pre-draft, made for the old k, misses).
+is tried, so the measured costs follow the cost curve as load changes. A k is tried for ``run``
+steps in a row and its step time measured on steady-state steps only (the previous step used the
+same k): the step right after a change pays for it (its pre-draft, made for the old k, misses).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+
+@dataclass
+class PositionAcceptance:
+    """Acceptance per draft position, decayed: draft j + 1 is tested when the j drafts before it
+    were accepted, so ``rate(j)`` is the chance draft j + 1 is accepted given the ones before."""
+
+    decay: float
+    tested: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, k: int, num_accepted: int):
+        if len(self.tested) < k:
+            self.tested += [0.0] * (k - len(self.tested))
+            self.accepted += [0.0] * (k - len(self.accepted))
+        for j in range(len(self.tested)):
+            self.tested[j] *= self.decay
+            self.accepted[j] *= self.decay
+            if j < k and j <= num_accepted:
+                self.tested[j] += 1
+                self.accepted[j] += j < num_accepted
+
+    def rate(self, j: int, prior: float, weight: float = 2.0, optimism: float = 0.0) -> float:
+        """Draft j + 1's acceptance, shrunk towards ``prior`` with ``weight`` pseudo-observations,
+        plus ``optimism`` pseudo-acceptances (an upper bound's worth for little-tested positions)."""
+        n = self.tested[j] if j < len(self.tested) else 0.0
+        a = self.accepted[j] if j < len(self.accepted) else 0.0
+        return (a + weight * prior + optimism) / (n + weight + optimism)
+
+
+@dataclass
+class StepCosts:
+    """What a step costs where the loop runs, shared by every sequence on a replica: the wall
+    seconds of a step with k drafts, per verifier batch size (power-of-two buckets), each k the mean
+    of its last ``per_k`` steady-state steps (see ``step_s``). A step's cost belongs to the replica (its engines,
+    its load, its network), so a new request starts from what the others measured and learns only
+    its own acceptance (each request measuring costs alone never got past k = 3 in a 256-token
+    request served). ``plain_est_s`` and ``draft_per_token_s`` (engine seconds) are that model's inputs."""
+
+    per_k: int = 24  # recent steps per k and bucket
+    shrink: float = 4.0  # pseudo-steps of the line in a k's estimate
+    plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
+    draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
+    table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
+    spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
+    # every sequence's acceptance per draft position: a new request's prior for the positions it has
+    # not tested (taking its last tested position's rate instead traps a request that is at a low k)
+    acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(1, batch_size).bit_length()
+
+    def _near(self, table: dict, batch_size: int):
+        """The entry of the batch's bucket, else of the nearest bucket measured (None: nothing yet)."""
+        if not table:
+            return None
+        b = self.bucket(batch_size)
+        return table[min(table, key=lambda x: (abs(x - b), x))]
+
+    def observe(self, batch_size: int, k: int, step_s: float):
+        b = self.bucket(batch_size)
+        self.table.setdefault(b, {}).setdefault(k, deque(maxlen=self.per_k)).append(step_s)
+        if k > 0:
+            self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
+
+    def measured(self, batch_size: int) -> int:
+        """Speculative steps measured in (or nearest) this batch size's bucket."""
+        return self._near(self.spec_steps, batch_size) or 0
+
+    def step_s(self, batch_size: int, k: int, model) -> float | None:
+        """A step with k drafts (None: for k > 0, no speculative k measured; for k = 0, plain steps not
+        measured). Each k's mean, shrunk towards the line through every speculative k's mean (weighted
+        by its steps) with ``shrink`` pseudo-steps: steps are skewed (a late pre-draft or a queued
+        batch adds a drafting pass or a forward), and a k measured on a few bad ones must not be
+        written off for good; an unmeasured k is read off the line. With one k measured, the line
+        is its mean scaled by ``model(k)``, the engine model."""
+        row = self._near(self.table, batch_size) or {}
+        med = {m: sum(v) / len(v) for m, v in row.items() if v}
+        if k == 0:
+            return med.get(0)
+        spec = {m: t for m, t in med.items() if m > 0}
+        if not spec:
+            return None
+        w = {m: len(row[m]) for m in spec}
+        n = sum(w.values())
+        mk = sum(w[m] * m for m in spec) / n
+        mt = sum(w[m] * spec[m] for m in spec) / n
+        var = sum(w[m] * (m - mk) ** 2 for m in spec)
+        if var <= 0:
+            base = model(mk)
+            line = mt * model(k) / base if base > 0 else mt
+        else:
+            slope = max(0.0, sum(w[m] * (m - mk) * (spec[m] - mt) for m in spec) / var)
+            line = max(1e-6, mt + slope * (k - mk))
+        if k not in spec:
+            return line
+        return (w[k] * spec[k] + self.shrink * line) / (w[k] + self.shrink)
 
 
 @dataclass
@@ -38,23 +142,22 @@ class AdaptiveK:
     prior: float = 0.6  # per-token acceptance assumed before any evidence
     c_verify: float = 0.12  # prior: extra verify cost per extra token, relative to a plain step (until measured)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
-    step_weight: float = 0.2  # weight of the newest step in a k's step time
+    step_weight: float = 0.2  # weight of the newest step in the engine model's estimates
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
-    min_steps: int = 8  # steps measured before measured step times are trusted over the model
+    min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
     recheck_steps: int = 16  # plain steps before speculation is measured again
     margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
     plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
     explore_every: int = 16  # steps between tries of a neighbour of the best k
     run: int = 3  # steps a k is tried in a row: a step right after a change of k is not measured
+    optimism: float = 1.0  # pseudo-acceptances per draft position: little-tested positions look likelier
+    costs: StepCosts = field(default_factory=StepCosts)  # the replica's, shared by its sequences
+    own: StepCosts = field(default_factory=StepCosts)  # this request's steps alone
     accepted_w: float = 0.0
     tested_w: float = 0.0
     steps: int = 0
     plain_run: int = 0
-    step_s: dict[int, float] = field(default_factory=dict)  # k -> smoothed wall seconds of a step
-    pos_tested: list[float] = field(default_factory=list)  # draft j+1: steps it was tested (decayed)
-    pos_accepted: list[float] = field(default_factory=list)  # ... and accepted
-    plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
-    draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
+    positions: PositionAcceptance | None = None  # this request's acceptance per draft position
     _explore_up: bool = True
     _trying: tuple[int, int] = (0, 0)  # (k, steps left) of a try in progress
     _prev_k: int | None = None  # the k of the previous observed step
@@ -66,52 +169,56 @@ class AdaptiveK:
         all before it were accepted), smoothed towards the prior with two pseudo-observations."""
         return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
 
+    def __post_init__(self):
+        if self.positions is None:
+            self.positions = PositionAcceptance(self.decay)
+
     def expected_tokens(self, bound: int) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
-        chance the first j drafts are all accepted, S(j) the product of the measured acceptance of
-        draft j given the ones before (each shrunk towards the pooled acceptance). On predictable
-        text acceptance comes in runs, so a draft after accepted ones is likelier accepted than the
-        pooled rate says (the i.i.d. model, a^j, undervalues large k there). Positions never tested
-        take the last tested position's rate."""
+        chance the first j drafts are all accepted, S(j) the product of this request's measured
+        acceptance of draft j given the ones before. On predictable text acceptance comes in runs,
+        so a draft after accepted ones is likelier accepted than the pooled rate says (the i.i.d.
+        model, a^j, undervalues large k there). Each position is shrunk towards what the replica's
+        sequences measured there (a position this request has not tested takes that; before the
+        replica has, the rate of the position before it)."""
         a = min(max(self.acceptance, 1e-3), 0.999)
+        shared = self.costs.acceptance
         out, surv, c = [1.0], 1.0, a
         for j in range(bound):
-            if j < len(self.pos_tested) and self.pos_tested[j] > 0:
-                c = (self.pos_accepted[j] + 2 * a) / (self.pos_tested[j] + 2)
-            surv *= min(max(c, 1e-3), 0.999)
+            prior = shared.rate(j, c) if j < len(shared.tested) and shared.tested[j] > 1 else c
+            c = self.positions.rate(j, prior)  # (the next untested position's prior, without optimism)
+            surv *= min(max(self.positions.rate(j, prior, optimism=self.optimism), 1e-3), 0.999)
             out.append(out[-1] + surv)
         return out
 
-    def model_s(self, k: int) -> float:
+    def model_s(self, k: float) -> float:
         """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
-        return self.plain_est_s * (1 + self.c_verify * k) + k * self.draft_per_token_s
+        return self.costs.plain_est_s * (1 + self.c_verify * k) + k * self.costs.draft_per_token_s
 
-    def cost_s(self, k: int) -> float:
-        """Wall time of a step with k drafts: measured, else a measured neighbour scaled by the model."""
-        if self.steps >= self.min_steps and self.step_s:
-            if k in self.step_s:
-                return self.step_s[k]
-            if k == 0:  # not measured: the engine's plain step, so speculation must beat it measured
-                return self.model_s(0)
-            spec = [m for m in self.step_s if m > 0]
-            if len(spec) >= 2:  # the measured curve's own slope: a line through the measured ks
-                n = len(spec)
-                mk = sum(spec) / n
-                mt = sum(self.step_s[m] for m in spec) / n
-                var = sum((m - mk) ** 2 for m in spec)
-                slope = sum((m - mk) * (self.step_s[m] - mt) for m in spec) / var
-                return max(1e-6, mt + max(0.0, slope) * (k - mk))
-            near = min(self.step_s, key=lambda m: (abs(m - k), m))
-            if self.model_s(near) > 0:
-                return self.step_s[near] * self.model_s(k) / self.model_s(near)
-        return self.model_s(k)
+    def cost_s(self, k: int, batch_size: int = 1) -> float:
+        """Wall time of a step with k drafts at this batch size: measured on this replica
+        (``StepCosts``) once ``min_steps`` speculative steps are, else the engine model; where this
+        request has steps of its own at k, their mean shrunk towards that. An
+        unmeasured plain step is the model's (the verify forward alone), so speculation must beat
+        plain decoding as measured (once chosen, plain steps are measured too)."""
+        if self.costs.measured(batch_size) < self.min_steps:
+            replica = self.model_s(k)
+        else:
+            replica = self.costs.step_s(batch_size, k, self.model_s)
+            replica = replica if replica is not None else self.model_s(k)
+        mine = (self.own._near(self.own.table, batch_size) or {}).get(k)
+        if not mine:
+            return replica
+        # this request's own steps, shrunk towards the replica's: what a step costs depends on the
+        # request too (its pre-drafts hit as often as its drafts are accepted)
+        return (sum(mine) + self.costs.shrink * replica) / (len(mine) + self.costs.shrink)
 
     def values(self, batch_size: int = 1) -> list[float]:
         extra_load = max(0.0, batch_size / self.saturation_batch - 1)
         tokens = self.expected_tokens(self.bound)
         out = []
         for k in range(self.bound + 1):
-            cost = self.cost_s(k)
+            cost = self.cost_s(k, batch_size)
             if cost <= 0:  # nothing measured at all yet
                 cost = 1 + self.c_verify * k
             out.append(tokens[k] / cost / (1 + self.c_verify * k * extra_load))
@@ -143,7 +250,7 @@ class AdaptiveK:
         self.current = best
         if best == 0:
             self.plain_run += 1
-            if self.plain_run < self.recheck_steps or 0 not in self.step_s:
+            if self.plain_run < self.recheck_steps or self.costs.step_s(batch_size, 0, self.model_s) is None:
                 return 0
             self.plain_run = 0  # measure speculation again: conditions may have changed
             self.current = best_spec
@@ -157,38 +264,34 @@ class AdaptiveK:
         return best
 
     def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
-                step_s: float = 0.0):
+                step_s: float = 0.0, batch_size: int = 1):
         """One step: k drafts, num_accepted accepted; drafting on the critical path and the verify
-        forward pass (engine seconds), and the step's wall seconds where the loop runs."""
-        w = self.step_weight
+        forward pass (engine seconds), the step's wall seconds where the loop runs, and the
+        verifier's batch size in that step."""
+        costs, w = self.costs, self.step_weight
         if verify_s > 0:
             plain = verify_s / (1 + self.c_verify * k)
-            self.plain_est_s = plain if self.plain_est_s == 0 else self.plain_est_s + w * (plain - self.plain_est_s)
+            costs.plain_est_s = plain if costs.plain_est_s == 0 else costs.plain_est_s + w * (plain - costs.plain_est_s)
         if k > 0:
-            per = draft_s / k
-            self.draft_per_token_s += w * (per - self.draft_per_token_s)
+            costs.draft_per_token_s += w * (draft_s / k - costs.draft_per_token_s)
         wall = step_s if step_s > 0 else verify_s + draft_s
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
         if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
-            old = self.step_s.get(k)
-            self.step_s[k] = wall if old is None else old + w * (wall - old)
+            costs.observe(batch_size, k, wall)
+            self.own.observe(batch_size, k, wall)
         self._prev_k = k
+        # plain steps age the acceptance too: what the drafter guessed 16 plain steps ago says little
+        # about the text now, and speculation measured again must be judged on what it meets then
+        self.accepted_w *= self.decay
+        self.tested_w *= self.decay
+        self.positions.observe(k, num_accepted)
         if k <= 0:
             return
         self.steps += 1
-        tested = num_accepted + (1 if num_accepted < k else 0)
-        self.accepted_w = self.decay * self.accepted_w + num_accepted
-        self.tested_w = self.decay * self.tested_w + tested
-        if len(self.pos_tested) < k:
-            self.pos_tested += [0.0] * (k - len(self.pos_tested))
-            self.pos_accepted += [0.0] * (k - len(self.pos_accepted))
-        for j in range(len(self.pos_tested)):  # draft j + 1: tested when the j before it were accepted
-            self.pos_tested[j] *= self.decay
-            self.pos_accepted[j] *= self.decay
-            if j < k and j <= num_accepted:
-                self.pos_tested[j] += 1
-                self.pos_accepted[j] += j < num_accepted
+        self.accepted_w += num_accepted
+        self.tested_w += num_accepted + (1 if num_accepted < k else 0)
+        self.costs.acceptance.observe(k, num_accepted)
 
 
 @dataclass

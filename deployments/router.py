@@ -91,6 +91,8 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             "mean_pre_branches": round(timing["pre_branches"] / max(1, timing["pre_draft_hits"] + timing["pre_draft_misses"]), 2),
             "pre_draft_by_outcome": dict(sorted(timing["pre_draft_by_outcome"].items(), key=lambda kv: int(kv[0]))),
             "degraded_steps": timing["degraded_steps"],
+            # steps per number of drafts k the policy chose (degraded steps excluded)
+            "steps_by_k": dict(sorted(timing["steps_by_k"].items(), key=lambda kv: int(kv[0]))),
             "drafter_recomputes": seq.cache_misses["drafter"],
             "verifier_recomputes": seq.cache_misses["verifier"],
             "state_recomputes": seq.cache_misses["states"],
@@ -351,7 +353,7 @@ class Router:
         resumes on another replica from its tokens, no token lost or repeated."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        timing = {"pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
+        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
                   "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
@@ -436,6 +438,8 @@ class Router:
                 row[0] += info.pre_draft == "hit"
                 row[1] += 1
         timing["aux_bytes"] += info.aux_bytes
+        if not info.degraded:  # what the policy chose, step by step
+            timing["steps_by_k"][str(info.k)] = timing["steps_by_k"].get(str(info.k), 0) + 1
         if not info.k:
             if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:
                 timing["plain_from_token"] = len(seq.output_ids) - 1  # the policy chose plain decoding

@@ -13,7 +13,7 @@ import time
 from configs import SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.loop import speculate
-from core.policy import AdaptiveK, Breaker, FixedK
+from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.server import EngineServer
@@ -48,6 +48,7 @@ class VerifierServer(EngineServer):
         self.pipeline_drafts = pipeline_drafts
         self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
         self.drafter_timeout_s = drafter_timeout_s
+        self.step_costs = StepCosts()  # what a step costs here, measured by every sequence (the adaptive policy)
         if engine is None:
             cfg = VerifierConfig.model_validate(config)
             if cfg.backend == "vllm":
@@ -147,7 +148,7 @@ class VerifierServer(EngineServer):
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
                        output_ids=output_ids)
-        policy = AdaptiveK(k) if k_policy == "adaptive" else FixedK(k)
+        policy = AdaptiveK(k, costs=self.step_costs) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None:
             policy = FixedK(0)
         elif k > 0:

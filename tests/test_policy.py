@@ -105,3 +105,51 @@ def test_batch_speculation_turns_speculation_off_where_it_measures_slower():
     rep = choice.report()
     assert rep["1"]["spec_ms"] < rep["1"]["off_ms"] and rep["32"]["spec_ms"] > rep["32"]["off_ms"]
     assert BatchSpeculation(always=True).use(32, 0, 0.0) is True
+
+
+def test_a_new_request_starts_from_what_the_replica_measured():
+    """Step costs belong to the replica: a request arriving after others speculates by the costs
+    and per-position acceptance they measured from its first step, where one on its own starts
+    from the engine model and the neutral prior."""
+    from core.policy import StepCosts
+
+    costs = StepCosts()
+    first = AdaptiveK(8, costs=costs)
+    for i in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
+        k = first.next_k()
+        first.observe(k, k, draft_s=0.0005 * k, verify_s=0.006, step_s=(0.010 + 0.0002 * k) if k else 0.008)
+    assert costs.measured(1) >= first.min_steps
+    assert costs.step_s(1, 8, first.model_s) == pytest.approx(0.0116, rel=0.05)
+    late, alone = AdaptiveK(8, costs=costs), AdaptiveK(8)
+    assert late.next_k() == 8  # the replica's positions say long blocks are accepted
+    assert alone.next_k() < 8  # (the prior alone does not)
+
+
+def test_step_costs_are_kept_per_batch_size():
+    """A step at batch 64 is not a step at batch 1: a replica whose big batches are slow per draft
+    speculates less there, and as much as ever for a lone request."""
+    from core.policy import StepCosts
+
+    costs = StepCosts()
+    for batch, per_draft in ((1, 0.0002), (64, 0.004)):
+        p = AdaptiveK(8, costs=costs)
+        for _ in range(40):
+            for k in (2, 2, 6, 6):
+                p.observe(k, k - 1, draft_s=0.0005 * k, verify_s=0.006, step_s=0.010 + per_draft * k, batch_size=batch)
+    assert costs.step_s(64, 6, lambda k: 1.0) > 2 * costs.step_s(1, 6, lambda k: 1.0)
+    probe = AdaptiveK(8, costs=costs)
+    for _ in range(20):
+        probe.observe(4, 3, draft_s=0.002, verify_s=0.006)
+    assert probe.next_k(batch_size=1) > probe.next_k(batch_size=64)
+
+
+def test_plain_steps_age_what_the_request_knows_of_its_acceptance():
+    """After a stretch of plain steps, speculation tried again is judged on what it meets then, not
+    on the stretch of text that sent the request to plain decoding."""
+    p = AdaptiveK(4)
+    for _ in range(20):
+        p.observe(4, 0, verify_s=0.01)
+    low = p.acceptance
+    for _ in range(30):
+        p.observe(0, 0, verify_s=0.01)
+    assert low < 0.2 and p.acceptance > 0.5
