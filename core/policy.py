@@ -8,11 +8,11 @@ k in [0, bound] that maximises expected tokens per second of wall time:
     value(k)  = tokens(k) / t(k) / (1 + c_verify * k * extra_load)
 
 S(j) comes from the request's own acceptance per draft position (decayed; plain steps age it
-too), each position shrunk towards what every sequence on the replica measured there, plus one
-pseudo-acceptance of optimism: a position the request has not tested looks as likely as the
-replica's sequences found it, never as unlikely as the last one this request tested (which would
-trap a request at a low k), and under-speculating on predictable text loses more than
-over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
+slowly), each position shrunk towards what every sequence on the replica measured there, plus
+one pseudo-acceptance of optimism while the request has never tested it: such a position looks
+as likely as the replica's sequences found it, never as unlikely as the last one this request
+tested (which would trap a request at a low k), and under-speculating on predictable text loses
+more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
 (on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
 at this batch size by every sequence on the replica (``StepCosts``: per k, shrunk towards a line
 through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
@@ -25,8 +25,10 @@ too). No CPU or GPU constant decides: c_verify only shapes estimates until the m
 exist. ``extra_load`` grows with the verifier's batch beyond ``saturation_batch``: there every
 extra verified token is throughput taken from other requests, so speculation is cut back.
 
-k = 0 is one of the choices, and one it returns from: after ``recheck_steps`` plain steps the
-best speculative k is measured again. Every ``explore_every`` steps a neighbour of the best k
+k = 0 is one of the choices, and one it returns from: a plain stretch lasts ``recheck_steps``
+steps, then the best speculative k is tried again (a stretch twice as long after each recheck
+that went back to plain, up to ``max_recheck_steps``: on text the drafter cannot guess, rechecks
+would cost more than they find). Every ``explore_every`` steps a neighbour of the best k
 is tried, so the measured costs follow the cost curve as load changes. A k is tried for ``run``
 steps in a row and its step time measured on steady-state steps only (the previous step used the
 same k): the step right after a change pays for it (its pre-draft, made for the old k, misses).
@@ -58,11 +60,16 @@ class PositionAcceptance:
                 self.tested[j] += 1
                 self.accepted[j] += j < num_accepted
 
+    def age(self, factor: float):
+        self.tested = [x * factor for x in self.tested]
+        self.accepted = [x * factor for x in self.accepted]
+
     def rate(self, j: int, prior: float, weight: float = 2.0, optimism: float = 0.0) -> float:
         """Draft j + 1's acceptance, shrunk towards ``prior`` with ``weight`` pseudo-observations,
-        plus ``optimism`` pseudo-acceptances (an upper bound's worth for little-tested positions)."""
+        plus ``optimism`` pseudo-acceptances while it has never been tested."""
         n = self.tested[j] if j < len(self.tested) else 0.0
         a = self.accepted[j] if j < len(self.accepted) else 0.0
+        optimism = optimism if j >= len(self.tested) else 0.0  # (once tested, the evidence speaks)
         return (a + weight * prior + optimism) / (n + weight + optimism)
 
 
@@ -142,10 +149,12 @@ class AdaptiveK:
     prior: float = 0.6  # per-token acceptance assumed before any evidence
     c_verify: float = 0.12  # prior: extra verify cost per extra token, relative to a plain step (until measured)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
+    plain_decay: float = 0.97  # ... per plain step
     step_weight: float = 0.2  # weight of the newest step in the engine model's estimates
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
     min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
-    recheck_steps: int = 16  # plain steps before speculation is measured again
+    recheck_steps: int = 16  # plain steps before speculation is measured again (doubling while rechecks fail)
+    max_recheck_steps: int = 64
     margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
     plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
     explore_every: int = 16  # steps between tries of a neighbour of the best k
@@ -160,6 +169,8 @@ class AdaptiveK:
     positions: PositionAcceptance | None = None  # this request's acceptance per draft position
     _explore_up: bool = True
     _trying: tuple[int, int] = (0, 0)  # (k, steps left) of a try in progress
+    _recheck: int = 16  # plain steps before the next recheck
+    _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _prev_k: int | None = None  # the k of the previous observed step
     current: int | None = None  # the k chosen last (None: not yet)
 
@@ -172,6 +183,7 @@ class AdaptiveK:
     def __post_init__(self):
         if self.positions is None:
             self.positions = PositionAcceptance(self.decay)
+        self._recheck = self.recheck_steps
 
     def expected_tokens(self, bound: int) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
@@ -241,6 +253,16 @@ class AdaptiveK:
         if left > 0:  # a try runs `run` steps: its first pays for the change, the others are measured
             self._trying = (k, left - 1)
             return k
+        if self.current == 0 and self.plain_run > 0:
+            # a plain stretch lasts until its recheck (aged evidence would otherwise lure the policy
+            # into one-step probes at a large k, each paying a whole drafting pass)
+            if self.plain_run < self._recheck or self.costs.step_s(batch_size, 0, self.model_s) is None:
+                self.plain_run += 1
+                return 0
+            v = self.values(batch_size)  # measure speculation again: conditions may have changed
+            best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
+            self.plain_run, self.current, self._rechecking = 0, best_spec, True
+            return self._try(best_spec)
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
@@ -248,13 +270,12 @@ class AdaptiveK:
         if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
             best = cur  # not clearly better: stay, measurements are noisy
         self.current = best
+        if self._rechecking:  # a recheck's verdict: back to plain waits twice as long next time
+            self._rechecking = False
+            self._recheck = min(self.max_recheck_steps, 2 * self._recheck) if best == 0 else self.recheck_steps
         if best == 0:
-            self.plain_run += 1
-            if self.plain_run < self.recheck_steps or self.costs.step_s(batch_size, 0, self.model_s) is None:
-                return 0
-            self.plain_run = 0  # measure speculation again: conditions may have changed
-            self.current = best_spec
-            return self._try(best_spec)
+            self.plain_run = 1
+            return 0
         self.plain_run = 0
         if self.steps >= self.min_steps and self.steps % self.explore_every == 0:
             self._explore_up = not self._explore_up
@@ -281,16 +302,17 @@ class AdaptiveK:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
         self._prev_k = k
-        # plain steps age the acceptance too: what the drafter guessed 16 plain steps ago says little
-        # about the text now, and speculation measured again must be judged on what it meets then
-        self.accepted_w *= self.decay
-        self.tested_w *= self.decay
-        self.positions.observe(k, num_accepted)
         if k <= 0:
+            # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
+            # speculation tried again after a plain stretch must be judged on what it meets then
+            self.accepted_w *= self.plain_decay
+            self.tested_w *= self.plain_decay
+            self.positions.age(self.plain_decay)
             return
         self.steps += 1
-        self.accepted_w += num_accepted
-        self.tested_w += num_accepted + (1 if num_accepted < k else 0)
+        self.accepted_w = self.decay * self.accepted_w + num_accepted
+        self.tested_w = self.decay * self.tested_w + num_accepted + (1 if num_accepted < k else 0)
+        self.positions.observe(k, num_accepted)
         self.costs.acceptance.observe(k, num_accepted)
 
 

@@ -143,13 +143,17 @@ def test_step_costs_are_kept_per_batch_size():
     assert probe.next_k(batch_size=1) > probe.next_k(batch_size=64)
 
 
-def test_plain_steps_age_what_the_request_knows_of_its_acceptance():
-    """After a stretch of plain steps, speculation tried again is judged on what it meets then, not
-    on the stretch of text that sent the request to plain decoding."""
-    p = AdaptiveK(4)
-    for _ in range(20):
-        p.observe(4, 0, verify_s=0.01)
-    low = p.acceptance
-    for _ in range(30):
-        p.observe(0, 0, verify_s=0.01)
-    assert low < 0.2 and p.acceptance > 0.5
+def test_rechecks_from_plain_decoding_back_off_while_they_fail():
+    """Plain decoding measures speculation again now and then; on text the drafter never guesses,
+    each failed recheck doubles the wait before the next, so rechecks stop costing more than they
+    could find, up to ``max_recheck_steps``. A recheck that finds speculation paying resets the wait."""
+    p = AdaptiveK(4, recheck_steps=8)
+    ks = []
+    for _ in range(400):
+        k = p.next_k()
+        ks.append(k)
+        p.observe(k, 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.005 + 0.004 * (k > 0))
+    starts = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2], gaps
+    assert max(gaps) <= p.max_recheck_steps + p.run, gaps  # (text changes: a recheck comes at least this often)

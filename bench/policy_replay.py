@@ -1,0 +1,107 @@
+"""Replay k policies offline on recorded greedy acceptance traces (deterministic, seconds).
+
+Greedy decoding's text does not depend on k, so one trace per prompt says everything a policy
+meets: at each output position, how many of the drafter's ``--max-k`` greedy drafts from that
+prefix match the target's tokens (the accepted length for any k is min(k, L)). Each step's cost is
+drawn from a per-k step-time curve (ms; by default the served per-k step times measured on this
+machine) with lognormal noise, plus a fixed cost per change of k (the pre-draft made for the old k
+misses). Policies share one ``StepCosts`` across the prompts, as a replica's sequences do.
+
+    python -m bench.policy_replay --record --prompts 8      # traces -> build/policy_traces.json
+    python -m bench.policy_replay                            # fixed k and the adaptive policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+from core.policy import AdaptiveK, FixedK, StepCosts
+
+TRACES = Path("build/policy_traces.json")
+# served per-k step wall times, ms (bf16, 1 stream, k = 0..8; measured by the policy's own table)
+SERVED_MS = [6.0, 9.1, 9.2, 10.5, 11.0, 12.0, 12.9, 13.9, 14.4]
+
+
+def record(prompts: int, max_k: int, tokens: int, out: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.common import DRAFTER, TARGET, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=torch.float32).eval()
+    traces = []
+    with torch.no_grad():
+        for _, ids in load_prompts(prompts, tok):
+            n = tokens + max_k
+            out_ids = target.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False)[0, len(ids):].tolist()
+            lengths = []
+            for p in range(tokens):
+                ctx = torch.tensor([ids + out_ids[:p]])
+                d = drafter.generate(ctx, max_new_tokens=max_k, min_new_tokens=max_k,
+                                     do_sample=False)[0, ctx.shape[1]:].tolist()
+                m = 0
+                while m < max_k and d[m] == out_ids[p + m]:
+                    m += 1
+                lengths.append(m)
+            traces.append(lengths)
+            print(f"prompt {len(traces)}: mean matching drafts {statistics.mean(lengths):.2f}", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(traces))
+
+
+def replay(make, traces, cost_ms, seed: int, noise: float, switch_ms: float) -> list[float]:
+    """ms per token of each trace, in order, the policies sharing one StepCosts."""
+    rng, costs, out = random.Random(seed), StepCosts(), []
+    for lengths in traces:
+        policy, pos, total, prev = make(costs), 0, 0.0, None
+        while pos < len(lengths):
+            k = policy.next_k(1)
+            accepted = min(k, lengths[pos])
+            ms = cost_ms[k] * rng.lognormvariate(0, noise) + (switch_ms if k != prev and k > 0 else 0.0)
+            prev = k
+            # engine-model inputs (before measurements): a 5 ms forward, 0.4 ms per drafted token
+            policy.observe(k, accepted, 0.0004 * k, 0.005 * (1 + 0.05 * k), ms / 1000, 1)
+            pos, total = pos + accepted + 1, total + ms
+        out.append(total / pos)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true", help="record the traces first")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--max-k", type=int, default=8)
+    ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument("--cost-ms", default=",".join(map(str, SERVED_MS)), help="step ms for k = 0..max-k")
+    ap.add_argument("--noise", type=float, default=0.15, help="lognormal sigma of a step's cost")
+    ap.add_argument("--switch-ms", type=float, default=3.0, help="added to a step whose k changed")
+    ap.add_argument("--seeds", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.record:
+        record(args.prompts, args.max_k, args.tokens, args.traces)
+    traces = json.loads(args.traces.read_text())
+    cost_ms = [float(x) for x in args.cost_ms.split(",")]
+    systems = {f"fixed k={k}": (lambda k: lambda c: FixedK(k))(k) for k in range(0, args.max_k + 1, 2)}
+    systems["adaptive (replica-shared costs)"] = lambda c: AdaptiveK(args.max_k, costs=c)
+    systems["adaptive (each request alone)"] = lambda c: AdaptiveK(args.max_k)
+    rows = {}
+    for name, make in systems.items():
+        runs = [replay(make, traces, cost_ms, s, args.noise, args.switch_ms) for s in range(args.seeds)]
+        rows[name] = [statistics.mean(r[i] for r in runs) for i in range(len(traces))]
+        print(f"{name:32s} mean {statistics.mean(rows[name]):5.2f}  median {statistics.median(rows[name]):5.2f}  "
+              + " ".join(f"{x:5.2f}" for x in rows[name]))
+    fixed = [v for n, v in rows.items() if n.startswith("fixed")]
+    best = [min(v[i] for v in fixed) for i in range(len(traces))]
+    print(f"{'best fixed k per prompt':32s} mean {statistics.mean(best):5.2f}")
+
+
+if __name__ == "__main__":
+    main()
