@@ -156,3 +156,34 @@ def test_engine_failures_are_retryable_request_faults_are_not(tiny_engines):
 
         with pytest.raises(exc, match="boom"):
             asyncio.run(drive())
+
+
+def test_waiting_for_a_pre_draft_counts_as_drafting_on_the_critical_path(tiny_engines):
+    """A pre-draft slower than the verification it was meant to hide behind makes the next step
+    wait for it; that wait is drafting on the critical path (``StepInfo.draft_s``), not exposed
+    time, so the policy and the breakdown charge it to drafting."""
+    tok, target, ver, drafter = tiny_engines
+    seq = new_seq(tok, ver, prompts(tok, 1)[0], 4)
+
+    async def main():
+        infos = []
+
+        async def propose(requests):
+            await asyncio.sleep(0.03)  # every drafter call, pre-drafts included, takes 30 ms
+            return drafter.propose(requests)
+
+        async def verify(requests):
+            return ver.verify(requests)
+
+        async for _, _, info in speculate(seq, propose, verify, FixedK(4), Breaker(), True, draft_timeout_s=5.0,
+                                          pre_draft_always=True):
+            infos.append(info)
+        return infos
+
+    infos = asyncio.run(main())
+    ver.release(seq.seq_id)
+    drafter.release(seq.seq_id)
+    hits = [i for i in infos if i.pre_draft == "hit"]
+    assert hits, [i.pre_draft for i in infos]
+    assert all(i.draft_s > 0.01 for i in hits), [round(i.draft_s, 4) for i in hits]  # verify takes ~ms, the pre-draft 30
+    assert all(i.step_s - i.forward_s - i.draft_s < 0.02 for i in infos if i.k)  # and not counted as exposed
