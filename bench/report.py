@@ -12,12 +12,13 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import DEFAULT_OUT, log, rnd
+from bench.common import DEFAULT_OUT, log, median, rnd
 
 SCENARIOS = ("latency", "breakdown", "load", "cost")
 GOAL_SPEEDUP = 2.0
 GOAL_BOUND_FRACTION = 0.85
 GOAL_EXPOSED = 0.20
+GOAL_POLICY = 1.10  # default policy's ms/token at most this times the best fixed k's (k = 0 included)
 
 
 def load_all(out: Path) -> dict:
@@ -45,6 +46,26 @@ def sweep_temperature(lat: dict) -> str | None:
 
 
 # ------------------------------------------------------------------ goals
+def _policy_goal(t: str, sy: dict) -> list[dict]:
+    """The default policy against the best fixed k (speculation off included) of each (prompt,
+    repeat), paired: the median of default / best."""
+    d = sy.get("splitspec_default")
+    fixed = {sid: e for sid, e in sy.items() if sid == "splitspec_off" or
+             (sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit())}
+    runs = [e.get("ms_per_token_runs") or [] for e in fixed.values()]
+    if not d or not fixed or not d.get("ms_per_token_runs") or any(len(r) != len(d["ms_per_token_runs"]) for r in runs):
+        return []
+    ratios = [x / min(r[i] for r in runs) for i, x in enumerate(d["ms_per_token_runs"])]
+    m = rnd(median(ratios), 3)
+    detail = (f"median over {len(ratios)} runs of default / best of {', '.join(sorted(fixed))} in the same (prompt, repeat)")
+    if d.get("same_tokens_as_reference") is False:
+        detail += ("; these rows decode different texts (bf16 greedy diverges with the verification width at "
+                   "near-ties), so the ratio compares texts as well as policies: compare in float32 (--dtype float32)")
+    return [{"kind": "policy", "temperature": t, "goal": f"default policy within {GOAL_POLICY - 1:.0%} of the best fixed k "
+             f"(k = 0 included), temperature {t}", "measured": m, "target": GOAL_POLICY,
+             "met": m <= GOAL_POLICY, "detail": detail}]
+
+
 def goals(data: dict) -> list[dict]:
     out = []
     lat = data.get("latency")
@@ -97,6 +118,8 @@ def goals(data: dict) -> list[dict]:
         if "vllm" in lat.get("skipped", {}):
             out.append({"kind": "vllm", "goal": "ms/token no higher than vLLM's in-engine speculation", "measured": None,
                         "target": 1.0, "met": None, "detail": lat["skipped"]["vllm"]})
+    for t, g in (lat or {}).get("temperatures", {}).items():
+        out += _policy_goal(t, g["systems"])
     bd = data.get("breakdown")
     if bd and "default" in bd["per_config"]:
         e = bd["per_config"]["default"]

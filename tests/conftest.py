@@ -68,8 +68,11 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
 
     from deployments.app import build_app_with
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    from ray.serve.context import _get_global_client
+
+    # no-op if a module before started Serve (its http_options then stand): use the port it listens on
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    port = _get_global_client().http_config.port
     target_dir, drafter_dir = tiny_model_dirs
     app = build_app_with({
         "model_name": "tiny",
