@@ -7,7 +7,7 @@ drawn from a per-k step-time curve (ms; by default the served per-k step times m
 machine) with lognormal noise, plus a fixed cost per change of k (the pre-draft made for the old k
 misses). Policies share one ``StepCosts`` across the prompts, as a replica's sequences do.
 
-    python -m bench.policy_replay --record --prompts 8      # traces -> build/policy_traces.json
+    python -m bench.policy_replay --record --prompts 8      # traces -> bench/results/policy_traces.json
     python -m bench.policy_replay                            # fixed k and the adaptive policy
 """
 
@@ -17,11 +17,12 @@ import argparse
 import json
 import random
 import statistics
+from functools import partial
 from pathlib import Path
 
 from core.policy import AdaptiveK, FixedK, StepCosts
 
-TRACES = Path("build/policy_traces.json")
+TRACES = Path("bench/results/policy_traces.json")  # 8 held-out prompts, recorded in float32
 # served per-k step wall times, ms (bf16, 1 stream, k = 0..8; measured by the policy's own table)
 SERVED_MS = [6.0, 9.1, 9.2, 10.5, 11.0, 12.0, 12.9, 13.9, 14.4]
 
@@ -54,6 +55,10 @@ def record(prompts: int, max_k: int, tokens: int, out: Path):
             print(f"prompt {len(traces)}: mean matching drafts {statistics.mean(lengths):.2f}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(traces))
+
+
+def _fixed(k: int, costs: StepCosts) -> FixedK:
+    return FixedK(k)
 
 
 def replay(make, traces, cost_ms, seed: int, noise: float, switch_ms: float) -> list[float]:
@@ -89,7 +94,7 @@ def main(argv=None):
         record(args.prompts, args.max_k, args.tokens, args.traces)
     traces = json.loads(args.traces.read_text())
     cost_ms = [float(x) for x in args.cost_ms.split(",")]
-    systems = {f"fixed k={k}": (lambda k: lambda c: FixedK(k))(k) for k in range(0, args.max_k + 1, 2)}
+    systems = {f"fixed k={k}": partial(_fixed, k) for k in range(0, args.max_k + 1, 2)}
     systems["adaptive (replica-shared costs)"] = lambda c: AdaptiveK(args.max_k, costs=c)
     systems["adaptive (each request alone)"] = lambda c: AdaptiveK(args.max_k)
     rows = {}

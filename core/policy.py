@@ -76,11 +76,12 @@ class PositionAcceptance:
 @dataclass
 class StepCosts:
     """What a step costs where the loop runs, shared by every sequence on a replica: the wall
-    seconds of a step with k drafts, per verifier batch size (power-of-two buckets), each k the mean
-    of its last ``per_k`` steady-state steps (see ``step_s``). A step's cost belongs to the replica (its engines,
-    its load, its network), so a new request starts from what the others measured and learns only
-    its own acceptance (each request measuring costs alone never got past k = 3 in a 256-token
-    request served). ``plain_est_s`` and ``draft_per_token_s`` (engine seconds) are that model's inputs."""
+    seconds of a step with k drafts, per verifier batch size (power-of-two buckets), each k from its
+    last ``per_k`` steady-state steps (see ``step_s``). A step's cost belongs to the replica (its
+    engines, its load, its network), so a new request starts from what the others measured (each
+    request measuring costs alone rarely got past k = 3 in a 256-token request served). Also the
+    replica's acceptance per draft position (a new request's prior), and the engine model's inputs,
+    ``plain_est_s`` and ``draft_per_token_s`` (engine seconds), used until steps are measured."""
 
     per_k: int = 24  # recent steps per k and bucket
     shrink: float = 4.0  # pseudo-steps of the line in a k's estimate
@@ -88,8 +89,8 @@ class StepCosts:
     draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
     table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
     spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
-    # every sequence's acceptance per draft position: a new request's prior for the positions it has
-    # not tested (taking its last tested position's rate instead traps a request that is at a low k)
+    # every sequence's acceptance per draft position: a request's prior for each position (taking
+    # its last tested position's rate for the ones it has not tested traps a request at a low k)
     acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
 
     @staticmethod
@@ -121,10 +122,10 @@ class StepCosts:
         written off for good; an unmeasured k is read off the line. With one k measured, the line
         is its mean scaled by ``model(k)``, the engine model."""
         row = self._near(self.table, batch_size) or {}
-        med = {m: sum(v) / len(v) for m, v in row.items() if v}
+        mean = {m: sum(v) / len(v) for m, v in row.items() if v}
         if k == 0:
-            return med.get(0)
-        spec = {m: t for m, t in med.items() if m > 0}
+            return mean.get(0)
+        spec = {m: t for m, t in mean.items() if m > 0}
         if not spec:
             return None
         w = {m: len(row[m]) for m in spec}

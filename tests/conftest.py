@@ -65,10 +65,9 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
     """The splitspec app on tiny models, served over real HTTP on a free port.
     Yields (base_url, tokenizer, target_model, drafter_model)."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from deployments.app import build_app_with
-
-    from ray.serve.context import _get_global_client
 
     # no-op if a module before started Serve (its http_options then stand): use the port it listens on
     serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})

@@ -1,5 +1,7 @@
 """The adaptive speculation policy picks k from acceptance, drafter cost and load."""
 
+import itertools
+
 import pytest
 
 from core.policy import AdaptiveK
@@ -154,6 +156,6 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
         ks.append(k)
         p.observe(k, 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.005 + 0.004 * (k > 0))
     starts = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2], gaps
     assert max(gaps) <= p.max_recheck_steps + p.run, gaps  # (text changes: a recheck comes at least this often)
