@@ -461,3 +461,37 @@ def test_the_vllm_internals_the_proposer_relies_on():
     from vllm.sampling_params import SamplingParams as VllmParams
 
     assert "extra_args" in inspect.signature(VllmParams).parameters
+
+
+def test_the_proposer_keeps_each_sequences_context_and_hash_chain_as_they_grow():
+    """Per row and step the proposer extends the accepted tokens it keeps and reuses the prefix-hash
+    links of the blocks hashed before (O(new tokens), not O(context)); the requests it builds name
+    the same prefix as hashing from scratch would, and a row whose kept tokens no longer match what
+    vLLM holds is rebuilt."""
+    from core.protocol import HASH_BLOCK, DraftRequest, prefix_hash
+    from verifier.vllm_proposer import SplitspecProposer
+
+    from core.protocol import common_prefix_len
+
+    prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
+    prop.ctx, prop.chains, prop.held = {}, {}, {}
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 4000, (2, 3 * HASH_BLOCK + 48), generator=g)
+    for n in (10, HASH_BLOCK + 5, 2 * HASH_BLOCK + 7, 3 * HASH_BLOCK + 40):
+        ctx = prop._context("s", tokens, 0, n)
+        assert ctx == tokens[0, :n].tolist() and prop.ctx["s"] is ctx
+        chain = prop.chains.setdefault("s", [b""])
+        for cached in (n - 3, n - 1):
+            req = DraftRequest.for_tokens("s", ctx, cached, chain, len(ctx), k=4, sampling=None, seed=0)
+            assert req.prefix == prefix_hash(ctx, cached)  # the memo names the same prefix
+        if "s" in prop.held:  # what the drafter held after the last step: its accepted drafts count
+            assert prop._held_prefix("s", ctx) == common_prefix_len(held, ctx), n
+        # the drafter now holds the context and drafts: the next 4 true tokens, the 4th one wrong
+        drafts = tokens[0, n:n + 4].tolist()
+        drafts[3] += 1
+        prop.held["s"] = (len(ctx), drafts)
+        held = ctx + drafts
+    assert len(prop.chains["s"]) > 1  # links were kept, not rebuilt
+    other = tokens[1]
+    ctx = prop._context("s", tokens[1:], 0, 2 * HASH_BLOCK)  # another text under the same id: rebuilt
+    assert ctx == other[: 2 * HASH_BLOCK].tolist() and "s" not in prop.chains and prop._held_prefix("s", ctx) == 0

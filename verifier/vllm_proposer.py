@@ -78,9 +78,14 @@ class SplitspecProposer:
         self._pre_draft = True  # this step asks for the next step's pre-drafts
         self._q: torch.Tensor | None = None  # this step's q for the runner, [rows, k_max, V], when any row samples
         self.bound: dict[str, Endpoint] = {}  # seq id -> the drafter replica its calls go to
-        self.held: dict[str, list[int]] = {}  # seq id -> what that replica holds of it
+        # seq id -> what that replica holds of it: (n, tail), the first n accepted tokens then tail
+        self.held: dict[str, tuple[int, list[int]]] = {}
         self.pending: dict[str, PreDraft] = {}  # seq id -> the pre-draft in flight
         self.seqs: dict[str, str] = {}  # vLLM request id -> seq id
+        # seq id -> its accepted tokens and their prefix-hash links, kept as they grow: rebuilding
+        # them for every row every step costs O(context) each (about 0.3 ms a row at 8k tokens)
+        self.ctx: dict[str, list[int]] = {}
+        self.chains: dict[str, list[bytes]] = {}
         self.choice = BatchSpeculation()  # speculate at this batch size or not, measured
         self.stats = {"off_steps": 0, "calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
                       "failures": 0, "no_drafter": 0, "q_rows": 0, "propose_s": 0.0, "wait_s": 0.0}
@@ -152,7 +157,7 @@ class SplitspecProposer:
         for i, rid, ex, n in rows:
             seq = ex["seq"]
             self.seqs[rid] = seq
-            ctx = token_ids_cpu[i, :n].tolist()
+            ctx = self._context(seq, token_ids_cpu, i, n)
             k = min(ex["k"], self.k_max, self.max_len - n - 1)
             self.stats["rows"] += 1
             pre = self.pending.pop(seq, None)
@@ -222,13 +227,32 @@ class SplitspecProposer:
         # one more than k with pre-drafting: the guess of the bonus token the tree starts from
         kw = self._draft_kw(ex, k + 1 if self.tree >= 0 else k)
         if full:
-            return DraftRequest(seq, 0, None, ctx, full=True, **kw)
-        return DraftRequest.for_tokens(seq, ctx, common_prefix_len(self.held.get(seq, []), ctx), None, None, **kw)
+            return DraftRequest(seq, 0, None, list(ctx), full=True, **kw)  # (ctx grows in place next step)
+        return DraftRequest.for_tokens(seq, ctx, self._held_prefix(seq, ctx), self.chains.setdefault(seq, [b""]),
+                                       len(ctx), **kw)
+
+    def _held_prefix(self, seq: str, ctx: list[int]) -> int:
+        """How many of ctx's tokens the bound drafter replica holds. ctx only grows, so its first n
+        tokens are still those recorded: only the tail (drafts past them) is compared, O(k)."""
+        n, tail = self.held.get(seq, (0, []))
+        return n + common_prefix_len(tail, ctx[n: n + len(tail)])
+
+    def _context(self, seq: str, token_ids_cpu, row: int, n: int) -> list[int]:
+        """The sequence's n accepted tokens: the kept list, extended by what vLLM accepted since
+        (accepted tokens never change: a sequence whose kept tokens no longer match is rebuilt)."""
+        ctx = self.ctx.get(seq)
+        if ctx is None or len(ctx) > n or (ctx and int(token_ids_cpu[row, len(ctx) - 1]) != ctx[-1]):
+            self.chains.pop(seq, None)
+            self.held.pop(seq, None)  # (recorded against the old tokens: the next call resends them all)
+            ctx = self.ctx[seq] = token_ids_cpu[row, :n].tolist()
+        elif len(ctx) < n:
+            ctx += token_ids_cpu[row, len(ctx):n].tolist()
+        return ctx
 
     def _keep(self, row: int, seq: str, ctx: list[int], k: int, p: Proposal, ex: dict):
         """Record what the drafter holds, q for the runner, and ask for the next step's pre-draft."""
         drafts = p.tokens[:k]
-        self.held[seq] = (ctx + p.tokens)[: p.cached]
+        self.held[seq] = (min(len(ctx), p.cached), p.tokens[: max(0, p.cached - len(ctx))])
         self.stats["drafted"] += len(drafts)
         if drafts and self.tp == 1 and not _params(ex).greedy:
             self._set_q(row, drafts, p)
@@ -236,8 +260,8 @@ class SplitspecProposer:
             return
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
-        req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), None, None,
-                                      branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
+        req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), self.chains.setdefault(seq, [b""]),
+                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
         ep = self.bound[seq]
         self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, "propose", [req]))
         self.pending[seq].endpoint = ep
@@ -316,6 +340,8 @@ class SplitspecProposer:
             seq = self.seqs.pop(rid)
             ep = self.bound.get(seq)
             self._unbind(seq)
+            self.ctx.pop(seq, None)
+            self.chains.pop(seq, None)
             if ep is not None:
                 self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
 
