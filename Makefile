@@ -63,7 +63,7 @@ clean:
 # (about 9 min on 2 idle cores in bf16; see README "Benchmarks"). Measure on a quiet machine.
 BENCH_OUT ?= bench/results
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
-.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-load bench-cost bench-report
+.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-load bench-cost bench-report bench-policy
 
 bench: $(STAMP)
 	$(MAKE) bench-engine bench-latency bench-breakdown bench-load bench-cost bench-report
@@ -90,3 +90,12 @@ bench-cost: $(STAMP)
 
 bench-report: $(STAMP)
 	$(PY) -m bench.report --out $(BENCH_OUT)
+
+# The default policy against fixed k on the same text: float32, where every greedy row decodes the
+# reference's tokens (in bf16 the text changes with k), 5 prompts x 3 x 256 (about 10 minutes);
+# then the offline policy replay on the recorded traces (seconds).
+bench-policy: $(STAMP)
+	$(BENCH_RUN) bench.latency --dtype float32 --ks 4,8 --prompts 5 --repeats 3 --max-tokens 256 --no-hf \
+		--out $(BENCH_OUT)/policy-f32
+	$(PY) -m bench.report --out $(BENCH_OUT)/policy-f32
+	$(PY) -m bench.policy_replay
