@@ -468,10 +468,8 @@ def test_the_proposer_keeps_each_sequences_context_and_hash_chain_as_they_grow()
     links of the blocks hashed before (O(new tokens), not O(context)); the requests it builds name
     the same prefix as hashing from scratch would, and a row whose kept tokens no longer match what
     vLLM holds is rebuilt."""
-    from core.protocol import HASH_BLOCK, DraftRequest, prefix_hash
+    from core.protocol import HASH_BLOCK, DraftRequest, common_prefix_len, prefix_hash
     from verifier.vllm_proposer import SplitspecProposer
-
-    from core.protocol import common_prefix_len
 
     prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
     prop.ctx, prop.chains, prop.held = {}, {}, {}
@@ -495,3 +493,31 @@ def test_the_proposer_keeps_each_sequences_context_and_hash_chain_as_they_grow()
     other = tokens[1]
     ctx = prop._context("s", tokens[1:], 0, 2 * HASH_BLOCK)  # another text under the same id: rebuilt
     assert ctx == other[: 2 * HASH_BLOCK].tolist() and "s" not in prop.chains and prop._held_prefix("s", ctx) == 0
+
+
+def test_the_runner_reads_the_proposers_compact_q_for_every_row_with_drafts():
+    """The proposer hands vLLM's runner q only for the rows with drafts, as long as the step's
+    longest drafts (greedy rows zero); vLLM's own reader (``_get_spec_decode_draft_probs``) must find
+    a row for every request it verifies with drafts, or it drops q for the whole batch."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from core.protocol import DraftProbs, Proposal
+    from verifier.vllm_proposer import SplitspecProposer
+
+    V = 16
+    prop = SplitspecProposer.__new__(SplitspecProposer)
+    prop.runner = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: V), device="cpu")
+    req_ids = ["a", "b", "c", "d"]
+    out = [[3, 4, 5], [], [6, 7], [8]]  # b has no drafts (a prefill, or k = 0); c is greedy
+    q_a = DraftProbs([[3, 9], [4], [5, 1]], [[0.75, 0.25], [1.0], [0.5, 0.5]])
+    q_d = DraftProbs([[8, 2]], [[0.6, 0.4]])
+    prop._q = {0: (out[0], Proposal("a", out[0], probs=q_a)), 3: (out[3], Proposal("d", out[3], probs=q_d))}
+    q, ids = prop._q_tensor(out, req_ids)
+    assert q.shape == (3, 3, V) and ids == ["a", "c", "d"]
+    # vLLM's reader, on a runner holding them, for the next step's batch (vLLM may verify fewer drafts)
+    runner = SimpleNamespace(_draft_probs=q, _draft_prob_req_ids=ids, input_batch=SimpleNamespace(req_ids=req_ids))
+    got = GPUModelRunner._get_spec_decode_draft_probs(runner, SimpleNamespace(num_draft_tokens=[3, 0, 2, 1]))
+    assert got is not None and got.shape == (6, V)
+    assert torch.equal(got[:3], q_a.dense(V)) and not got[3:5].any() and torch.equal(got[5:], q_d.dense(V))

@@ -76,7 +76,7 @@ class SplitspecProposer:
         self.breakers: dict[Endpoint, Breaker] = {}
         self.timeout_s, self.tree = 2.0, 1
         self._pre_draft = True  # this step asks for the next step's pre-drafts
-        self._q: torch.Tensor | None = None  # this step's q for the runner, [rows, k_max, V], when any row samples
+        self._q: dict[int, tuple[list[int], Proposal]] = {}  # row -> (drafts, proposal) of the rows that sample
         self.bound: dict[str, Endpoint] = {}  # seq id -> the drafter replica its calls go to
         # seq id -> what that replica holds of it: (n, tail), the first n accepted tokens then tail
         self.held: dict[str, tuple[int, list[int]]] = {}
@@ -131,6 +131,7 @@ class SplitspecProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
         t0 = time.perf_counter()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
+        self._q = {}
         runner = self.runner
         if runner is None or self.rank != 0:
             return out
@@ -176,9 +177,9 @@ class SplitspecProposer:
             self._drop_pre_drafts()
         if todo:
             self._draft(todo, out)
-        if self._q is not None:  # read by the runner's rejection sampler in the next step, by request id
-            runner._draft_probs, runner._draft_prob_req_ids = self._q, list(req_ids)
-            self._q = None
+        if self._q:  # read by the runner's rejection sampler in the next step, by request id
+            runner._draft_probs, runner._draft_prob_req_ids = self._q_tensor(out, req_ids)
+            self._q = {}
         self.stats["propose_s"] += time.perf_counter() - t0
         return out
 
@@ -276,16 +277,27 @@ class SplitspecProposer:
         return p if p is not None and p.tokens and not p.cache_miss else None
 
     def _set_q(self, row: int, drafts: list[int], p: Proposal):
-        q = self._q
-        if q is None:
-            runner = self.runner
-            V = runner.model_config.get_vocab_size()
-            q = self._q = torch.zeros(len(runner.input_batch.req_ids), self.k_max, V, device=runner.device)
-        if p.probs is not None:  # [k, V], the drafter's sparse q made dense
-            q[row, : len(drafts)] = p.probs.head(len(drafts)).dense(q.shape[-1]).to(q.device)
-        else:  # drafts without q (an n-gram drafter): drawn deterministically, one-hot
-            q[row, torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+        self._q[row] = (drafts, p)
         self.stats["q_rows"] += 1
+
+    def _q_tensor(self, out: list[list[int]], req_ids) -> tuple[torch.Tensor, list[str]]:
+        """q for the runner: one row per request with drafts (the runner drops q for the whole batch
+        if one is missing; greedy rows stay zero, their verification never reads q), as long as
+        this step's longest drafts. [rows with drafts, max drafts, V], not [batch, k_max, V]: at
+        batch 64 and k_max 8 with a 152k vocabulary that is 311 MB a step when any row samples."""
+        rows = [i for i, d in enumerate(out) if d]
+        V = self.runner.model_config.get_vocab_size()
+        q = torch.zeros(len(rows), max(len(out[i]) for i in rows), V, device=self.runner.device)
+        for slot, i in enumerate(rows):
+            got = self._q.get(i)
+            if got is None:
+                continue
+            drafts, p = got
+            if p.probs is not None:  # [k, V], the drafter's sparse q made dense
+                q[slot, : len(drafts)] = p.probs.head(len(drafts)).dense(V).to(q.device)
+            else:  # drafts without q (an n-gram drafter): drawn deterministically, one-hot
+                q[slot, torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+        return q, [req_ids[i] for i in rows]
 
     # --- transport ------------------------------------------------------------------------
 
