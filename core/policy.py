@@ -110,6 +110,10 @@ class StepCosts:
         if k > 0:
             self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
 
+    def recent(self, batch_size: int, k: int) -> deque | None:
+        """The recent wall seconds of steps with k drafts at (or nearest) this batch size."""
+        return (self._near(self.table, batch_size) or {}).get(k)
+
     def measured(self, batch_size: int) -> int:
         """Speculative steps measured in (or nearest) this batch size's bucket."""
         return self._near(self.spec_steps, batch_size) or 0
@@ -219,7 +223,7 @@ class AdaptiveK:
         else:
             replica = self.costs.step_s(batch_size, k, self.model_s)
             replica = replica if replica is not None else self.model_s(k)
-        mine = (self.own._near(self.own.table, batch_size) or {}).get(k)
+        mine = self.own.recent(batch_size, k)
         if not mine:
             return replica
         # this request's own steps, shrunk towards the replica's: what a step costs depends on the
@@ -254,18 +258,17 @@ class AdaptiveK:
         if left > 0:  # a try runs `run` steps: its first pays for the change, the others are measured
             self._trying = (k, left - 1)
             return k
-        if self.current == 0 and self.plain_run > 0:
-            # a plain stretch lasts until its recheck (aged evidence would otherwise lure the policy
-            # into one-step probes at a large k, each paying a whole drafting pass)
-            if self.plain_run < self._recheck or self.costs.step_s(batch_size, 0, self.model_s) is None:
-                self.plain_run += 1
-                return 0
-            v = self.values(batch_size)  # measure speculation again: conditions may have changed
-            best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
-            self.plain_run, self.current, self._rechecking = 0, best_spec, True
-            return self._try(best_spec)
+        plain = self.current == 0 and self.plain_run > 0
+        # a plain stretch lasts until its recheck (aged evidence would otherwise lure the policy
+        # into one-step probes at a large k, each paying a whole drafting pass)
+        if plain and (self.plain_run < self._recheck or self.costs.step_s(batch_size, 0, self.model_s) is None):
+            self.plain_run += 1
+            return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
+        if plain:  # measure speculation again: conditions may have changed
+            self.plain_run, self.current, self._rechecking = 0, best_spec, True
+            return self._try(best_spec)
         best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
         cur = self.current
         if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
@@ -445,7 +448,7 @@ class BatchSpeculation:
             choice.observe(arm, now - t, tokens)
         if self.always:
             return True
-        bucket = max(1, batch).bit_length()
+        bucket = StepCosts.bucket(batch)
         choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=64, run=12, first=6, window=6,
                                                                 margin=1.2, settle=6))
         arm = choice.use()
