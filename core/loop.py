@@ -294,6 +294,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 task = (asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens), alternatives=alts_now(npre)))
                         if nk > 0 and not hit else None)
                 planned = (nk, npre, ndeg, task)
+            info.done = seq.done
             yield new, seq.logprobs[n_lp:], info
     finally:
         for task in (pre.task if pre is not None else None, planned[3] if planned else None):

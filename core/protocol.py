@@ -220,6 +220,7 @@ class StepInfo:
     aux_bytes: int = 0  # target hidden states sent to the drafter with this step's draft request
     step_s: float = 0.0  # wall time of the step
     batch_size: int = 1  # sequences in the verify batch
+    done: bool = False  # the sequence is complete after this step
     recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}
 
 

@@ -37,7 +37,7 @@ log = logging.getLogger("ray.serve")
 
 @dataclass
 class StepOutput:
-    """What one step adds to a response."""
+    """What one stream item from the verifier (one or more steps) adds to a response."""
 
     token_ids: list[int]
     text: str
@@ -367,20 +367,30 @@ class Router:
                     t_prev = time.perf_counter()
                     while not seq.done:
                         try:  # only the stream's failures mean a lost replica; the router's own are bugs
-                            ids, lps, info = await anext(stream)
+                            group = await anext(stream)  # the steps since the last item (VerifierServer.speculate)
                         except StopAsyncIteration:
                             ended = True
                             break
                         t_got = time.perf_counter()
                         # progress: a later failure gets the whole retry window again
                         deadline, attempt = time.monotonic() + self.config.verifier_retry_s, 0
-                        n_lp = len(seq.logprobs)
-                        new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
-                                                            num_drafts=info.k,
-                                                            logprobs=lps if logprobs is not None else None))
-                        self._record(seq, info, timing, t_got - t_prev)
+                        n_lp, out_ids, text = len(seq.logprobs), [], ""
+                        # the group's wall time as the router saw it, split by the replica's own step times
+                        # (the last step takes the rest), so per-step statistics add up to the client's time
+                        wall = t_got - t_prev
+                        for j, (ids, lps, info) in enumerate(group):
+                            if seq.done:  # a stop string ended it: the rest was decoded past the end
+                                break
+                            new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
+                                                                num_drafts=info.k,
+                                                                logprobs=lps if logprobs is not None else None))
+                            step_wall = wall if j == len(group) - 1 else min(info.step_s, wall)
+                            wall -= step_wall
+                            self._record(seq, info, timing, step_wall)
+                            out_ids += new
+                            text += delta
                         stats = _spec_stats(seq, timing) if seq.done else None
-                        yield StepOutput(new, delta, seq.finish_reason, seq.logprobs[n_lp:], stats)
+                        yield StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], stats)
                         t_prev = time.perf_counter()
                         timing["emit_s"] += t_prev - t_got  # apply, detokenise and stream, on the router
                         timing["emit_n"] += 1

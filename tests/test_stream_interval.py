@@ -1,0 +1,79 @@
+"""A verifier replica streams a request's steps to the router in groups, at most one per
+``stream_interval_ms`` (``deployments.verifier.coalesced``): fewer stream items, the same tokens."""
+
+import asyncio
+
+from configs import SamplingParams
+from core.protocol import StepInfo
+
+
+def _collect(gen):
+    async def run():
+        return [group async for group in gen]
+    return asyncio.run(run())
+
+
+def test_steps_are_grouped_by_interval_the_first_at_once_the_last_when_done():
+    from deployments.verifier import coalesced
+
+    now = [0.0]
+
+    async def steps():  # a step every 5 ms (fake clock); the 9th completes the sequence
+        for i in range(9):
+            now[0] = 5e-3 * i
+            yield [i], [], StepInfo(0, 0, done=i == 8)
+            await asyncio.sleep(0)
+
+    groups = _collect(coalesced(steps(), 0.012, clock=lambda: now[0]))
+    # t = 0 goes at once; then the first step at least 12 ms after the last send: t = 15, 30; then
+    # the step that completes the sequence (t = 40) without waiting for the interval
+    assert [[ids[0] for ids, _, _ in g] for g in groups] == [[0], [1, 2, 3], [4, 5, 6], [7, 8]]
+    # no interval: every step alone
+    assert [len(g) for g in _collect(coalesced(steps(), 0.0, clock=lambda: now[0]))] == [1] * 9
+
+
+def test_closing_the_stream_closes_the_loop_at_once():
+    """Serve closes a cancelled stream at its yield: the loop behind it must run its cleanup
+    (release caches, cancel pre-drafts) then, not whenever it is garbage-collected."""
+    from deployments.verifier import coalesced
+
+    closed = []
+
+    async def steps():
+        try:
+            for i in range(100):
+                yield [i], [], StepInfo(0, 0)
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    async def main():
+        gen = coalesced(steps(), 0.0)
+        assert (await anext(gen))[0][0] == [0]
+        try:
+            await gen.athrow(asyncio.CancelledError())
+        except asyncio.CancelledError:
+            pass
+        assert closed == [True]  # now, before the event loop's own clean-up of dropped generators
+
+    asyncio.run(main())
+
+
+def test_a_replica_streams_the_same_tokens_in_fewer_items(tiny_engines):
+    from deployments.verifier import VerifierServer
+
+    tok, _, ver, _ = tiny_engines
+    prompt = tok.encode("def add(a, b):")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(interval_s, seq_id):
+        server = VerifierServer({}, engine=ver, stream_interval_s=interval_s)  # no drafter pool: plain decoding
+        return _collect(server.speculate(prompt, params, seq_id))
+
+    each = run(0.0, "a")
+    grouped = run(3600.0, "b")  # far longer than the request: the first step, then the rest at its end
+    assert all(len(g) == 1 for g in each) and len(each) == 24
+    assert [len(g) for g in grouped] == [1, 23]
+    flat = [[t for g in groups for ids, _, _ in g for t in ids] for groups in (each, grouped)]
+    assert flat[0] == flat[1] and len(flat[0]) == 24
+    assert grouped[-1][-1][2].done and not any(info.done for g in grouped for _, _, info in g[:-1])
