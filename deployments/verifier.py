@@ -31,8 +31,8 @@ async def coalesced(steps, interval_s: float, clock=time.monotonic):
     """Groups a stream of steps (new ids, logprobs, ``StepInfo``) into lists, at most one list per
     ``interval_s``: the first step goes out at once, later ones wait for the first step that
     arrives once the interval has passed (a step is held at most the interval plus one step),
-    and a step that completes the sequence (``StepInfo.done``) goes out at once with what is held. The loop producing the items never
-    waits for them to be sent.
+    and a step that completes the sequence (``StepInfo.done``) goes out at once with what is
+    held. The loop producing the steps never waits for them to be sent.
 
     Why: every stream item costs the replica process a cross-thread hand-off and a Ray object
     (serialisation, a report to the router), then the router, Serve's proxy and HTTP one chunk
