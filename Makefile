@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all soak test-cluster serve models models-eagle3 clean
+.PHONY: install test test-all soak test-cluster test-long serve models models-eagle3 clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,14 +30,20 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
 
+# End-to-end scenarios of a minute or more (replica deaths and restarts, vLLM runs): CI runs them
+# after `make test`, which stays under 15 minutes on 2 cores.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long
+
 # Concurrent streams for minutes while replicas are killed; fails on any failed or wrong request.
 SOAK_MINUTES ?= 5
 soak: $(STAMP)
 	$(PY) -m tests.soak_scenario --minutes $(SOAK_MINUTES) --clients 16 --kill-every 20 --out build/soak.json
 
-# The local autoscaling cluster scenario (fake_multinode provider, about 5 minutes on 2 cores).
+# The multi-node cluster scenarios, each in a cluster of its own: separate pools and replica deaths
+# (ray.cluster_utils), the autoscaling cluster (fake_multinode provider); about 8 minutes on 2 cores.
 test-cluster: $(STAMP)
-	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_autoscaling_cluster.py
+	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_pools.py tests/test_autoscaling_cluster.py
 
 serve: $(STAMP)
 	$(VENV)/bin/serve run serve_config.yaml

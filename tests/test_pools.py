@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.serve
+pytestmark = pytest.mark.cluster  # its own multi-node cluster in a subprocess: minutes
 ROOT = Path(__file__).resolve().parent.parent
 
 

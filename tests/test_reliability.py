@@ -185,6 +185,7 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
     assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
 
 
+@pytest.mark.long  # waits out a health check and a replica restart
 def test_a_hung_verifier_engine_is_replaced_and_its_streams_fail_over(ray_cluster, serve_app, tiny_model_dirs):
     """One verifier replica's engine hangs mid-stream (injected: its next batch never returns). The
     watchdog reports it unhealthy after stall_timeout_s, Serve replaces it, and every stream on it

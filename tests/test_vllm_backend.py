@@ -380,6 +380,7 @@ def test_serve_vllm_config_and_bounds():
         AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm_num_speculative_tokens": 2}})
 
 
+@pytest.mark.long  # waits out drafter replica restarts
 def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
     """Greedy streams run on vLLM's loop while the drafter replica is killed: the proposer's calls
     fail, its steps go on without drafts, the replica rebinds to the pool Serve restores; no request
