@@ -41,6 +41,7 @@ def _png_ok(path):
     assert 2_000 < len(data) < 300_000, (path, len(data))
 
 
+@pytest.mark.long  # a served app and every benchmark script end to end
 def test_bench_smoke(bench_urls, tmp_path):
     from bench import breakdown, cost, latency, load, report
 
@@ -167,6 +168,7 @@ def test_engine_bench_quick(tmp_path, capsys):
     assert "engine / linear" in capsys.readouterr().out and (tmp_path / "engine.json").exists()
 
 
+@pytest.mark.long  # the GPU kit's every phase, on CPU at tiny shapes
 def test_gpu_kit_runs_at_tiny_shapes_without_the_serving_stack(tmp_path):
     """bench.gpu at tiny shapes on the CPU, in a process where ray, pydantic, vllm, fastapi and yaml
     cannot be imported (the GPU machine has torch and transformers, which brings yaml): it prints its

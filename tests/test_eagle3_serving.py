@@ -214,6 +214,7 @@ def _kill_drafters(app="eagle"):
     return len(names)
 
 
+@pytest.mark.long  # its own served app, drafter replicas killed and restored
 def test_served_greedy_equals_the_target_and_survives_drafter_deaths(eagle_app, shipped_engines):
     from tests.test_processors import hf_greedy
 
