@@ -30,8 +30,8 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
 
-# End-to-end scenarios of a minute or more (replica deaths and restarts, vLLM runs): CI runs them
-# after `make test`, which stays under 15 minutes on 2 cores.
+# End-to-end scenarios that take long (replica deaths and restarts, vLLM runs, benchmark smoke runs):
+# CI runs them after `make test`, which stays under 15 minutes on 2 cores; about 7 minutes here.
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long
 
@@ -41,7 +41,7 @@ soak: $(STAMP)
 	$(PY) -m tests.soak_scenario --minutes $(SOAK_MINUTES) --clients 16 --kill-every 20 --out build/soak.json
 
 # The multi-node cluster scenarios, each in a cluster of its own: separate pools and replica deaths
-# (ray.cluster_utils), the autoscaling cluster (fake_multinode provider); about 8 minutes on 2 cores.
+# (ray.cluster_utils), the autoscaling cluster (fake_multinode provider); about 5 minutes on 2 cores.
 test-cluster: $(STAMP)
 	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_pools.py tests/test_autoscaling_cluster.py
 
