@@ -26,6 +26,7 @@ class EngineServer:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self._stall_next = 0.0  # injected: the next batch hangs this long in the engine thread
+        self._slow_s = 0.0  # injected: every batch takes this much longer (a slow replica)
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
         self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id)
@@ -37,6 +38,8 @@ class EngineServer:
         if self._stall_next:
             hang, self._stall_next = self._stall_next, 0.0
             time.sleep(hang)  # an engine thread stuck in a kernel, as far as anyone can tell
+        if self._slow_s:
+            time.sleep(self._slow_s)
         self.load.begin()
         try:
             out = self._call(requests)
@@ -104,11 +107,15 @@ class EngineServer:
 
     async def inject_fault(self, kind: str, seconds: float) -> str:
         """Fault injection for tests and drills, enabled by SPLITSPEC_FAULT_INJECTION=1 in the
-        replica's environment: ``stall`` makes the next batch hang in the engine for ``seconds``."""
+        replica's environment: ``stall`` makes the next batch hang in the engine for ``seconds``;
+        ``slow`` makes every batch from now on take ``seconds`` longer (0 ends it)."""
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in the replica's environment)")
-        if kind != "stall":
+        if kind == "stall":
+            self._stall_next = float(seconds)
+        elif kind == "slow":
+            self._slow_s = float(seconds)
+        else:
             raise ValueError(f"unknown fault {kind!r}")
-        self._stall_next = float(seconds)
         from deployments.metrics import where
         return where().get("replica_id", "")

@@ -105,7 +105,8 @@ def test_a_dead_batch_loop_fails_its_callers_at_once():
 
 def test_stalled_engine_makes_the_replica_unhealthy():
     """The health check reports a batch that has run longer than stall_timeout_s; an idle or
-    progressing engine is healthy. Fault injection is off unless the environment enables it."""
+    progressing engine is healthy. Fault injection is off unless the environment enables it; its
+    ``slow`` fault delays every batch until cleared."""
     import os
 
     from deployments.server import FAULT_INJECTION_ENV, EngineServer
@@ -140,6 +141,22 @@ def test_stalled_engine_makes_the_replica_unhealthy():
             srv.check_health()
         await call  # the stall ends: the call completes and the replica is healthy again
         srv.check_health()
+        # ``slow``: every batch from now on takes that much longer, until set back to 0
+        os.environ[FAULT_INJECTION_ENV] = "1"
+        try:
+            await srv.inject_fault("slow", 0.2)
+            for seq in "cd":
+                t0 = time.monotonic()
+                await srv.batcher.submit([SimpleNamespace(seq_id=seq, full=True)])
+                assert time.monotonic() - t0 >= 0.2
+            await srv.inject_fault("slow", 0)
+            t0 = time.monotonic()
+            await srv.batcher.submit([SimpleNamespace(seq_id="e", full=True)])
+            assert time.monotonic() - t0 < 0.2
+            with pytest.raises(ValueError, match="unknown fault"):
+                await srv.inject_fault("melt", 1.0)
+        finally:
+            del os.environ[FAULT_INJECTION_ENV]
 
     asyncio.run(main())
 

@@ -23,6 +23,8 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
 
     from deployments.app import build_app_with
 
+    from deployments.server import FAULT_INJECTION_ENV
+
     base, *_ = serve_app  # the same HTTP proxy, another route prefix
     target_dir, drafter_dir = tiny_model_dirs
     app = build_app_with({
@@ -32,7 +34,8 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
                     "cache_budget_mb": 16, "num_threads": 1},
         "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1,  # adaptive k: the default
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},
-                  "Drafter": {"ray_actor_options": {"num_cpus": 0.1}}})
+                  "Drafter": {"ray_actor_options": {
+                      "num_cpus": 0.1, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}}})
     serve.run(app, name="strict", route_prefix="/strict")
     yield f"{base}/strict"
     serve.delete("strict")
@@ -163,24 +166,34 @@ def test_a_stream_body_that_never_starts_releases_its_slot(ray_cluster):
 
 
 def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict_app, serve_app):
-    """The tiny test drafter costs as much as the target, so speculating loses: the default
-    (adaptive) policy stops and the rest of the request runs in the verifier's own decoding
-    loop. The output is unchanged (greedy: the target's own)."""
+    """A slow drafter replica (injected: 50 ms more per batch, against a few ms for a plain step of
+    the tiny target, and well inside drafter_timeout_s, so no step is degraded) makes speculating
+    lose: the default (adaptive) policy measures that and hands the request to plain decoding. The
+    output is unchanged (greedy: the target's own)."""
+    from ray import serve
+
     from tests.test_serve import ref_greedy
 
     _, tok, target, _ = serve_app
-    for _ in range(3):
-        r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
-                 return_token_ids=True)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
-        spec = body["speculation"]
-        if spec["degraded_steps"] == 0:
-            break
-        # the overload tests above filled the one-slot drafter queue: the router's circuit breaker
-        # keeps speculation off for its back-off (at most 10 s); then it probes the drafter again
-        time.sleep(11)
+    # (the tiny drafter alone is no test: its cost is hidden by pre-drafting as often as not, so
+    # whether speculation pays depended on the machine)
+    drafter = serve.get_deployment_handle("Drafter", app_name="strict")
+    drafter.inject_fault.remote("slow", 0.05).result()
+    try:
+        for _ in range(3):
+            r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
+                     return_token_ids=True)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
+            spec = body["speculation"]
+            if spec["degraded_steps"] == 0:
+                break
+            # the overload tests above filled the one-slot drafter queue: the verifier's breaker on that
+            # drafter replica keeps speculation off for its back-off (at most 10 s), then probes it
+            time.sleep(11)
+    finally:
+        drafter.inject_fault.remote("slow", 0).result()
     assert spec["num_drafts"] > 0 and spec["degraded_steps"] == 0, spec
     assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
 
