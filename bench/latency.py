@@ -71,6 +71,9 @@ def parse(argv=None):
                     help="also serve the EAGLE-3 head with pipeline_drafts off (drafting always on the critical path)")
     ap.add_argument("--compare-transport", action="store_true",
                     help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
+    ap.add_argument("--colocated", action="store_true",
+                    help="also serve the default policy and the fixed ks with drafter_placement: verifier (the drafter "
+                         "engine in the verifier replica's process, no drafter pool)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -115,6 +118,14 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
                 sn = Served(client, urls["eagle3_no_predraft"], k)
                 add(f"splitspec_eagle3_k{k}_no_predraft", f"splitspec served, EAGLE-3 head, fixed k={k}, no pre-drafting",
                     "splitspec", k, "fixed", lambda p, m, t, sd, sn=sn: sn.run(p, m, t, sd))
+        if "colocated" in urls:
+            sc = Served(client, urls["colocated"], None)
+            add("splitspec_colocated_default", f"splitspec served, drafter in the verifier replica, default policy (k<={args.default_k})",
+                "splitspec", args.default_k, "adaptive", lambda p, m, t, sd: sc.run(p, m, t, sd))
+            for k in ks:
+                sck = Served(client, urls["colocated_fixed"], k)
+                add(f"splitspec_colocated_k{k}", f"splitspec served, drafter in the verifier replica, fixed k={k}",
+                    "splitspec", k, "fixed", lambda p, m, t, sd, sck=sck: sck.run(p, m, t, sd))
         if "fixed_serve" in urls:
             k = args.default_k
             sv = Served(client, urls["fixed_serve"], k)
@@ -314,6 +325,13 @@ def run(args, urls: dict | None = None) -> dict:
                 apps["eagle3"] = app_args(args.threads, "fixed", max(args.eagle3_ks), dtype=args.dtype, drafter="eagle3")
                 if args.eagle3_no_predraft:
                     apps["eagle3_no_predraft"] = {**apps["eagle3"], "pipeline_drafts": False}
+            if args.colocated:
+                for name, pooled in (("colocated", apps["adaptive"]), ("colocated_fixed", apps["fixed"])):
+                    # one process: the verifier's cores are both pools' (no drafter pinning of its own)
+                    cores = pooled["verifier"].get("cpu_affinity", []) + pooled["drafter"].get("cpu_affinity", [])
+                    apps[name] = {**pooled, "drafter_placement": "verifier",
+                                  "verifier": {**pooled["verifier"], **({"cpu_affinity": cores} if cores else {})},
+                                  "drafter": {k_: v for k_, v in pooled["drafter"].items() if k_ != "cpu_affinity"}}
             if args.compare_transport:
                 apps["fixed_serve"] = {**apps["fixed"], "drafter_transport": "serve"}
             urls = stack.enter_context(serving(apps, args.threads))

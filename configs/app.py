@@ -28,6 +28,7 @@ class AppConfig(BaseModel):
     pre_draft: Literal["measured", "always"] = Field("measured", description="With pipeline_drafts: measured (default) pre-drafts where it measures faster per token for the request (where drafter and verifier share cores it often does not); always pre-drafts every step (pools on hardware of their own).")
     pre_draft_alternatives: int = Field(1, ge=0, le=8, description="m: the pre-draft is a tree with, for each number of accepted drafts, the drafter's m most likely correction tokens (and m guesses of the bonus token), drafted together in batched passes. 0: only the whole-block branch. Trees need a draft_model drafter (others pre-draft the whole-block branch) and shrink to it while the drafter pool is loaded.")
     drafter_transport: Literal["direct", "serve"] = Field("direct", description="How a verifier replica reaches the drafter pool each step. direct (default): a sequence's first call goes through Serve's router, which places it; its later calls go down a persistent connection to the replica that answered (measured here: 0.6 ms instead of 2.4 ms for an empty call), back to Serve if the connection breaks. serve: every call through a Serve handle.")
+    drafter_placement: Literal["pool", "verifier"] = Field("pool", description="Where drafts are made. pool (default): a Drafter deployment of its own, scaled on its own hardware, reached over the network each step (drafter_transport). verifier: every verifier replica runs its own drafter engine in its process, on a thread beside the verifier's engine, as vLLM and SGLang run theirs: no Drafter deployment and no network hop per draft, at the cost of the drafter's memory and one core more per verifier replica (give its ray_actor_options the CPUs), and the drafter scales with the verifiers. For one machine, and for small drafters on the verifier's GPU.")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="A request's tokens go from its verifier replica to the router (and on to the client) at most once per interval: the first token at once, the last when the request ends, those between in chunks of about this long. Every streamed chunk costs the verifier replica's process work that takes its engine's time (measured here: 8 plain steps per chunk took 0.78x the time per token of one step per chunk). 0: every step is sent alone. A step longer than the interval (under load, large k) goes out alone anyway.")
     verifier_retry_s: float = Field(120.0, ge=0, le=3600, description="How long a request keeps retrying failed verify calls (a replica died: another one, or its replacement, recomputes from the tokens) before it fails.")
     verification: Literal["rejection", "gumbel"] = Field("gumbel", description="Default verification of sampled requests (a request's `verification` overrides it). gumbel (default): Gumbel-max coupling, so a seed gives one output whatever k the policy picks, the drafts or replica failures; rejection: rejection sampling, slightly different acceptance, and a seeded output that depends on the k chosen at each step. See SamplingParams.verification.")
@@ -47,4 +48,20 @@ class AppConfig(BaseModel):
             raise ValueError(f"drafter.num_speculative_tokens {self.drafter.num_speculative_tokens} exceeds "
                              f"verifier.vllm_num_speculative_tokens {v.vllm_num_speculative_tokens}, the most drafts "
                              "vLLM's loop verifies per step: raise the latter")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_drafter_fits(self):
+        if self.drafter_placement != "verifier":
+            return self
+        if self.verifier.backend != "transformers":
+            raise ValueError("drafter_placement verifier needs verifier.backend transformers (vLLM's loop drafts "
+                             "through its proposer, which calls a drafter pool): use drafter_placement pool")
+        if getattr(self.drafter, "cpu_affinity", None):
+            raise ValueError("drafter.cpu_affinity cannot be set with drafter_placement verifier: the drafter runs in "
+                             "the verifier's process, which verifier.cpu_affinity pins (give it the drafter's cores too)")
+        v, d = self.verifier.num_threads, getattr(self.drafter, "num_threads", None)
+        if v and d and v != d:
+            raise ValueError(f"drafter.num_threads {d} differs from verifier.num_threads {v}: with drafter_placement "
+                             "verifier both engines share one process, whose torch thread count is one setting")
         return self

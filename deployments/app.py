@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def build_app(args: dict):
-    """Validate ``args`` and return the bound Serve application (router -> drafter, verifier).
+    """Validate ``args`` and return the bound Serve application (router -> drafter, verifier; with
+    ``drafter_placement: verifier``, router -> verifier, which drafts in its own process).
     Serve calls this with the serve config's ``args``."""
     return build_app_with(args)
 
@@ -49,10 +50,16 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     verifier = serve.deployment(VerifierServer, name="Verifier", max_ongoing_requests=128,
                                 ray_actor_options={"num_cpus": 1}, request_router_config=affinity, **health)
     router = serve.deployment(Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
-    drafter = drafter.options(**overrides.get("Drafter", {})).bind(
-        cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue, stall_timeout_s=config.stall_timeout_s)
+    colocated = config.drafter_placement == "verifier"  # the drafter engine in each verifier replica: no pool
+    if colocated:
+        drafter = None
+    else:
+        drafter = drafter.options(**overrides.get("Drafter", {})).bind(
+            cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue,
+            stall_timeout_s=config.stall_timeout_s)
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
+        local_drafter=cfg["drafter"] if colocated else None,
         pipeline_drafts=config.pipeline_drafts, pre_draft_alternatives=config.pre_draft_alternatives,
         pre_draft_always=config.pre_draft == "always",
         drafter_timeout_s=config.drafter_timeout_s,

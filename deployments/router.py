@@ -473,6 +473,8 @@ class Router:
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go
         for handle in (self.drafter, self.verifier):
+            if handle is None:  # drafter_placement verifier: no drafter pool
+                continue
             try:
                 handle.release.remote([rid])
             except Exception:  # noqa: BLE001

@@ -61,15 +61,22 @@ class VerifierServer(EngineServer):
                  pre_draft_always: bool = False,
                  drafter_timeout_s: float = 2.0,
                  stall_timeout_s: float = 30.0, drafter_transport: str = "direct",
-                 drafter_aux_layers: tuple[int, ...] = (), stream_interval_s: float = 0.0):
-        """``drafter``: a handle to the drafter pool (None: plain decoding only); ``stream_interval_s``:
-        a stream's steps go to the router at most once per interval (``coalesced``)."""
+                 drafter_aux_layers: tuple[int, ...] = (), stream_interval_s: float = 0.0,
+                 local_drafter: dict | None = None):
+        """``drafter``: a handle to the drafter pool (None: plain decoding only, unless ``local_drafter``:
+        the config of a drafter engine this replica runs itself, ``drafter_placement: verifier``);
+        ``stream_interval_s``: a stream's steps go to the router at most once per interval (``coalesced``)."""
         self.drafter = drafter
+        self.local = None  # the drafter engine in this process, behind a batcher (and thread) of its own
+        if local_drafter is not None:
+            from deployments.drafter import DrafterServer
+            self.local = DrafterServer(local_drafter, max_batch=max_batch, max_queue=max_queue,
+                                       stall_timeout_s=stall_timeout_s)
         self.drafter_transport = drafter_transport
         self.drafter_aux_layers = tuple(drafter_aux_layers)  # an EAGLE-3 drafter's: captured in verification
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
-        self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0}  # this replica's, for stats()
+        self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0, "local": 0}  # this replica's, for stats()
         self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
         self.pipeline_drafts = pipeline_drafts
         self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
@@ -140,7 +147,8 @@ class VerifierServer(EngineServer):
 
     async def stats(self) -> dict:
         if not self.is_async:
-            return {**await super().stats(), "drafter_calls": dict(self.drafter_calls)}
+            return {**await super().stats(), "drafter_calls": dict(self.drafter_calls),
+                    **({"local_drafter": await self.local.stats()} if self.local is not None else {})}
         from deployments.metrics import where
 
         eng = self.engine
@@ -149,6 +157,8 @@ class VerifierServer(EngineServer):
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
 
     def check_health(self):
+        if self.local is not None:
+            self.local.check_health()  # a stalled drafter engine here stalls this replica's streams
         if not self.is_async:
             return super().check_health()
         if self.engine.llm.errored:
@@ -185,7 +195,7 @@ class VerifierServer(EngineServer):
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
                        output_ids=output_ids)
         policy = AdaptiveK(k, costs=self.step_costs) if k_policy == "adaptive" else FixedK(k)
-        if self.drafter is None:
+        if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
             seq.capture = self.drafter_aux_layers
@@ -213,7 +223,9 @@ class VerifierServer(EngineServer):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)
-            if self.drafter is not None and k > 0:
+            if self.local is not None and k > 0:
+                await self.local.release([seq_id])
+            elif self.drafter is not None and k > 0:
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
 
@@ -326,12 +338,17 @@ class VerifierServer(EngineServer):
                 log.warning("vLLM proposer status failed: %r", e)
 
     async def _propose(self, requests):
-        """One sequence's drafter call. The first goes through Serve's handle (its router places the
+        """One sequence's drafter call: to the drafter engine in this process (``drafter_placement:
+        verifier``), else to the pool. The first goes through Serve's handle (its router places the
         sequence); with ``drafter_transport: direct`` the later ones go down a connection to the
         replica that answered (``core.channel``), back to the handle if it breaks."""
         from deployments.metrics import metrics
 
         count = metrics()["drafter_calls"]
+        if self.local is not None:  # drafter_placement verifier: the engine beside this one, no hop
+            self.drafter_calls["local"] += 1
+            count.inc(tags={"transport": "local", "outcome": "ok"})
+            return await self.local.propose(requests)
         if self.drafter_transport != "direct":
             self.drafter_calls["serve"] += 1
             count.inc(tags={"transport": "serve", "outcome": "ok"})

@@ -280,3 +280,36 @@ def test_kept_states_follow_positions_and_stay_bounded():
     assert seq.aux_start + seq.aux.shape[0] == 195
     seq.take_aux(VerifyResult("b", aux=rows(300, 302), aux_start=300))
     assert seq.aux_start == 300 and seq.aux.shape[0] == 2
+
+
+@pytest.mark.long  # its own served app on the shipped target
+def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(ray_cluster, serve_app, shipped_engines):
+    """drafter_placement verifier: the head drafts in the verifier's process from the states its
+    verification captured (no drafter pool, no states sent over the network); greedy is the target's."""
+    from ray import serve
+
+    from deployments.app import build_app_with
+    from tests.test_processors import hf_greedy
+
+    app = build_app_with({
+        "model_name": "tiny-code", "drafter_placement": "verifier", "k_policy": "fixed",
+        "verifier": {"model": str(TARGET), "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
+        "drafter": {"method": "eagle3", "model": str(HEAD), "dtype": "float32", "num_speculative_tokens": 4,
+                    "cache_budget_mb": 16, "num_threads": 1},
+    }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}}})
+    serve.run(app, name="eagle-colocated", route_prefix="/eagle-colocated")
+    try:
+        assert set(serve.status().applications["eagle-colocated"].deployments) == {"Router", "Verifier"}
+        ver, _ = shipped_engines
+        body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
+        for text in CODE[:2]:
+            r = httpx.post(f"{serve_app[0]}/eagle-colocated/v1/completions", json={**body, "prompt": text}, timeout=120)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["choices"][0]["token_ids"] == hf_greedy(ver.model, ver.tokenizer(text)["input_ids"], 64)
+            spec = out["speculation"]
+            assert spec["mean_acceptance_length"] > 2.5 and spec["num_drafts"] > 5 and spec["degraded_steps"] == 0, spec
+        stats = serve.get_deployment_handle("Verifier", app_name="eagle-colocated").stats.remote().result()
+        assert stats["drafter_calls"]["local"] > 10 and stats["local_drafter"]["cached_sequences"] == 0, stats
+    finally:
+        serve.delete("eagle-colocated")
