@@ -72,8 +72,8 @@ def parse(argv=None):
     ap.add_argument("--compare-transport", action="store_true",
                     help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
     ap.add_argument("--colocated", action="store_true",
-                    help="also serve the default policy and the fixed ks with drafter_placement: verifier (the drafter "
-                         "engine in the verifier replica's process, no drafter pool)")
+                    help="also serve the default policy and the fixed ks (and the EAGLE-3 head, with --eagle3-ks) with "
+                         "drafter_placement: verifier (the drafter engine in the verifier replica's process, no drafter pool)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -114,6 +114,10 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
             se = Served(client, urls["eagle3"], k)
             add(f"splitspec_eagle3_k{k}", f"splitspec served, EAGLE-3 head, fixed k={k}", "splitspec", k, "fixed",
                 lambda p, m, t, sd, se=se: se.run(p, m, t, sd))
+            if "eagle3_colocated" in urls:
+                sq = Served(client, urls["eagle3_colocated"], k)
+                add(f"splitspec_eagle3_k{k}_colocated", f"splitspec served, EAGLE-3 head in the verifier replica, fixed k={k}",
+                    "splitspec", k, "fixed", lambda p, m, t, sd, sq=sq: sq.run(p, m, t, sd))
             if "eagle3_no_predraft" in urls:
                 sn = Served(client, urls["eagle3_no_predraft"], k)
                 add(f"splitspec_eagle3_k{k}_no_predraft", f"splitspec served, EAGLE-3 head, fixed k={k}, no pre-drafting",
@@ -326,7 +330,9 @@ def run(args, urls: dict | None = None) -> dict:
                 if args.eagle3_no_predraft:
                     apps["eagle3_no_predraft"] = {**apps["eagle3"], "pipeline_drafts": False}
             if args.colocated:
-                for name, pooled in (("colocated", apps["adaptive"]), ("colocated_fixed", apps["fixed"])):
+                pairs = [("colocated", apps["adaptive"]), ("colocated_fixed", apps["fixed"])]
+                pairs += [("eagle3_colocated", apps["eagle3"])] if "eagle3" in apps else []
+                for name, pooled in pairs:
                     # one process: the verifier's cores are both pools' (no drafter pinning of its own)
                     cores = pooled["verifier"].get("cpu_affinity", []) + pooled["drafter"].get("cpu_affinity", [])
                     apps[name] = {**pooled, "drafter_placement": "verifier",
