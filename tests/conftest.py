@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -86,3 +87,17 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
     tok, target, draft = tiny_pair
     yield f"http://127.0.0.1:{port}", tok, target, draft
     serve.delete("splitspec")
+
+
+@contextlib.contextmanager
+def side_app(serve_app, name: str, args: dict, overrides: dict | None = None):
+    """Another splitspec app beside ``serve_app`` (its HTTP proxy, route ``/name``): yields its base URL."""
+    from ray import serve
+
+    from deployments.app import build_app_with
+
+    serve.run(build_app_with(args, overrides=overrides), name=name, route_prefix=f"/{name}")
+    try:
+        yield f"{serve_app[0]}/{name}"
+    finally:
+        serve.delete(name)

@@ -11,22 +11,17 @@ pytestmark = pytest.mark.serve
 
 @pytest.fixture(scope="module")
 def colocated_app(ray_cluster, serve_app, tiny_model_dirs):
-    from ray import serve
+    from tests.conftest import side_app
 
-    from deployments.app import build_app_with
-
-    base, *_ = serve_app  # the same HTTP proxy, another route prefix
     target_dir, drafter_dir = tiny_model_dirs
-    app = build_app_with({
+    with side_app(serve_app, "colocated", {
         "model_name": "tiny", "drafter_placement": "verifier", "k_policy": "fixed",
         "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},
-                  "Router": {"ray_actor_options": {"num_cpus": 0.05}}})
-    serve.run(app, name="colocated", route_prefix="/colocated")
-    yield f"{base}/colocated"
-    serve.delete("colocated")
+                  "Router": {"ray_actor_options": {"num_cpus": 0.05}}}) as url:
+        yield url
 
 
 def complete(url, **body):

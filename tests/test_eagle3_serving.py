@@ -214,19 +214,31 @@ def _kill_drafters(app="eagle"):
     return len(names)
 
 
+def _greedy_is_the_targets(url: str, ver) -> list[dict]:
+    """Two code prompts, 64 greedy tokens each over HTTP: the target's own tokens, with the head's
+    drafts mostly accepted. -> each response's speculation stats."""
+    from tests.test_processors import hf_greedy
+
+    body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
+    specs = []
+    for text in CODE[:2]:
+        r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": text}, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["token_ids"] == hf_greedy(ver.model, ver.tokenizer(text)["input_ids"], 64)
+        spec = out["speculation"]
+        assert spec["mean_acceptance_length"] > 2.5 and spec["num_drafts"] > 5 and spec["degraded_steps"] == 0, spec
+        specs.append(spec)
+    return specs
+
+
 @pytest.mark.long  # its own served app, drafter replicas killed and restored
 def test_served_greedy_equals_the_target_and_survives_drafter_deaths(eagle_app, shipped_engines):
     from tests.test_processors import hf_greedy
 
     ver, _ = shipped_engines
     body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
-    for text in CODE[:2]:
-        r = httpx.post(f"{eagle_app}/v1/completions", json={**body, "prompt": text}, timeout=120)
-        assert r.status_code == 200, r.text
-        out = r.json()
-        assert out["choices"][0]["token_ids"] == hf_greedy(ver.model, ver.tokenizer(text)["input_ids"], 64)
-        spec = out["speculation"]
-        assert spec["mean_acceptance_length"] > 2.5 and spec["num_drafts"] > 5, spec
+    for spec in _greedy_is_the_targets(eagle_app, ver):
         assert spec["aux_bytes_per_token"] > 0, spec
 
     # every drafter replica killed once the first tokens arrived: the stream finishes, identical
@@ -288,28 +300,15 @@ def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(r
     verification captured (no drafter pool, no states sent over the network); greedy is the target's."""
     from ray import serve
 
-    from deployments.app import build_app_with
-    from tests.test_processors import hf_greedy
+    from tests.conftest import side_app
 
-    app = build_app_with({
+    with side_app(serve_app, "eagle-colocated", {
         "model_name": "tiny-code", "drafter_placement": "verifier", "k_policy": "fixed",
         "verifier": {"model": str(TARGET), "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
         "drafter": {"method": "eagle3", "model": str(HEAD), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
-    }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}}})
-    serve.run(app, name="eagle-colocated", route_prefix="/eagle-colocated")
-    try:
+    }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}}}) as url:
         assert set(serve.status().applications["eagle-colocated"].deployments) == {"Router", "Verifier"}
-        ver, _ = shipped_engines
-        body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
-        for text in CODE[:2]:
-            r = httpx.post(f"{serve_app[0]}/eagle-colocated/v1/completions", json={**body, "prompt": text}, timeout=120)
-            assert r.status_code == 200, r.text
-            out = r.json()
-            assert out["choices"][0]["token_ids"] == hf_greedy(ver.model, ver.tokenizer(text)["input_ids"], 64)
-            spec = out["speculation"]
-            assert spec["mean_acceptance_length"] > 2.5 and spec["num_drafts"] > 5 and spec["degraded_steps"] == 0, spec
+        _greedy_is_the_targets(url, shipped_engines[0])
         stats = serve.get_deployment_handle("Verifier", app_name="eagle-colocated").stats.remote().result()
         assert stats["drafter_calls"]["local"] > 10 and stats["local_drafter"]["cached_sequences"] == 0, stats
-    finally:
-        serve.delete("eagle-colocated")

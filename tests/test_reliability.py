@@ -19,15 +19,11 @@ pytestmark = pytest.mark.serve
 
 @pytest.fixture(scope="module")
 def strict_app(ray_cluster, serve_app, tiny_model_dirs):
-    from ray import serve
-
-    from deployments.app import build_app_with
-
     from deployments.server import FAULT_INJECTION_ENV
+    from tests.conftest import side_app
 
-    base, *_ = serve_app  # the same HTTP proxy, another route prefix
     target_dir, drafter_dir = tiny_model_dirs
-    app = build_app_with({
+    with side_app(serve_app, "strict", {
         "model_name": "tiny",
         "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
@@ -35,10 +31,8 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
         "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1,  # adaptive k: the default
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},
                   "Drafter": {"ray_actor_options": {
-                      "num_cpus": 0.1, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}}})
-    serve.run(app, name="strict", route_prefix="/strict")
-    yield f"{base}/strict"
-    serve.delete("strict")
+                      "num_cpus": 0.1, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}}}) as url:
+        yield url
 
 
 def post(url, **body):
