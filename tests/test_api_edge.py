@@ -217,19 +217,16 @@ def shipped_app(ray_cluster, serve_app):
     up to 0.06, README "The lossless guarantee"), so a seeded output is one text whatever ks the
     adaptive policy picks on this run's timings."""
     import yaml
-    from ray import serve
 
-    from deployments.app import build_app_with
+    from tests.conftest import side_app
 
     app_cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     for pool in ("verifier", "drafter"):
         app_cfg["args"][pool]["dtype"] = "float32"
     overrides = {d["name"]: {"num_replicas": 1, "ray_actor_options": d.get("ray_actor_options", {})}
                  for d in app_cfg["deployments"]}
-    serve.run(build_app_with(app_cfg["args"], overrides=overrides), name="shipped", route_prefix="/shipped")
-    base = serve_app[0] + "/shipped"
-    yield base, app_cfg["args"]["model_name"]
-    serve.delete("shipped")
+    with side_app(serve_app, "shipped", app_cfg["args"], overrides) as base:
+        yield base, app_cfg["args"]["model_name"]
 
 
 def test_seeded_requests_repeat_with_the_shipped_config(shipped_app):
@@ -288,18 +285,15 @@ def test_echo_with_logprobs_leads_with_the_prompts(serve_app):
 
 @pytest.fixture(scope="module")
 def keyed_app(ray_cluster, serve_app, tiny_model_dirs):
-    from ray import serve
-
-    from deployments.app import build_app_with
+    from tests.conftest import side_app
 
     target_dir, drafter_dir = tiny_model_dirs
-    serve.run(build_app_with({
+    with side_app(serve_app, "keyed", {
         "model_name": "tiny", "api_keys": ["sk-test-1"], "max_body_bytes": 4096, "max_prompt_chars": 500,
         "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
-        "k_policy": "fixed"}), name="keyed", route_prefix="/keyed")
-    yield serve_app[0] + "/keyed"
-    serve.delete("keyed")
+        "k_policy": "fixed"}) as url:
+        yield url
 
 
 def test_api_keys_body_and_prompt_limits(keyed_app):

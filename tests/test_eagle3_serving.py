@@ -187,21 +187,16 @@ def test_sampled_output_is_the_targets_distribution(verification):
 # ------------------------------------------------------------ served, over HTTP
 @pytest.fixture(scope="module")
 def eagle_app(ray_cluster, serve_app):
-    from ray import serve
+    from tests.conftest import side_app
 
-    from deployments.app import build_app_with
-
-    base = serve_app[0]
-    app = build_app_with({
+    with side_app(serve_app, "eagle", {
         "model_name": "tiny-code",
         "verifier": {"model": str(TARGET), "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
         "drafter": {"method": "eagle3", "model": str(HEAD), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
         "k_policy": "fixed",
-    }, overrides={"Drafter": {"num_replicas": 2}})
-    serve.run(app, name="eagle", route_prefix="/eagle")
-    yield f"{base}/eagle"
-    serve.delete("eagle")
+    }, overrides={"Drafter": {"num_replicas": 2}}) as url:
+        yield url
 
 
 def _kill_drafters(app="eagle"):
