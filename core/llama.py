@@ -144,6 +144,43 @@ class CompactLlama:
         return logits, hidden
 
 
+class NativeLlama(CompactLlama):
+    """The compact forward as one native call (``core/csrc/decoder.cpp``): the same matmuls and
+    attention, the elementwise work in C++ loops, so a step pays one Python call instead of some 30
+    small ops per layer."""
+
+    kind = "native"
+
+    def __init__(self, model, max_len: int, ops):
+        super().__init__(model, max_len)
+        self.ops = ops
+        none = torch.empty(0, dtype=self.embed.dtype)
+        linears = [self.lm_head] + [w[name] for w in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        self.packed = linears[0].packed
+        assert all(f.packed == self.packed for f in linears)
+        self.weights = []  # core/csrc/decoder.cpp's per-layer order
+        for w in self.layers:
+            self.weights += [w["ln1"], w["qkv"].weight, _or(w["qkv"].bias, none), w["o"].weight, _or(w["o"].bias, none),
+                             _or(w["q_norm"], none), _or(w["k_norm"], none), w["ln2"], w["gate_up"].weight,
+                             w["down"].weight]
+        self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        self._none_rows = torch.empty(0, dtype=torch.long)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
+        rows = kv.read_rows is not None
+        out = self.ops.decoder(
+            input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
+            self.packed, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
+            kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
+            sorted(capture), self.eps, self.heads, self.kv_heads, self.head_dim)
+        return out[0], dict(zip(sorted(capture), out[1:]))
+
+
+def _or(t, default):
+    return default if t is None else t
+
+
 class _HFCacheView:
     """``past_key_values`` for a Hugging Face module: writes and reads the paged cache."""
 
@@ -189,14 +226,23 @@ class HFRunner:
 def make_runner(model, max_len: int, forward: str = "auto"):
     """The forward for this model: ``compact`` when supported (``auto``), else the model's own modules."""
     why = compact_unsupported(model, max_len)
-    if forward == "compact" and why:
-        raise ValueError(f"forward: compact does not support this model ({why}); use auto or transformers")
+    if forward in ("compact", "native") and why:
+        raise ValueError(f"forward: {forward} does not support this model ({why}); use auto or transformers")
     if forward == "transformers" or why:
         log.info("decoder forward: transformers modules%s", f" ({why})" if why else "")
         return HFRunner(model)
-    log.info("decoder forward: compact (%s, %d layers)", model.config.get_text_config().model_type,
-             model.config.get_text_config().num_hidden_layers)
-    return CompactLlama(model, max_len)
+    c = model.config.get_text_config()
+    ops = None
+    if forward in ("auto", "native") and model.device.type == "cpu":
+        from core.native import load, why_unavailable
+
+        ops = load()
+        if ops is None and forward == "native":
+            raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
+    elif forward == "native":
+        raise ValueError(f"forward: native runs on CPUs only (the model is on {model.device.type})")
+    log.info("decoder forward: %s (%s, %d layers)", "native" if ops else "compact", c.model_type, c.num_hidden_layers)
+    return NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
 
 
 class EngineModel:

@@ -5,8 +5,20 @@ import pytest
 import torch
 
 from core.kv_cache import PagedKVCache, batched_forward
-from core.llama import CompactLlama, HFRunner, compact_unsupported, make_runner
+from core.llama import CompactLlama, HFRunner, NativeLlama, compact_unsupported, make_runner
 from core.models import cpu_has_fast_bf16, resolve_dtype, resolve_kv_dtype
+from core.native import load as load_native, why_unavailable
+
+
+def native_ops():
+    """The native forward's ops; a test of it fails (not skips) where it cannot be built, unless
+    SPLITSPEC_NATIVE=0 says so: CI has a compiler, and a silently skipped kernel would rot."""
+    ops = load_native()
+    if ops is None:
+        if why_unavailable() == "SPLITSPEC_NATIVE=0":
+            pytest.skip("SPLITSPEC_NATIVE=0")
+        pytest.fail(f"the native forward did not build: {why_unavailable()}")
+    return ops
 
 
 def tiny(kind: str, seed: int = 0):
@@ -62,6 +74,63 @@ def test_compact_forward_equals_the_models_modules(kind):
         torch.testing.assert_close(compact[1][i], full[-len(FEEDS[1][i]):], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_native_forward_equals_the_models_modules(kind):
+    """core/csrc/decoder.cpp in float32, batched and padded, with captured states: the modules'
+    logits up to the order of a sum (its RMSNorm reduces in its own order)."""
+    model = tiny(kind)
+    capture = (0, 2, 3)  # 3: the stream after the last layer (before the final norm: the compact forward's)
+    native = run_steps(NativeLlama(model, 128, native_ops()), model, FEEDS, capture)
+    hf = run_steps(HFRunner(model), model, FEEDS)
+    compact = run_steps(CompactLlama(model, 128), model, FEEDS, capture)
+    for (logits_n, states_n), logits_h, (_, states_c) in zip(native, hf, compact):
+        for n, h in zip(logits_n, logits_h):
+            torch.testing.assert_close(n, h, atol=2e-5, rtol=1e-4)
+        for sn, sc in zip(states_n, states_c):
+            assert sorted(sn) == list(capture)
+            for L in capture:
+                torch.testing.assert_close(sn[L], sc[L], atol=2e-5, rtol=1e-4)
+
+
+def test_native_bf16_forward_rounds_as_the_eager_one():
+    """bf16: every elementwise step rounds where the eager compact forward's ops do, so the logits
+    agree to a few bf16 steps (an RMSNorm sum in another order flips a rounding now and then) and
+    the greedy token is the same wherever the top two are not within that distance."""
+    model = tiny("qwen3").to(torch.bfloat16)
+    ops = native_ops()
+    for feeds in (FEEDS, [[[3 + (7 * i) % 90 for i in range(60)], [9] * 5, [11, 12]], [[50], [51, 52], [53]]]):
+        native = run_steps(NativeLlama(model, 128, ops), model, feeds)
+        eager = run_steps(CompactLlama(model, 128), model, feeds)
+        for step_n, step_e in zip(native, eager):
+            for n, e in zip(step_n, step_e):
+                assert (n - e).abs().max() <= 4 * 2 ** -7 * max(1.0, float(e.abs().max()))
+                top2 = e.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 0.125
+                assert torch.equal(n.argmax(-1)[clear], e.argmax(-1)[clear])
+
+
+def test_native_forward_falls_back_and_refuses_clearly(monkeypatch):
+    """SPLITSPEC_NATIVE=0 (or a machine where it cannot be built): auto runs the eager compact
+    forward; asking for native there, or for a model it does not support, is refused by name."""
+    import core.native
+
+    model = tiny("llama")
+    assert make_runner(model, 128).kind == ("native" if native_ops() else "compact")
+    monkeypatch.setenv("SPLITSPEC_NATIVE", "0")
+    core.native.load.cache_clear()
+    try:
+        assert make_runner(model, 128).kind == "compact"
+        with pytest.raises(ValueError, match="native is unavailable here .SPLITSPEC_NATIVE=0"):
+            make_runner(model, 128, "native")
+    finally:
+        monkeypatch.delenv("SPLITSPEC_NATIVE")
+        core.native.load.cache_clear()
+    assert make_runner(model, 128, "native").kind == "native"
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="native does not support"):
+        make_runner(model, 128, "native")
+
+
 def test_captured_hidden_states_are_the_residual_stream_entering_each_layer():
     """EAGLE-3's auxiliary states: layer id L is the stream entering decoder layer L, which is
     transformers' ``hidden_states[L]`` (index 0: the embeddings)."""
@@ -80,7 +149,7 @@ def test_captured_hidden_states_are_the_residual_stream_entering_each_layer():
 
 def test_runner_choice_and_unsupported_models():
     model = tiny("llama")
-    assert make_runner(model, 128).kind == "compact"
+    assert make_runner(model, 128, "compact").kind == "compact"
     assert make_runner(model, 128, "transformers").kind == "transformers"
     model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     assert "dynamic" in compact_unsupported(model, 128)
@@ -118,7 +187,7 @@ def test_bf16_greedy_equals_target_generate_up_to_the_first_near_tie():
     ver = VerifierEngine(VerifierConfig(model=str(root / "tiny-code-target"), dtype="bfloat16", cache_budget_mb=64),
                          tokenizer=tok)
     dr = ModelDrafter(DraftModelConfig(model=str(root / "tiny-code-drafter"), dtype="bfloat16", cache_budget_mb=16))
-    assert ver.dtype == torch.bfloat16 and ver.runner.kind == "compact"
+    assert ver.dtype == torch.bfloat16 and ver.runner.kind == "native" and dr.runner.kind == "native"
     prompts = [tok(p)["input_ids"] for p in held_out_prompts(4)]
     seqs = generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), 4, dr, ver)
     identical = 0
@@ -138,13 +207,14 @@ def test_bf16_greedy_equals_target_generate_up_to_the_first_near_tie():
     assert identical >= 2
 
 
-def test_fragmented_block_tables_are_gathered_not_viewed():
+@pytest.mark.parametrize("runner_kind", ["compact", "native"])
+def test_fragmented_block_tables_are_gathered_not_viewed(runner_kind):
     """A block table whose first and last blocks look consecutive but whose middle is elsewhere
     (X=[1,2], A=[3], Y=[4]; X released; A grows into 1, Z takes 2, A grows into 5) must be read by
     gathering: a view would read, and write into, another sequence's blocks."""
     model = tiny("llama")
     cache = PagedKVCache(model.config, 128, 8 * 2**20, torch.float32)
-    runner = CompactLlama(model, 128)
+    runner = CompactLlama(model, 128) if runner_kind == "compact" else NativeLlama(model, 128, native_ops())
     bs = cache.block_size
 
     def grow(seq, n, toks=None):

@@ -1,0 +1,245 @@
+// The compact Llama-family forward (core/llama.py, CompactLlama) as one native call.
+//
+// Why: at decode shapes a layer's matmuls take tens of microseconds, and the ~30 small PyTorch ops
+// around them (norms, rotary, casts, residual adds, the SiLU gate), each a Python call and a dispatch,
+// cost about half as much again (measured: the eager forward 1.5-1.7x its pre-packed linear layers,
+// this one 1.06-1.2x). Here the whole forward is one op: the matmuls stay the library's (oneDNN
+// pre-packed bf16 on CPUs, else at::linear), the cache reads and writes and attention stay ATen's
+// (at::scaled_dot_product_attention: a hand-written loop measured no faster at one query and slower at
+// more), and the elementwise work runs as plain loops the compiler vectorises.
+//
+// Numerics: every elementwise step rounds to the compute dtype where the eager forward's op would
+// (bf16: each multiply and add rounded, as ATen's bf16 kernels compute in float and store bf16), and
+// -ffp-contract=off keeps the compiler from fusing a multiply and an add. What differs from the eager
+// forward is the order of the RMSNorm sum of squares and the exp inside SiLU (a polynomial within
+// 1e-7 relative): the last bit of a float32 value, so a bf16 rounding flips now and then.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cmath>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+using at::Tensor;
+
+namespace {
+
+// One weight set per layer, in this order (absent optional ones are empty tensors).
+enum { LN1, QKV, QKV_B, O, O_B, Q_NORM, K_NORM, LN2, GATE_UP, DOWN, PER_LAYER };
+
+bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed) {
+  // x [T, in] -> [T, out]
+  std::optional<Tensor> bias = present(b) ? std::optional<Tensor>(b) : std::nullopt;
+  if (packed) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                         .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, std::string_view,
+                                       c10::List<std::optional<c10::Scalar>>, std::optional<std::string_view>)>();
+    return op.call(x, w, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
+  }
+  return at::linear(x, w, bias);
+}
+
+// Loads and stores in the compute dtype, branch-free so that loops over them vectorise (c10's
+// float -> bf16 conversion branches on NaN per element). bf16 stores round to nearest even, as ATen's.
+inline float ld(float v) { return v; }
+inline float ld(double v) { return static_cast<float>(v); }  // dispatched to, never called: Python refuses float64
+inline float ld(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+template <typename T>
+inline T st(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline float st<float>(float v) { return v; }
+template <>
+[[gnu::always_inline]] inline c10::BFloat16 st<c10::BFloat16>(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // an integer compare: vectorises, unlike v != v
+  return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : r), c10::BFloat16::from_bits());
+}
+// Round to the compute dtype: a no-op for float.
+template <typename T>
+inline float rnd(float v) {
+  return ld(st<T>(v));
+}
+
+// y[r] = w * round(x[r] * rsqrt(mean(x[r]^2) + eps)) for `rows` rows of width `n` (Hugging Face's RMSNorm).
+template <typename T>
+void rms_norm(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_t x_stride, int64_t y_stride, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* yr = y + r * y_stride;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      float v = ld(xr[i]);
+      ss += v * v;
+    }
+    float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i)
+      yr[i] = st<T>(ld(w[i]) * rnd<T>(ld(xr[i]) * inv));
+  }
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  // x [T, n] contiguous -> [T, n]
+  Tensor y = at::empty_like(x);
+  int64_t n = x.size(-1), rows = x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
+                       rows, n, n, n, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// In place on the first `heads` heads of each token of qkv [T, heads_all, D]: optional per-head RMSNorm
+// (q_norm for the first H heads, k_norm for the next KV: Qwen3), then x * cos + rotate_half(x) * sin.
+template <typename T>
+void norm_rotate(T* qkv, const T* cos, const T* sin, const T* q_norm, const T* k_norm, int64_t tokens,
+                 int64_t heads_all, int64_t H, int64_t KV, int64_t D, float eps) {
+  const int64_t h2 = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * D;
+    const T* s = sin + t * D;
+    for (int64_t h = 0; h < H + KV; ++h) {
+      T* x = qkv + (t * heads_all + h) * D;
+      const T* nw = h < H ? q_norm : k_norm;
+      if (nw) rms_norm<T>(x, nw, x, 1, D, D, D, eps);
+      for (int64_t i = 0; i < D; ++i) tmp[i] = ld(x[i]);
+      for (int64_t i = 0; i < D; ++i) {
+        float rot = i < h2 ? -tmp[i + h2] : tmp[i - h2];
+        float a = rnd<T>(tmp[i] * ld(c[i]));
+        float b = rnd<T>(rot * ld(s[i]));
+        x[i] = st<T>(a + b);
+      }
+    }
+  }
+}
+
+// exp(x) for float x, within 2 ulp (Cephes' expf: Cody-Waite range reduction, degree-6 polynomial),
+// branch-free so that loops over it vectorise; libm's expf is a call per element (at 9 new tokens the
+// MLP's SiLU alone made 12,672 of them per layer).
+[[gnu::always_inline]] inline float exp_(float x) {
+  x = std::min(std::max(x, -87.33654f), 88.72283f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 x 2^23 trick; std::floor does not vectorise)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.f;
+  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// out[t, i] = round(round(silu(gate[t, i])) * up[t, i]) for gu [T, 2I] = [gate | up].
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* g = gu + t * 2 * I;
+    const T* u = g + I;
+    T* o = out + t * I;
+    for (int64_t i = 0; i < I; ++i) {
+      float x = ld(g[i]);
+      float act = rnd<T>(x / (1.f + exp_(-x)));
+      o[i] = st<T>(act * ld(u[i]));
+    }
+  }
+}
+
+// The forward. input_ids, positions [B, n]; cos/sin tables [max_len, D] in the compute dtype;
+// weights: PER_LAYER tensors per layer (see the enum); k_cache/v_cache: per layer [rows, KV, D].
+// K/V access (core.kv_cache.KVAccess): with write_rows empty, batch 1 reads and writes views
+// (rows write_start.. and read_start..read_start+S); else write_rows [B*n] and read_rows [B, S].
+// mask [B, 1, n, S] bool or none. Returns [logits [B, keep, V], then the residual stream entering
+// each layer in `capture` [B, n, hidden]].
+std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_t,
+                            const Tensor& sin_t, at::TensorList weights, const Tensor& final_norm,
+                            const Tensor& lm_head, bool packed, at::TensorList k_cache, at::TensorList v_cache,
+                            const Tensor& write_rows, const Tensor& read_rows, int64_t write_start, int64_t read_start,
+                            int64_t S, const std::optional<Tensor>& mask, int64_t keep, at::IntArrayRef capture,
+                            double eps, int64_t H, int64_t KV, int64_t D) {
+  at::NoGradGuard no_grad;
+  const int64_t B = input_ids.size(0), n = input_ids.size(1), T = B * n;
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "expected ", L * PER_LAYER, " weights, got ",
+              weights.size());
+  const int64_t heads_all = H + 2 * KV;
+  const bool rows_mode = present(write_rows);
+
+  Tensor x = at::embedding(embed, input_ids.reshape({T}));  // [T, hidden]
+  Tensor pos = positions.reshape({T});
+  Tensor cos = cos_t.index_select(0, pos), sin = sin_t.index_select(0, pos);  // [T, D]
+  std::vector<Tensor> out(1);
+
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor* w = weights.data() + l * PER_LAYER;
+    for (int64_t c : capture)
+      if (c == l) out.push_back(x.view({B, n, -1}).clone());
+    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed).contiguous();  // [T, heads_all * D]
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "norm_rotate", [&] {
+      norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(),
+                            sin.const_data_ptr<scalar_t>(),
+                            present(w[Q_NORM]) ? w[Q_NORM].const_data_ptr<scalar_t>() : nullptr,
+                            present(w[K_NORM]) ? w[K_NORM].const_data_ptr<scalar_t>() : nullptr, T, heads_all, H, KV,
+                            D, static_cast<float>(eps));
+    });
+    const Tensor &Kc = k_cache[l], &Vc = v_cache[l];
+    Tensor heads = qkv.view({B, n, heads_all, D});
+    Tensor q = heads.narrow(2, 0, H), k = heads.narrow(2, H, KV), v = heads.narrow(2, H + KV, KV);
+    Tensor K, V;  // [B, S, KV, D] in the cache's dtype
+    if (!rows_mode) {
+      Kc.narrow(0, write_start, n).copy_(k[0]);
+      Vc.narrow(0, write_start, n).copy_(v[0]);
+      K = Kc.narrow(0, read_start, S).unsqueeze(0);
+      V = Vc.narrow(0, read_start, S).unsqueeze(0);
+    } else {
+      Kc.index_copy_(0, write_rows, k.reshape({T, KV, D}).to(Kc.scalar_type()));
+      Vc.index_copy_(0, write_rows, v.reshape({T, KV, D}).to(Vc.scalar_type()));
+      K = Kc.index({read_rows});
+      V = Vc.index({read_rows});
+    }
+    Tensor a = at::scaled_dot_product_attention(q.transpose(1, 2).to(Kc.scalar_type()), K.transpose(1, 2),
+                                                V.transpose(1, 2), mask, 0.0, false, std::nullopt,
+                                                KV != H);  // [B, H, n, D]
+    a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
+    x.add_(linear(a, w[O], w[O_B], packed));
+    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed).contiguous();  // [T, 2I]
+    const int64_t I = gu.size(1) / 2;
+    Tensor act = at::empty({T, I}, x.options());
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+      silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), T, I);
+    });
+    x.add_(linear(act, w[DOWN], Tensor(), packed));
+  }
+  for (int64_t c : capture)
+    if (c == L) out.push_back(x.view({B, n, -1}).clone());
+  Tensor last = x.view({B, n, -1}).narrow(1, n - keep, keep).reshape({B * keep, -1}).contiguous();
+  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed).view({B, keep, -1});
+  return out;
+}
+
+}  // namespace
+
+// Registered as catch-all kernels: the packed weights are oneDNN tensors, whose dispatch key a CPU-only
+// registration would not match.
+TORCH_LIBRARY(splitspec, m) {
+  m.def(
+      "decoder(Tensor input_ids, Tensor positions, Tensor embed, Tensor cos, Tensor sin, Tensor[] weights, "
+      "Tensor final_norm, Tensor lm_head, bool packed, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
+      "int[] capture, float eps, int H, int KV, int D) -> Tensor[]",
+      &forward);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor",
+        [](const Tensor& x, const Tensor& w, double eps) { return rms_norm(x.contiguous(), w, eps); });
+}
