@@ -319,6 +319,10 @@ def run(args, urls: dict | None = None) -> dict:
                     log(f"starting vLLM engine k={k} ({vpy})")
                     vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
                     stack.callback(vllms[k].close)
+                # loaded before Serve starts: on 2 cores, Serve's proxy starting beside two loading engines
+                # missed its readiness checks (3 x 5 s) and was killed, twice in three runs here
+                for peer in vllms.values():
+                    peer.wait_ready()
             except Exception as e:  # noqa: BLE001 - reported, not hidden
                 skipped["vllm"] = f"failed: {str(e)[-2000:]}"
                 vllms = {}
