@@ -69,7 +69,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         return (time.perf_counter() - t0) / calls * 1e3
 
     rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
-    compact = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else None
+    # the eager forward native replaces (for the transformers forward, the engine's own runner again)
+    eager_runner = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else engine.runner
     with torch.inference_mode():
         cache = engine.cache
         slot = cache.claim("bench", 0, None, ctx + [1], set())
@@ -77,7 +78,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         batched_forward(engine.runner, cache, [slot], [ctx], [1])
         slot_c = cache.claim("bench-compact", 0, None, ctx + [1], set())
         cache.reserve("bench-compact", context + max(ns), set())
-        batched_forward(compact or engine.runner, cache, [slot_c], [ctx], [1])
+        batched_forward(eager_runner, cache, [slot_c], [ctx], [1])
         hf_cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ctx]), past_key_values=hf_cache)
         for _ in range(rounds):
@@ -91,7 +92,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
 
                 def eager():
                     slot_c.cut(context)
-                    batched_forward(compact or engine.runner, cache, [slot_c], [new], [n])
+                    batched_forward(eager_runner, cache, [slot_c], [new], [n])
 
                 def hf():
                     extra = hf_cache.get_seq_length() - context

@@ -168,13 +168,13 @@ class NativeLlama(CompactLlama):
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
-        rows = kv.read_rows is not None
+        rows, layers = kv.read_rows is not None, sorted(capture)
         out = self.ops.decoder(
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
             self.packed, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
             kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
-            sorted(capture), self.eps, self.heads, self.kv_heads, self.head_dim)
-        return out[0], dict(zip(sorted(capture), out[1:]))
+            layers, self.eps, self.heads, self.kv_heads, self.head_dim)
+        return out[0], dict(zip(layers, out[1:]))
 
 
 def _or(t, default):
@@ -233,14 +233,18 @@ def make_runner(model, max_len: int, forward: str = "auto"):
         return HFRunner(model)
     c = model.config.get_text_config()
     ops = None
-    if forward in ("auto", "native") and model.device.type == "cpu":
+    # the native loops compute float32 and bf16 on CPUs; elsewhere (a GPU, float16) the eager compact forward
+    not_native = (f"native runs on CPUs only (the model is on {model.device.type})" if model.device.type != "cpu" else
+                  f"native computes float32 and bfloat16, not {model.dtype}"
+                  if model.dtype not in (torch.float32, torch.bfloat16) else None)
+    if forward == "native" and not_native:
+        raise ValueError(f"forward: {not_native}; use auto or compact")
+    if forward in ("auto", "native") and not not_native:
         from core.native import load, why_unavailable
 
         ops = load()
         if ops is None and forward == "native":
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
-    elif forward == "native":
-        raise ValueError(f"forward: native runs on CPUs only (the model is on {model.device.type})")
     log.info("decoder forward: %s (%s, %d layers)", "native" if ops else "compact", c.model_type, c.num_hidden_layers)
     return NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
 

@@ -20,26 +20,18 @@ from pathlib import Path
 
 import torch
 
+from core.models import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder.cpp"
 _why_not: str | None = None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _arch_flags() -> tuple[str, list[str]]:
     """(a tag for the build directory, compiler flags): AVX2 + FMA registers for the loops where the CPU has
     them (x86-64-v3), the compiler's baseline elsewhere, so a binary never runs on a CPU it cannot."""
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c", "bmi2"} <= _cpu_flags():
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
         return "x86-64-v3", ["-march=x86-64-v3"]
     return platform.machine() or "cpu", []
 
@@ -58,7 +50,7 @@ def why_unavailable() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """``torch.ops.splitspec`` with the native forward, building it if needed; None where it cannot run."""
+    """``torch.ops.splitspec`` (``decoder``: the native forward), building it if needed; None where it cannot run."""
     global _why_not
     if os.environ.get("SPLITSPEC_NATIVE", "1") == "0":
         _why_not = "SPLITSPEC_NATIVE=0"

@@ -126,6 +126,10 @@ def test_native_forward_falls_back_and_refuses_clearly(monkeypatch):
         monkeypatch.delenv("SPLITSPEC_NATIVE")
         core.native.load.cache_clear()
     assert make_runner(model, 128, "native").kind == "native"
+    half = tiny("llama").to(torch.float16)  # the native loops compute float32 and bf16: float16 runs eager
+    assert make_runner(half, 128).kind == "compact"
+    with pytest.raises(ValueError, match="native computes float32 and bfloat16, not torch.float16"):
+        make_runner(half, 128, "native")
     model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="native does not support"):
         make_runner(model, 128, "native")

@@ -51,12 +51,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed) {
 // Loads and stores in the compute dtype, branch-free so that loops over them vectorise (c10's
 // float -> bf16 conversion branches on NaN per element). bf16 stores round to nearest even, as ATen's.
 inline float ld(float v) { return v; }
-inline float ld(double v) { return static_cast<float>(v); }  // dispatched to, never called: Python refuses float64
 inline float ld(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
 template <typename T>
-inline T st(float v) {
-  return static_cast<T>(v);
-}
+inline T st(float v);
 template <>
 inline float st<float>(float v) { return v; }
 template <>
@@ -66,6 +63,18 @@ template <>
   const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // an integer compare: vectorises, unlike v != v
   return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : r), c10::BFloat16::from_bits());
 }
+// f(float{}) or f(c10::BFloat16{}) for the compute dtype: the two the engines run here (core/llama.py
+// sends nothing else).
+template <typename F>
+void on_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat)
+    f(float{});
+  else if (dtype == at::kBFloat16)
+    f(c10::BFloat16{});
+  else
+    TORCH_CHECK(false, "the native forward runs float32 and bfloat16, not ", dtype);
+}
+
 // Round to the compute dtype: a no-op for float.
 template <typename T>
 inline float rnd(float v) {
@@ -93,7 +102,8 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
   // x [T, n] contiguous -> [T, n]
   Tensor y = at::empty_like(x);
   int64_t n = x.size(-1), rows = x.numel() / n;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  on_dtype(x.scalar_type(), [&](auto t) {
+    using scalar_t = decltype(t);
     rms_norm<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
                        rows, n, n, n, static_cast<float>(eps));
   });
@@ -187,7 +197,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     for (int64_t c : capture)
       if (c == l) out.push_back(x.view({B, n, -1}).clone());
     Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed).contiguous();  // [T, heads_all * D]
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "norm_rotate", [&] {
+    on_dtype(x.scalar_type(), [&](auto t) {
+      using scalar_t = decltype(t);
       norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(),
                             sin.const_data_ptr<scalar_t>(),
                             present(w[Q_NORM]) ? w[Q_NORM].const_data_ptr<scalar_t>() : nullptr,
@@ -217,7 +228,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed).contiguous();  // [T, 2I]
     const int64_t I = gu.size(1) / 2;
     Tensor act = at::empty({T, I}, x.options());
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    on_dtype(x.scalar_type(), [&](auto t) {
+      using scalar_t = decltype(t);
       silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), T, I);
     });
     x.add_(linear(act, w[DOWN], Tensor(), packed));
@@ -240,6 +252,4 @@ TORCH_LIBRARY(splitspec, m) {
       "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
       "int[] capture, float eps, int H, int KV, int D) -> Tensor[]",
       &forward);
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor",
-        [](const Tensor& x, const Tensor& w, double eps) { return rms_norm(x.contiguous(), w, eps); });
 }
