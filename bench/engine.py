@@ -10,7 +10,9 @@ interleaved round by round (medians over rounds, one torch thread):
 - ``engine``: the engine's forward (``core.kv_cache.batched_forward`` with the runner the engine
   chose, over its paged cache), what every verify and draft call runs (``native`` where it builds);
 - ``compact``: the same forward as eager PyTorch ops (``core.llama.CompactLlama``), what ``native``
-  replaces, over the same cache.
+  replaces, over the same cache;
+- ``onednn``: where the engine runs the native forward with its bf16 GEMV (one-token matmuls), the
+  same forward with every matmul on oneDNN's pre-packed kernels, over the same cache.
 
 Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
@@ -22,6 +24,7 @@ process (cold: imports, weights, first forward) and again in the same process (w
 from __future__ import annotations
 
 import argparse
+import copy
 import subprocess
 import sys
 import time
@@ -69,6 +72,13 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         return (time.perf_counter() - t0) / calls * 1e3
 
     rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
+    # the native forward without its GEMV (every matmul on oneDNN), where the engine's runs it
+    onednn = None
+    if getattr(engine.runner, "gemv", False):
+        onednn = copy.copy(engine.runner)
+        onednn.parts = []
+        for r in rows.values():
+            r["onednn"] = []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)
     eager_runner = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else engine.runner
     with torch.inference_mode():
@@ -90,6 +100,10 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     slot.cut(context)
                     batched_forward(engine.runner, cache, [slot], [new], [n])
 
+                def no_gemv():
+                    slot.cut(context)
+                    batched_forward(onednn, cache, [slot], [new], [n])
+
                 def eager():
                     slot_c.cut(context)
                     batched_forward(eager_runner, cache, [slot_c], [new], [n])
@@ -105,6 +119,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                 rows[n]["hf"].append(timer(hf))
                 rows[n]["engine"].append(timer(eng))
                 rows[n]["compact"].append(timer(eager))
+                if onednn is not None:
+                    rows[n]["onednn"].append(timer(no_gemv))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
     one = table[ns[0]]
     return {
@@ -116,6 +132,9 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "engine_over_compact": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["compact"])]), 3)
                                 for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
+        "gemv": onednn is not None,
+        "engine_over_onednn": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["onednn"])]), 3)
+                               for n in ns} if onednn is not None else None,  # paired per round
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
                                       "linear": rnd(table[n]["linear"] / one["linear"], 3),
                                       "linear_packed": rnd(table[n]["linear_packed"] / one["linear_packed"], 3),
@@ -194,7 +213,9 @@ def table(result: dict) -> str:
     for dtype, r in result["target"].items():
         lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
                      f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']}); "
-                     f"engine / packed linear {r['engine_over_linear_packed_1']}")
+                     f"engine / packed linear {r['engine_over_linear_packed_1']}"
+                     + (f"; one-token matmuls on the bf16 GEMV, engine / the same forward on oneDNN alone (paired): "
+                        f"{r['engine_over_onednn']}" if r.get("gemv") else ""))
         lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} "
                      f"{'engine/compact':>15} {'engine k+1/1':>13} {'linear k+1/1':>13} {'packed k+1/1':>13}")
         for k, ratio in r["verify_ratio"].items():
@@ -204,7 +225,10 @@ def table(result: dict) -> str:
                          f"{ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}")
         d = result["drafter"][dtype]["ms"]["1"]
         s = result["startup"][dtype]
-        lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms, hf {d['hf']:.2f}, linear {d['linear']:.2f}; "
+        dr = result["drafter"][dtype]
+        lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms"
+                     + (f" (oneDNN alone {d['onednn']:.2f}, paired {dr['engine_over_onednn']['0']})" if dr.get("gemv") else "")
+                     + f", hf {d['hf']:.2f}, linear {d['linear']:.2f}, packed {d['linear_packed']:.2f}; "
                      f"target engine start: cold {s['cold_s']} s, warm {s['warm_s']} s"
                      + (f", cold on a machine that never built the native forward {s['cold_first_build_s']} s"
                         if "cold_first_build_s" in s else ""))

@@ -17,6 +17,7 @@ paged cache. ``make_runner`` chooses and says which.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,15 @@ class NativeLlama(CompactLlama):
             self.weights += [w["ln1"], w["qkv"].weight, _or(w["qkv"].bias, none), w["o"].weight, _or(w["o"].bias, none),
                              _or(w["q_norm"], none), _or(w["k_norm"], none), w["ln2"], w["gate_up"].weight,
                              w["down"].weight]
+        # the model's own weights, row-major, for the native bf16 GEMV at one token (no copy: the module holds them)
+        self.gemv = self.packed and os.environ.get("SPLITSPEC_GEMV", "1") != "0" and bool(ops.gemv_supported())
+        self.parts = []
+        if self.gemv:
+            for L in model.model.layers:
+                a, p = L.self_attn, L.mlp
+                self.parts += [m.weight.contiguous() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj,
+                                                               p.up_proj, p.down_proj)]
+            self.parts.append(model.lm_head.weight.contiguous())
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
@@ -171,7 +181,7 @@ class NativeLlama(CompactLlama):
         rows, layers = kv.read_rows is not None, sorted(capture)
         out = self.ops.decoder(
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
-            self.packed, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
+            self.packed, self.parts, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
             kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
             layers, self.eps, self.heads, self.kv_heads, self.head_dim)
         return out[0], dict(zip(layers, out[1:]))

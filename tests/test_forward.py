@@ -109,6 +109,61 @@ def test_native_bf16_forward_rounds_as_the_eager_one():
                 assert torch.equal(n.argmax(-1)[clear], e.argmax(-1)[clear])
 
 
+def gemv_ops():
+    """The native ops where this CPU runs the bf16 GEMV (AVX-512 BF16); a skip elsewhere."""
+    from core.models import cpu_flags
+
+    ops = native_ops()
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("no AVX-512 BF16 on this CPU: the GEMV does not run here")
+    assert ops.gemv_supported(), "the CPU has AVX-512 BF16 but the native GEMV says it does not"
+    return ops
+
+
+def test_gemv_is_the_float32_sum_rounded_once():
+    """The native bf16 GEMV (one-token matmuls over the model's own weights): products exact in float32,
+    summed in float32 with the bias, rounded once, so within one bf16 rounding of the float64 result;
+    weights given in parts (q, k, v) land side by side as one fused output. Odd widths exercise the masked
+    tails, 13 + 5 rows a short last block, up to 8 input rows the multi-row path."""
+    ops = gemv_ops()
+    g = torch.Generator().manual_seed(0)
+    for rows, width in (((8,), 32), ((13, 5), 70), ((512, 128, 128), 512), ((3,), 1), ((100, 28), 1408)):
+        parts = [torch.randn(r, width, generator=g).bfloat16() for r in rows]
+        w = torch.cat(parts)
+        for T in (1, 2, 5, 8):
+            x = torch.randn(T, width, generator=g).bfloat16()
+            for bias in (torch.randn(w.shape[0], generator=g).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
+                y = ops.gemv(x, parts, bias)
+                exact = x.double() @ w.double().T + (bias.double() if bias.numel() else 0)  # [T, out]
+                assert y.shape == exact.shape and y.dtype == torch.bfloat16
+                ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+                assert ((y.double() - exact).abs() <= ulp).all(), (rows, width, T)
+
+
+def test_native_bf16_forward_with_the_gemv_as_without_it():
+    """The forward with its one-token matmuls on the GEMV (batch 1 decoding, the drafter's steps) against
+    the same forward on oneDNN's kernels: the same logits up to a flipped rounding, the same greedy token
+    wherever the top two are apart. The engines pick it by themselves where the CPU has it."""
+    ops = gemv_ops()
+    model = tiny("qwen2")
+    g = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:  # biases (zero at initialisation): added before the one rounding
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
+    model = model.to(torch.bfloat16)
+    with_gemv, without = NativeLlama(model, 128, ops), NativeLlama(model, 128, ops)
+    without.parts = []
+    assert with_gemv.gemv and len(with_gemv.parts) == 7 * 3 + 1
+    one_token = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41]], [[42]]]  # a prefill, then batch-1 decode steps
+    for feeds in (one_token, FEEDS):
+        for step_g, step_o in zip(run_steps(with_gemv, model, feeds), run_steps(without, model, feeds)):
+            for a, b in zip(step_g, step_o):
+                assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
+                top2 = b.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 0.0625
+                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
 def test_native_forward_falls_back_and_refuses_clearly(monkeypatch):
     """SPLITSPEC_NATIVE=0 (or a machine where it cannot be built): auto runs the eager compact
     forward; asking for native there, or for a model it does not support, is refused by name."""

@@ -14,6 +14,7 @@
 // forward is the order of the RMSNorm sum of squares and the exp inside SiLU (a polynomial within
 // 1e-7 relative): the last bit of a float32 value, so a bf16 rounding flips now and then.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -32,10 +33,12 @@ namespace {
 
 // One weight set per layer, in this order (absent optional ones are empty tensors).
 enum { LN1, QKV, QKV_B, O, O_B, Q_NORM, K_NORM, LN2, GATE_UP, DOWN, PER_LAYER };
+// The model's own (unfused, row-major) weights per layer for the GEMV, in this order, then the LM head's; or none.
+enum { P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, PARTS_PER_LAYER };
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed) {
+Tensor library_linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed) {
   // x [T, in] -> [T, out]
   std::optional<Tensor> bias = present(b) ? std::optional<Tensor>(b) : std::nullopt;
   if (packed) {
@@ -167,6 +170,124 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
   }
 }
 
+// ---- bf16 GEMV for a few rows (AVX-512 BF16), over the model's own row-major weights.
+//
+// Why: at one token a linear layer is a matrix-vector product bound by reading its weights, and
+// oneDNN's pre-packed path costs 25-30 us a call even for a 128 x 128 weight (this loop: 2-4 us;
+// per shape, weights in cache, it was 1.3-13x faster at one row). From a few rows on oneDNN's AMX
+// kernels win (`use_gemv` below). The weights are the model's own tensors (no copy: its modules hold
+// them), read in place.
+// Numerics: products in float32 (VDPBF16PS), summed in float32, the bias added, rounded once to bf16
+// (nearest even), as the library's kernels do; only the order of the float32 sum differs.
+#if defined(__x86_64__)
+#define SPLITSPEC_GEMV 1
+#include <immintrin.h>
+#define GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T <= TB input rows.
+// Prefetch distance, in weight rows (two blocks of 8 ahead; past a tensor's end it is a hint that never faults).
+// At one token the forward streams its weights from memory once (55 MB for the shipped target): without
+// it this loop ran the target's forward 1.21x slower than oneDNN's kernels, with it 0.62-0.80x (paired
+// A/B of the whole forward; 8 and 32 rows measured within the noise of 16).
+constexpr int64_t PF = 16;
+template <int R, int TB>
+GEMV_TARGET inline void gemv_block(const uint16_t* __restrict x, const uint16_t* const* __restrict w, float* out,
+                                   int64_t I, int T) {
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < I; i += 32) {
+    const __mmask32 m = I - i >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (I - i)) - 1);
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + PF * I + i), _MM_HINT_T0);
+      wv[r] = _mm512_maskz_loadu_epi16(m, w[r] + i);
+    }
+    for (int t = 0; t < TB; ++t) {
+      if (t >= T) break;
+      const __m512i xv = _mm512_maskz_loadu_epi16(m, x + t * I + i);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int t = 0; t < TB && t < T; ++t)
+    for (int r = 0; r < R; ++r) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+bool gemv_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// y [T, sum of parts' rows] = x [T, I] . concat(parts)^T + b: the parts are the model's own weights
+// (q, k, v or gate, up: one fused output without a fused copy of the weights).
+template <int R, int TB>
+void gemv_rows(const uint16_t* x, const std::vector<const uint16_t*>& rows, const c10::BFloat16* b, uint16_t* y,
+               int64_t T, int64_t I) {
+  const int64_t O = static_cast<int64_t>(rows.size());
+  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    float acc[R * TB];
+    const uint16_t* w[R];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o = blk * R;
+      const int nr = static_cast<int>(std::min<int64_t>(R, O - o));
+      for (int r = 0; r < R; ++r) w[r] = rows[o + std::min(r, nr - 1)];  // a short last block repeats its last row
+      for (int64_t t0 = 0; t0 < T; t0 += TB) {
+        const int nt = static_cast<int>(std::min<int64_t>(TB, T - t0));
+        gemv_block<R, TB>(x + t0 * I, w, acc, I, nt);
+        for (int t = 0; t < nt; ++t)
+          for (int r = 0; r < nr; ++r) {
+            float v = acc[t * R + r];
+            if (b) v += ld(b[o + r]);
+            y[(t0 + t) * O + o + r] = st<c10::BFloat16>(v).x;
+          }
+      }
+    }
+  });
+}
+
+Tensor gemv(const Tensor& x, at::TensorList parts, const Tensor& b) {
+  const int64_t T = x.size(0), I = x.size(1);
+  std::vector<const uint16_t*> rows;
+  for (const Tensor& w : parts) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == I,
+                "gemv: bf16 contiguous [out, ", I, "] weights");
+    const auto* p = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
+  }
+  Tensor xc = x.contiguous();
+  Tensor y = at::empty({T, static_cast<int64_t>(rows.size())}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+  const c10::BFloat16* bp = present(b) ? b.const_data_ptr<c10::BFloat16>() : nullptr;
+  if (T == 1)
+    gemv_rows<8, 1>(xp, rows, bp, yp, T, I);  // 8 independent sums hide VDPBF16PS's latency
+  else
+    gemv_rows<4, 4>(xp, rows, bp, yp, T, I);
+  return y;
+}
+#else
+bool gemv_supported() { return false; }
+Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "gemv: x86-64 only"); }
+#endif
+
+// At most this many rows go through the GEMV: 1 for any weight, 8 for small ones (measured: at 2-3
+// rows the target's 512-wide weights were 0.3-2.6x, so noise-level, while a drafter's 128-wide ones
+// stayed 1.1-5.8x faster up to 9 rows).
+inline bool use_gemv(const Tensor& x, at::TensorList parts) {
+  const int64_t T = x.size(0);
+  if (parts.empty() || !gemv_supported() || x.scalar_type() != at::kBFloat16) return false;
+  int64_t elems = 0;
+  for (const Tensor& w : parts) elems += w.numel();
+  return T == 1 || (T <= 8 && elems <= 65536);
+}
+
+// The layer's matmul: the GEMV over the model's weights (`parts`, empty when off) for a few rows, else the
+// library's (pre-packed where `packed`).
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts = {}) {
+  return use_gemv(x, parts) ? gemv(x, parts, b) : library_linear(x, w, b, packed);
+}
+
 // The forward. input_ids, positions [B, n]; cos/sin tables [max_len, D] in the compute dtype;
 // weights: PER_LAYER tensors per layer (see the enum); k_cache/v_cache: per layer [rows, KV, D].
 // K/V access (core.kv_cache.KVAccess): with write_rows empty, batch 1 reads and writes views
@@ -175,7 +296,7 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 // each layer in `capture` [B, n, hidden]].
 std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_t,
                             const Tensor& sin_t, at::TensorList weights, const Tensor& final_norm,
-                            const Tensor& lm_head, bool packed, at::TensorList k_cache, at::TensorList v_cache,
+                            const Tensor& lm_head, bool packed, at::TensorList parts, at::TensorList k_cache, at::TensorList v_cache,
                             const Tensor& write_rows, const Tensor& read_rows, int64_t write_start, int64_t read_start,
                             int64_t S, const std::optional<Tensor>& mask, int64_t keep, at::IntArrayRef capture,
                             double eps, int64_t H, int64_t KV, int64_t D) {
@@ -184,6 +305,11 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   const int64_t L = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER, "expected ", L * PER_LAYER, " weights, got ",
               weights.size());
+  TORCH_CHECK(parts.empty() || static_cast<int64_t>(parts.size()) == L * PARTS_PER_LAYER + 1, "expected no parts or ",
+              L * PARTS_PER_LAYER + 1, ", got ", parts.size());
+  auto part = [&](int64_t l, int64_t first, int64_t count) {  // at::TensorList of a layer's parts (empty: none)
+    return parts.empty() ? at::TensorList() : parts.slice(l * PARTS_PER_LAYER + first, count);
+  };
   const int64_t heads_all = H + 2 * KV;
   const bool rows_mode = present(write_rows);
 
@@ -196,7 +322,7 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     const Tensor* w = weights.data() + l * PER_LAYER;
     for (int64_t c : capture)
       if (c == l) out.push_back(x.view({B, n, -1}).clone());
-    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed).contiguous();  // [T, heads_all * D]
+    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed, part(l, P_Q, 3)).contiguous();  // [T, heads_all * D]
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(),
@@ -224,20 +350,20 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
                                                 V.transpose(1, 2), mask, 0.0, false, std::nullopt,
                                                 KV != H);  // [B, H, n, D]
     a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
-    x.add_(linear(a, w[O], w[O_B], packed));
-    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed).contiguous();  // [T, 2I]
+    x.add_(linear(a, w[O], w[O_B], packed, part(l, P_O, 1)));
+    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(l, P_GATE, 2)).contiguous();  // [T, 2I]
     const int64_t I = gu.size(1) / 2;
     Tensor act = at::empty({T, I}, x.options());
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), T, I);
     });
-    x.add_(linear(act, w[DOWN], Tensor(), packed));
+    x.add_(linear(act, w[DOWN], Tensor(), packed, part(l, P_DOWN, 1)));
   }
   for (int64_t c : capture)
     if (c == L) out.push_back(x.view({B, n, -1}).clone());
   Tensor last = x.view({B, n, -1}).narrow(1, n - keep, keep).reshape({B * keep, -1}).contiguous();
-  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed).view({B, keep, -1});
+  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed, part(L, 0, 1)).view({B, keep, -1});
   return out;
 }
 
@@ -248,8 +374,10 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
 TORCH_LIBRARY(splitspec, m) {
   m.def(
       "decoder(Tensor input_ids, Tensor positions, Tensor embed, Tensor cos, Tensor sin, Tensor[] weights, "
-      "Tensor final_norm, Tensor lm_head, bool packed, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor final_norm, Tensor lm_head, bool packed, Tensor[] parts, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
       "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
       "int[] capture, float eps, int H, int KV, int D) -> Tensor[]",
       &forward);
+  m.def("gemv(Tensor x, Tensor[] parts, Tensor bias) -> Tensor", &gemv);
+  m.def("gemv_supported() -> bool", []() { return gemv_supported(); });
 }
