@@ -184,18 +184,20 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 #include <immintrin.h>
 #define GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-// out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T <= TB input rows.
-// Prefetch distance, in weight rows (two blocks of 8 ahead; past a tensor's end it is a hint that never faults).
-// At one token the forward streams its weights from memory once (55 MB for the shipped target): without
-// it this loop ran the target's forward 1.21x slower than oneDNN's kernels, with it 0.62-0.80x (paired
-// A/B of the whole forward; 8 and 32 rows measured within the noise of 16).
+// Prefetch distance, in weight rows (16 KB ahead at 512 wide; past a tensor's end it is a hint that never
+// faults). At one token the forward streams its weights from memory once (55 MB for the shipped target):
+// without it this loop ran the target's forward 1.21x slower than oneDNN's kernels, with it 0.62-0.80x
+// (paired A/B of the whole forward; 8 and 32 rows measured within the noise of 16).
 constexpr int64_t PF = 16;
-template <int R, int TB>
+
+// out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T input rows (both compile-time, so the
+// R x T sums stay in registers).
+template <int R, int T>
 GEMV_TARGET inline void gemv_block(const uint16_t* __restrict x, const uint16_t* const* __restrict w, float* out,
-                                   int64_t I, int T) {
-  __m512 acc[R][TB];
+                                   int64_t I) {
+  __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < I; i += 32) {
     const __mmask32 m = I - i >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (I - i)) - 1);
     __m512i wv[R];
@@ -203,13 +205,12 @@ GEMV_TARGET inline void gemv_block(const uint16_t* __restrict x, const uint16_t*
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + PF * I + i), _MM_HINT_T0);
       wv[r] = _mm512_maskz_loadu_epi16(m, w[r] + i);
     }
-    for (int t = 0; t < TB; ++t) {
-      if (t >= T) break;
+    for (int t = 0; t < T; ++t) {
       const __m512i xv = _mm512_maskz_loadu_epi16(m, x + t * I + i);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)xv, (__m512bh)wv[r]);
     }
   }
-  for (int t = 0; t < TB && t < T; ++t)
+  for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) out[t * R + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
@@ -221,33 +222,31 @@ bool gemv_supported() {
 
 // y [T, sum of parts' rows] = x [T, I] . concat(parts)^T + b: the parts are the model's own weights
 // (q, k, v or gate, up: one fused output without a fused copy of the weights).
-template <int R, int TB>
+template <int R, int T>
 void gemv_rows(const uint16_t* x, const std::vector<const uint16_t*>& rows, const c10::BFloat16* b, uint16_t* y,
-               int64_t T, int64_t I) {
+               int64_t I) {
   const int64_t O = static_cast<int64_t>(rows.size());
   at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    float acc[R * TB];
+    float acc[R * T];
     const uint16_t* w[R];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t o = blk * R;
       const int nr = static_cast<int>(std::min<int64_t>(R, O - o));
       for (int r = 0; r < R; ++r) w[r] = rows[o + std::min(r, nr - 1)];  // a short last block repeats its last row
-      for (int64_t t0 = 0; t0 < T; t0 += TB) {
-        const int nt = static_cast<int>(std::min<int64_t>(TB, T - t0));
-        gemv_block<R, TB>(x + t0 * I, w, acc, I, nt);
-        for (int t = 0; t < nt; ++t)
-          for (int r = 0; r < nr; ++r) {
-            float v = acc[t * R + r];
-            if (b) v += ld(b[o + r]);
-            y[(t0 + t) * O + o + r] = st<c10::BFloat16>(v).x;
-          }
-      }
+      gemv_block<R, T>(x, w, acc, I);
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < nr; ++r) {
+          float v = acc[t * R + r];
+          if (b) v += ld(b[o + r]);
+          y[t * O + o + r] = st<c10::BFloat16>(v).x;
+        }
     }
   });
 }
 
 Tensor gemv(const Tensor& x, at::TensorList parts, const Tensor& b) {
   const int64_t T = x.size(0), I = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && T >= 1 && T <= 9, "gemv: x [1..9, in] bf16, got ", x.sizes());
   std::vector<const uint16_t*> rows;
   for (const Tensor& w : parts) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == I,
@@ -260,10 +259,18 @@ Tensor gemv(const Tensor& x, at::TensorList parts, const Tensor& b) {
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
   const c10::BFloat16* bp = present(b) ? b.const_data_ptr<c10::BFloat16>() : nullptr;
-  if (T == 1)
-    gemv_rows<8, 1>(xp, rows, bp, yp, T, I);  // 8 independent sums hide VDPBF16PS's latency
-  else
-    gemv_rows<4, 4>(xp, rows, bp, yp, T, I);
+  // weight rows per block: enough independent sums to hide VDPBF16PS's latency, few enough for the registers
+  switch (T) {
+    case 1: gemv_rows<8, 1>(xp, rows, bp, yp, I); break;
+    case 2: gemv_rows<8, 2>(xp, rows, bp, yp, I); break;
+    case 3: gemv_rows<8, 3>(xp, rows, bp, yp, I); break;
+    case 4: gemv_rows<6, 4>(xp, rows, bp, yp, I); break;
+    case 5: gemv_rows<4, 5>(xp, rows, bp, yp, I); break;
+    case 6: gemv_rows<4, 6>(xp, rows, bp, yp, I); break;
+    case 7: gemv_rows<3, 7>(xp, rows, bp, yp, I); break;
+    case 8: gemv_rows<3, 8>(xp, rows, bp, yp, I); break;
+    case 9: gemv_rows<2, 9>(xp, rows, bp, yp, I); break;
+  }
   return y;
 }
 #else
@@ -271,15 +278,17 @@ bool gemv_supported() { return false; }
 Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "gemv: x86-64 only"); }
 #endif
 
-// At most this many rows go through the GEMV: 1 for any weight, 8 for small ones (measured: at 2-3
-// rows the target's 512-wide weights were 0.3-2.6x, so noise-level, while a drafter's 128-wide ones
-// stayed 1.1-5.8x faster up to 9 rows).
+// Which matmuls go through the GEMV: up to 3 rows for any weight, up to 8 for small ones (a drafter's). Its
+// cost grows by about a fifth of a one-row pass per row (VDPBF16PS per row and weight chunk), while oneDNN's
+// AMX kernels barely grow, so they win from 4 rows on. Measured in the shipped target's forward, paired
+// against oneDNN for every matmul: 0.62 / 0.80 / 0.89x at 1 / 2 / 3 rows, 1.00 at 4, 1.06-1.69 at 5-9; the
+// drafter's, its LM head included: 0.65 / 0.75 / 0.86x, then 0.93 and 1.03-1.38.
 inline bool use_gemv(const Tensor& x, at::TensorList parts) {
-  const int64_t T = x.size(0);
   if (parts.empty() || !gemv_supported() || x.scalar_type() != at::kBFloat16) return false;
+  const int64_t T = x.size(0);
   int64_t elems = 0;
   for (const Tensor& w : parts) elems += w.numel();
-  return T == 1 || (T <= 8 && elems <= 65536);
+  return T <= 3 || (T <= 8 && elems <= 65536);
 }
 
 // The layer's matmul: the GEMV over the model's weights (`parts`, empty when off) for a few rows, else the
