@@ -11,8 +11,9 @@ interleaved round by round (medians over rounds, one torch thread):
   chose, over its paged cache), what every verify and draft call runs (``native`` where it builds);
 - ``compact``: the same forward as eager PyTorch ops (``core.llama.CompactLlama``), what ``native``
   replaces, over the same cache;
-- ``onednn``: where the engine runs the native forward with its bf16 GEMV (one-token matmuls), the
-  same forward with every matmul on oneDNN's pre-packed kernels, over the same cache.
+- ``onednn``: where the engine runs the native forward with its own bf16 matmuls (AMX tiles up to 16
+  rows, the GEMV up to 3), the same forward with every matmul on oneDNN's pre-packed kernels, over
+  the same cache.
 
 Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
@@ -74,9 +75,9 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
     rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
     # the native forward without its GEMV (every matmul on oneDNN), where the engine's runs it
     onednn = None
-    if getattr(engine.runner, "gemv", False):
+    if getattr(engine.runner, "gemv", False) or getattr(engine.runner, "amx", False):
         onednn = copy.copy(engine.runner)
-        onednn.parts = []
+        onednn.parts, onednn.tiles = [], []
         for r in rows.values():
             r["onednn"] = []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)
@@ -132,7 +133,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "engine_over_compact": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["compact"])]), 3)
                                 for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
-        "gemv": onednn is not None,
+        "gemv": onednn is not None, "amx": bool(getattr(engine.runner, "amx", False)),
         "engine_over_onednn": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["onednn"])]), 3)
                                for n in ns} if onednn is not None else None,  # paired per round
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
@@ -214,7 +215,7 @@ def table(result: dict) -> str:
         lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
                      f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']}); "
                      f"engine / packed linear {r['engine_over_linear_packed_1']}"
-                     + (f"; one-token matmuls on the bf16 GEMV, engine / the same forward on oneDNN alone (paired): "
+                     + (f"; matmuls on AMX tiles / the GEMV, engine / the same forward on oneDNN alone (paired): "
                         f"{r['engine_over_onednn']}" if r.get("gemv") else ""))
         lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} "
                      f"{'engine/compact':>15} {'engine k+1/1':>13} {'linear k+1/1':>13} {'packed k+1/1':>13}")

@@ -173,6 +173,19 @@ class NativeLlama(CompactLlama):
                 self.parts += [m.weight.contiguous() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj,
                                                                p.up_proj, p.down_proj)]
             self.parts.append(model.lm_head.weight.contiguous())
+        # AMX tiles of each fused weight (matmuls of up to 16 rows: verification, batches): one more copy of the
+        # weights, packed once; a weight whose shape does not tile (N % 16, K % 32) keeps the other paths
+        self.amx = self.packed and os.environ.get("SPLITSPEC_AMX", "1") != "0" and bool(ops.amx_supported())
+        self.tiles = []
+        if self.amx:
+            def tiles(w):
+                return ops.amx_pack(w.contiguous()) if w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else none
+
+            for L in model.model.layers:
+                a, p = L.self_attn, L.mlp
+                self.tiles += [tiles(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), tiles(a.o_proj.weight),
+                               tiles(torch.cat([p.gate_proj.weight, p.up_proj.weight])), tiles(p.down_proj.weight)]
+            self.tiles.append(tiles(model.lm_head.weight))
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
@@ -181,7 +194,7 @@ class NativeLlama(CompactLlama):
         rows, layers = kv.read_rows is not None, sorted(capture)
         out = self.ops.decoder(
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
-            self.packed, self.parts, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
+            self.packed, self.parts, self.tiles, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
             kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
             layers, self.eps, self.heads, self.kv_heads, self.head_dim)
         return out[0], dict(zip(layers, out[1:]))

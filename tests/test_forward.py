@@ -109,6 +109,16 @@ def test_native_bf16_forward_rounds_as_the_eager_one():
                 assert torch.equal(n.argmax(-1)[clear], e.argmax(-1)[clear])
 
 
+def assert_one_rounding(y, x, w, bias):
+    """y (bf16) is x . w^T + bias summed in float32 and rounded once: within one bf16 step of the float64
+    result, plus what a float32 sum of K terms may lose (where terms cancel, more than a bf16 step of a
+    small result)."""
+    exact = x.double() @ w.double().T + (bias.double() if bias.numel() else 0)  # [T, out]
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    f32_sum = x.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + 1)
+    assert ((y.double() - exact).abs() <= ulp + f32_sum).all()
+
+
 def gemv_ops():
     """The native ops where this CPU runs the bf16 GEMV (AVX-512 BF16); a skip elsewhere."""
     from core.models import cpu_flags
@@ -134,10 +144,8 @@ def test_gemv_is_the_float32_sum_rounded_once():
             x = torch.randn(T, width, generator=g).bfloat16()
             for bias in (torch.randn(w.shape[0], generator=g).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
                 y = ops.gemv(x, parts, bias)
-                exact = x.double() @ w.double().T + (bias.double() if bias.numel() else 0)  # [T, out]
-                assert y.shape == exact.shape and y.dtype == torch.bfloat16
-                ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
-                assert ((y.double() - exact).abs() <= ulp).all(), (rows, width, T)
+                assert y.shape == (T, w.shape[0]) and y.dtype == torch.bfloat16
+                assert_one_rounding(y, x, w, bias)
 
 
 def test_native_bf16_forward_with_the_gemv_as_without_it():
@@ -158,6 +166,62 @@ def test_native_bf16_forward_with_the_gemv_as_without_it():
     for feeds in (one_token, FEEDS):
         for step_g, step_o in zip(run_steps(with_gemv, model, feeds), run_steps(without, model, feeds)):
             for a, b in zip(step_g, step_o):
+                assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
+                top2 = b.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 0.0625
+                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def amx_ops():
+    """The native ops where this CPU and OS run AMX tiles; a skip elsewhere (Linux grants the tile state on
+    request, and a sandbox may refuse it)."""
+    from core.models import cpu_flags
+
+    ops = native_ops()
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("no AMX on this CPU")
+    if not ops.amx_supported():
+        pytest.skip("the CPU has AMX but the OS did not grant its tile state (arch_prctl)")
+    return ops
+
+
+def test_amx_linear_is_the_float32_sum_rounded_once():
+    """AMX matmuls of 1-16 rows over weights packed into tiles: within one bf16 rounding of the float64
+    result, bias included, for the shapes a model has (K a multiple of 32, N of 16)."""
+    ops = amx_ops()
+    g = torch.Generator().manual_seed(0)
+    for n_out, width in ((16, 32), (128, 64), (1536, 512), (512, 1408)):
+        w = torch.randn(n_out, width, generator=g).bfloat16()
+        tiles = ops.amx_pack(w)
+        assert tiles.shape == (n_out // 16, width // 32, 16, 16, 2)
+        assert torch.equal(tiles[1 % tiles.shape[0], 0, 3, 5], w[(1 % tiles.shape[0]) * 16 + 5, 6:8])  # k-pair 3, output 5
+        for T in (1, 2, 5, 9, 16):
+            x = torch.randn(T, width, generator=g).bfloat16()
+            for bias in (torch.randn(n_out, generator=g).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
+                y = ops.amx_linear(x, tiles, bias)
+                assert_one_rounding(y, x, w, bias)
+    with pytest.raises(RuntimeError, match="amx_pack"):
+        ops.amx_pack(torch.zeros(20, 64, dtype=torch.bfloat16))
+
+
+def test_native_bf16_forward_on_amx_as_without_it():
+    """The forward with its matmuls of up to 16 rows on AMX tiles (verification, batches) against the same
+    forward on the GEMV and oneDNN: the same logits up to a flipped rounding, the same greedy token wherever
+    the top two are apart. The LM head (97 outputs) does not tile and takes the other paths in the same pass."""
+    ops = amx_ops()
+    model = tiny("qwen2")
+    g = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:  # biases (zero at initialisation)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
+    model = model.to(torch.bfloat16)
+    with_amx, without = NativeLlama(model, 128, ops), NativeLlama(model, 128, ops)
+    without.tiles = []
+    assert with_amx.amx and len(with_amx.tiles) == 4 * 3 + 1 and with_amx.tiles[-1].numel() == 0
+    steps = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41, 42, 43, 44, 45]], [[46, 47, 48, 49, 50, 51, 52, 53, 54]]]
+    for feeds in (steps, FEEDS):
+        for step_a, step_o in zip(run_steps(with_amx, model, feeds), run_steps(without, model, feeds)):
+            for a, b in zip(step_a, step_o):
                 assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
                 top2 = b.topk(2, dim=-1).values
                 clear = (top2[:, 0] - top2[:, 1]) > 0.0625
