@@ -6,6 +6,8 @@ interleaved round by round (medians over rounds, one torch thread):
 - ``linear``: the model's linear layers alone (``F.linear`` over each weight, the same input
   shapes a forward of n tokens feeds them), and ``linear_packed``: the same through the engine's
   ``core.llama.Linear`` (oneDNN pre-packed weights in bf16 on CPUs): the work that must be done;
+- ``linear_engine`` ("own"): the same layers on the engine's own kernels as its forward picks them (AMX
+  tiles, the GEMV, else oneDNN), where the engine has them;
 - ``hf``: the model's own transformers modules, eager, with a ``DynamicCache`` (the baseline);
 - ``engine``: the engine's forward (``core.kv_cache.batched_forward`` with the runner the engine
   chose, over its paged cache), what every verify and draft call runs (``native`` where it builds);
@@ -49,6 +51,31 @@ def _linear_time(model, n, dtype, timer, packed: bool = False):
     return timer(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
 
 
+def _engine_linear_time(runner, n, timer):
+    """The model's linear layers alone at n tokens on the engine's own kernels, as its forward runs them:
+    AMX tiles up to 16 rows, else the GEMV (up to 3 rows, 8 for small weights), else oneDNN pre-packed."""
+    import torch
+
+    fused = [w[name] for w in runner.layers for name in ("qkv", "o", "gate_up", "down")] + [runner.lm_head]
+    tiles = runner.tiles or [None] * len(fused)
+    groups = [g for i in range(len(runner.layers)) for g in ((7 * i, 3), (7 * i + 3, 1), (7 * i + 4, 2), (7 * i + 6, 1))]
+    # the GEMV's weights per fused matmul: q, k, v | o | gate, up | down per layer, then the LM head
+    parts = ([runner.parts[a:a + c] for a, c in groups] + [runner.parts[-1:]]) if runner.parts else [[] for _ in fused]
+    none = torch.empty(0, dtype=runner.embed.dtype)
+    calls = []
+    for lin, tile, part in zip(fused, tiles, parts):
+        width = tile.shape[1] * 32 if tile is not None and tile.numel() else part[0].shape[1]
+        x = torch.randn(n, width, dtype=runner.embed.dtype)
+        bias = none if lin.bias is None else lin.bias
+        if tile is not None and tile.numel() and n <= 16:
+            calls.append(lambda x=x, t=tile, b=bias: runner.ops.amx_linear(x, t, b))
+        elif part and (n <= 3 or (n <= 8 and sum(p.numel() for p in part) <= 65536)):
+            calls.append(lambda x=x, p=part, b=bias: runner.ops.gemv(x, p, b))
+        else:
+            calls.append(lambda x=x, f=lin: f(x))
+    return timer(lambda: [c() for c in calls])
+
+
 def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds: int, calls: int) -> dict:
     import torch
     from transformers import DynamicCache
@@ -73,6 +100,10 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         return (time.perf_counter() - t0) / calls * 1e3
 
     rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
+    own = getattr(engine.runner, "amx", False) or getattr(engine.runner, "gemv", False)  # the engine's own matmuls
+    if own:
+        for r in rows.values():
+            r["linear_engine"] = []
     # the native forward without its GEMV (every matmul on oneDNN), where the engine's runs it
     onednn = None
     if getattr(engine.runner, "gemv", False) or getattr(engine.runner, "amx", False):
@@ -117,6 +148,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
 
                 rows[n]["linear"].append(_linear_time(model, n, dtype, timer))
                 rows[n]["linear_packed"].append(_linear_time(model, n, dtype, timer, packed=True))
+                if own:
+                    rows[n]["linear_engine"].append(_engine_linear_time(engine.runner, n, timer))
                 rows[n]["hf"].append(timer(hf))
                 rows[n]["engine"].append(timer(eng))
                 rows[n]["compact"].append(timer(eager))
@@ -130,6 +163,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "ms": {str(n): {k: rnd(v, 3) for k, v in r.items()} for n, r in table.items()},
         "engine_over_linear_1": rnd(one["engine"] / one["linear"], 3),
         "engine_over_linear_packed_1": rnd(one["engine"] / one["linear_packed"], 3),
+        "engine_over_linear_engine_1": rnd(one["engine"] / one["linear_engine"], 3) if own else None,
         "engine_over_compact": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["compact"])]), 3)
                                 for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
@@ -139,6 +173,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
                                       "linear": rnd(table[n]["linear"] / one["linear"], 3),
                                       "linear_packed": rnd(table[n]["linear_packed"] / one["linear_packed"], 3),
+                                      **({"linear_engine": rnd(table[n]["linear_engine"] / one["linear_engine"], 3)} if own else {}),
                                       "compact": rnd(table[n]["compact"] / one["compact"], 3),
                                       "hf": rnd(table[n]["hf"] / one["hf"], 3)} for n in ns},
     }
@@ -215,15 +250,21 @@ def table(result: dict) -> str:
         lines.append(f"target, {dtype} compute, {r['kv_cache_dtype']} KV, {r['forward']} forward, context {r['context']}: "
                      f"engine / linear at n=1 {r['engine_over_linear_1']} (transformers modules {r['hf_over_linear_1']}); "
                      f"engine / packed linear {r['engine_over_linear_packed_1']}"
+                     + (f"; engine / its own matmul kernels alone {r['engine_over_linear_engine_1']}"
+                        if r.get("engine_over_linear_engine_1") is not None else "")
                      + (f"; matmuls on AMX tiles / the GEMV, engine / the same forward on oneDNN alone (paired): "
                         f"{r['engine_over_onednn']}" if r.get("gemv") else ""))
-        lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10} {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} "
-                     f"{'engine/compact':>15} {'engine k+1/1':>13} {'linear k+1/1':>13} {'packed k+1/1':>13}")
+        own = r.get("engine_over_linear_engine_1") is not None  # the engine's own matmul kernels, timed alone
+        lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10}" + (f" {'own ms':>8}" if own else "")
+                     + f" {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} {'engine/compact':>15} {'engine k+1/1':>13} "
+                     f"{'linear k+1/1':>13} {'packed k+1/1':>13}" + (f" {'own k+1/1':>10}" if own else ""))
         for k, ratio in r["verify_ratio"].items():
             ms = r["ms"][str(int(k) + 1)]
-            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['linear_packed']:>10.2f} {ms['hf']:>8.2f} {ms['compact']:>11.2f} "
-                         f"{ms['engine']:>10.2f} {r['engine_over_compact'][k]:>15.2f} {ratio['engine']:>13.2f} "
-                         f"{ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}")
+            lines.append(f"{k:>3} {ms['linear']:>10.2f} {ms['linear_packed']:>10.2f}"
+                         + (f" {ms['linear_engine']:>8.2f}" if own else "")
+                         + f" {ms['hf']:>8.2f} {ms['compact']:>11.2f} {ms['engine']:>10.2f} {r['engine_over_compact'][k]:>15.2f} "
+                         f"{ratio['engine']:>13.2f} {ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}"
+                         + (f" {ratio['linear_engine']:>10.2f}" if own else ""))
         d = result["drafter"][dtype]["ms"]["1"]
         s = result["startup"][dtype]
         dr = result["drafter"][dtype]
