@@ -119,6 +119,28 @@ def assert_one_rounding(y, x, w, bias):
     assert ((y.double() - exact).abs() <= ulp + f32_sum).all()
 
 
+def biased_bf16_qwen2():
+    """A tiny bf16 qwen2 with random q/k/v biases (zero at initialisation), so a kernel's bias path counts."""
+    model = tiny("qwen2")
+    g = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
+    return model.to(torch.bfloat16)
+
+
+def assert_same_up_to_a_rounding(runner_a, runner_b, model, feed_sets):
+    """Two bf16 forwards that differ in the order of float32 sums: logits within two bf16 steps, the same
+    greedy token wherever the top two are apart."""
+    for feeds in feed_sets:
+        for step_a, step_b in zip(run_steps(runner_a, model, feeds), run_steps(runner_b, model, feeds)):
+            for a, b in zip(step_a, step_b):
+                assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
+                top2 = b.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 0.0625
+                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
 def gemv_ops():
     """The native ops where this CPU runs the bf16 GEMV (AVX-512 BF16); a skip elsewhere."""
     from core.models import cpu_flags
@@ -153,23 +175,12 @@ def test_native_bf16_forward_with_the_gemv_as_without_it():
     the same forward on oneDNN's kernels: the same logits up to a flipped rounding, the same greedy token
     wherever the top two are apart. The engines pick it by themselves where the CPU has it."""
     ops = gemv_ops()
-    model = tiny("qwen2")
-    g = torch.Generator().manual_seed(1)
-    for layer in model.model.layers:  # biases (zero at initialisation): added before the one rounding
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
-    model = model.to(torch.bfloat16)
+    model = biased_bf16_qwen2()
     with_gemv, without = NativeLlama(model, 128, ops), NativeLlama(model, 128, ops)
     without.parts = []
     assert with_gemv.gemv and len(with_gemv.parts) == 7 * 3 + 1
     one_token = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41]], [[42]]]  # a prefill, then batch-1 decode steps
-    for feeds in (one_token, FEEDS):
-        for step_g, step_o in zip(run_steps(with_gemv, model, feeds), run_steps(without, model, feeds)):
-            for a, b in zip(step_g, step_o):
-                assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
-                top2 = b.topk(2, dim=-1).values
-                clear = (top2[:, 0] - top2[:, 1]) > 0.0625
-                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    assert_same_up_to_a_rounding(with_gemv, without, model, (one_token, FEEDS))
 
 
 def amx_ops():
@@ -209,23 +220,12 @@ def test_native_bf16_forward_on_amx_as_without_it():
     forward on the GEMV and oneDNN: the same logits up to a flipped rounding, the same greedy token wherever
     the top two are apart. The LM head (97 outputs) does not tile and takes the other paths in the same pass."""
     ops = amx_ops()
-    model = tiny("qwen2")
-    g = torch.Generator().manual_seed(1)
-    for layer in model.model.layers:  # biases (zero at initialisation)
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
-    model = model.to(torch.bfloat16)
+    model = biased_bf16_qwen2()
     with_amx, without = NativeLlama(model, 128, ops), NativeLlama(model, 128, ops)
     without.tiles = []
     assert with_amx.amx and len(with_amx.tiles) == 4 * 3 + 1 and with_amx.tiles[-1].numel() == 0
     steps = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41, 42, 43, 44, 45]], [[46, 47, 48, 49, 50, 51, 52, 53, 54]]]
-    for feeds in (steps, FEEDS):
-        for step_a, step_o in zip(run_steps(with_amx, model, feeds), run_steps(without, model, feeds)):
-            for a, b in zip(step_a, step_o):
-                assert (a - b).abs().max() <= 2 * 2 ** -7 * max(1.0, float(b.abs().max()))
-                top2 = b.topk(2, dim=-1).values
-                clear = (top2[:, 0] - top2[:, 1]) > 0.0625
-                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    assert_same_up_to_a_rounding(with_amx, without, model, (steps, FEEDS))
 
 
 def test_native_forward_falls_back_and_refuses_clearly(monkeypatch):
