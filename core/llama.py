@@ -268,8 +268,12 @@ def make_runner(model, max_len: int, forward: str = "auto"):
         ops = load()
         if ops is None and forward == "native":
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
-    log.info("decoder forward: %s (%s, %d layers)", "native" if ops else "compact", c.model_type, c.num_hidden_layers)
-    return NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
+    runner = NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
+    kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), ("bf16 GEMV", getattr(runner, "gemv", False)))
+               if on]
+    log.info("decoder forward: %s (%s, %d layers)%s", runner.kind, c.model_type, c.num_hidden_layers,
+             f", own matmul kernels: {', '.join(kernels)}" if kernels else "")
+    return runner
 
 
 class EngineModel:
