@@ -177,8 +177,9 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 // Why: at one token a linear layer is a matrix-vector product bound by reading its weights, and
 // oneDNN's pre-packed path costs 25-30 us a call even for a 128 x 128 weight (this loop: 2-4 us;
 // per shape, weights in cache, it was 1.3-13x faster at one row). From a few rows on oneDNN's AMX
-// kernels win (`use_gemv` below). The weights are the model's own tensors (no copy: its modules hold
-// them), read in place.
+// kernels win (`use_gemv` below); where the CPU has AMX, the tile kernel further down beats both and
+// this one serves the weights that have no tiles, and CPUs with AVX-512 BF16 but no AMX (AMD's). The
+// weights are the model's own tensors (no copy: its modules hold them), read in place.
 // Numerics: products in float32 (VDPBF16PS), summed in float32, the bias added, rounded once to bf16
 // (nearest even), as the library's kernels do; only the order of the float32 sum differs.
 #if defined(__x86_64__)
