@@ -168,6 +168,9 @@ def test_gemv_is_the_float32_sum_rounded_once():
                 y = ops.gemv(x, parts, bias)
                 assert y.shape == (T, w.shape[0]) and y.dtype == torch.bfloat16
                 assert_one_rounding(y, x, w, bias)
+    with pytest.raises(RuntimeError, match="bias of 8"):  # a bias that does not fit is refused, not read past
+        ops.gemv(torch.zeros(1, 32, dtype=torch.bfloat16), [torch.zeros(8, 32, dtype=torch.bfloat16)],
+                 torch.zeros(4, dtype=torch.bfloat16))
 
 
 def test_native_bf16_forward_with_the_gemv_as_without_it():
@@ -213,6 +216,9 @@ def test_amx_linear_is_the_float32_sum_rounded_once():
                 assert_one_rounding(y, x, w, bias)
     with pytest.raises(RuntimeError, match="amx_pack"):
         ops.amx_pack(torch.zeros(20, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bias of 16"):  # a bias that does not fit is refused, not read past
+        ops.amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16), ops.amx_pack(torch.zeros(16, 32, dtype=torch.bfloat16)),
+                       torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_native_bf16_forward_on_amx_as_without_it():

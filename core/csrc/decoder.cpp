@@ -257,6 +257,8 @@ Tensor gemv(const Tensor& x, at::TensorList parts, const Tensor& b) {
     const auto* p = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
     for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
   }
+  TORCH_CHECK(!present(b) || (b.numel() == static_cast<int64_t>(rows.size()) && b.scalar_type() == at::kBFloat16),
+              "gemv: a bf16 bias of ", rows.size(), " or none");
   Tensor xc = x.contiguous();
   Tensor y = at::empty({T, static_cast<int64_t>(rows.size())}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
@@ -353,6 +355,7 @@ Tensor amx_linear(const Tensor& x, const Tensor& tiles, const Tensor& b) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && T >= 1 && T <= 16 && K == KB * 32,
               "amx_linear: x [1..16, ", KB * 32, "] bf16, got ", x.sizes());
   TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous(), "amx_linear: tiles from amx_pack");
+  TORCH_CHECK(!present(b) || (b.numel() == N && b.scalar_type() == at::kBFloat16), "amx_linear: a bf16 bias of ", N, " or none");
   Tensor xc = x.contiguous();
   Tensor y = at::empty({T, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
