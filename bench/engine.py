@@ -52,27 +52,16 @@ def _linear_time(model, n, dtype, timer, packed: bool = False):
 
 
 def _engine_linear_time(runner, n, timer):
-    """The model's linear layers alone at n tokens on the engine's own kernels, as its forward runs them:
-    AMX tiles up to 16 rows, else the GEMV (up to 3 rows, 8 for small weights), else oneDNN pre-packed."""
+    """The model's linear layers alone at n tokens on the engine's own kernels, each through the native
+    forward's own dispatch (``linear``: AMX tiles, else the GEMV, else oneDNN pre-packed)."""
     import torch
 
-    fused = [w[name] for w in runner.layers for name in ("qkv", "o", "gate_up", "down")] + [runner.lm_head]
-    tiles = runner.tiles or [None] * len(fused)
-    groups = [g for i in range(len(runner.layers)) for g in ((7 * i, 3), (7 * i + 3, 1), (7 * i + 4, 2), (7 * i + 6, 1))]
-    # the GEMV's weights per fused matmul: q, k, v | o | gate, up | down per layer, then the LM head
-    parts = ([runner.parts[a:a + c] for a, c in groups] + [runner.parts[-1:]]) if runner.parts else [[] for _ in fused]
     none = torch.empty(0, dtype=runner.embed.dtype)
     calls = []
-    for lin, tile, part in zip(fused, tiles, parts):
-        width = tile.shape[1] * 32 if tile is not None and tile.numel() else part[0].shape[1]
-        x = torch.randn(n, width, dtype=runner.embed.dtype)
-        bias = none if lin.bias is None else lin.bias
-        if tile is not None and tile.numel() and n <= 16:
-            calls.append(lambda x=x, t=tile, b=bias: runner.ops.amx_linear(x, t, b))
-        elif part and (n <= 3 or (n <= 8 and sum(p.numel() for p in part) <= 65536)):
-            calls.append(lambda x=x, p=part, b=bias: runner.ops.gemv(x, p, b))
-        else:
-            calls.append(lambda x=x, f=lin: f(x))
+    for lin, parts, tiles in runner.matmuls():
+        width = tiles.shape[1] * 32 if tiles.numel() else parts[0].shape[1] if parts else lin.weight.shape[1]
+        x, bias = torch.randn(n, width, dtype=runner.embed.dtype), none if lin.bias is None else lin.bias
+        calls.append(lambda x=x, lin=lin, p=parts, t=tiles, b=bias: runner.ops.linear(x, lin.weight, b, runner.packed, p, t))
     return timer(lambda: [c() for c in calls])
 
 
@@ -101,16 +90,13 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
 
     rows = {n: {"linear": [], "linear_packed": [], "hf": [], "engine": [], "compact": []} for n in ns}
     own = getattr(engine.runner, "amx", False) or getattr(engine.runner, "gemv", False)  # the engine's own matmuls
-    if own:
-        for r in rows.values():
-            r["linear_engine"] = []
-    # the native forward without its GEMV (every matmul on oneDNN), where the engine's runs it
+    # and the same native forward without them (every matmul on oneDNN)
     onednn = None
-    if getattr(engine.runner, "gemv", False) or getattr(engine.runner, "amx", False):
+    if own:
         onednn = copy.copy(engine.runner)
         onednn.parts, onednn.tiles = [], []
         for r in rows.values():
-            r["onednn"] = []
+            r["linear_engine"], r["onednn"] = [], []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)
     eager_runner = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else engine.runner
     with torch.inference_mode():
@@ -132,7 +118,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     slot.cut(context)
                     batched_forward(engine.runner, cache, [slot], [new], [n])
 
-                def no_gemv():
+                def library_only():
                     slot.cut(context)
                     batched_forward(onednn, cache, [slot], [new], [n])
 
@@ -153,8 +139,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                 rows[n]["hf"].append(timer(hf))
                 rows[n]["engine"].append(timer(eng))
                 rows[n]["compact"].append(timer(eager))
-                if onednn is not None:
-                    rows[n]["onednn"].append(timer(no_gemv))
+                if own:
+                    rows[n]["onednn"].append(timer(library_only))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
     one = table[ns[0]]
     return {
@@ -167,9 +153,9 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "engine_over_compact": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["compact"])]), 3)
                                 for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
-        "gemv": onednn is not None, "amx": bool(getattr(engine.runner, "amx", False)),
+        "gemv": bool(own), "amx": bool(getattr(engine.runner, "amx", False)),  # "gemv": any own kernel (the key's old name)
         "engine_over_onednn": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["onednn"])]), 3)
-                               for n in ns} if onednn is not None else None,  # paired per round
+                               for n in ns} if own else None,  # paired per round
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
                                       "linear": rnd(table[n]["linear"] / one["linear"], 3),
                                       "linear_packed": rnd(table[n]["linear_packed"] / one["linear_packed"], 3),

@@ -189,6 +189,15 @@ class NativeLlama(CompactLlama):
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
+    def matmuls(self) -> list[tuple[Linear, list[torch.Tensor], torch.Tensor]]:
+        """Each fused matmul in forward order (per layer q|k|v, o, gate|up, down; then the LM head): its
+        ``Linear``, its GEMV parts and its AMX tiles (empty where off), as ``decoder`` receives them."""
+        fused = [w[name] for w in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        none = torch.empty(0, dtype=self.embed.dtype)
+        groups = [(7 * i + a, c) for i in range(len(self.layers)) for a, c in ((0, 3), (3, 1), (4, 2), (6, 1))]
+        parts = [self.parts[a:a + c] for a, c in groups] + [self.parts[-1:]] if self.parts else [[] for _ in fused]
+        return list(zip(fused, parts, self.tiles or [none] * len(fused)))
+
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
         rows, layers = kv.read_rows is not None, sorted(capture)

@@ -183,7 +183,6 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 // Numerics: products in float32 (VDPBF16PS), summed in float32, the bias added, rounded once to bf16
 // (nearest even), as the library's kernels do; only the order of the float32 sum differs.
 #if defined(__x86_64__)
-#define SPLITSPEC_GEMV 1
 #include <immintrin.h>
 #define GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
@@ -493,6 +492,11 @@ TORCH_LIBRARY(splitspec, m) {
       "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
       "int[] capture, float eps, int H, int KV, int D) -> Tensor[]",
       &forward);
+  // one matmul as the forward dispatches it (benchmarks time the layers alone through it)
+  m.def("linear(Tensor x, Tensor w, Tensor bias, bool packed, Tensor[] parts, Tensor tiles) -> Tensor",
+        [](const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts, const Tensor& tiles) {
+          return linear(x, w, b, packed, parts, tiles);
+        });
   m.def("gemv(Tensor x, Tensor[] parts, Tensor bias) -> Tensor", &gemv);
   m.def("gemv_supported() -> bool", []() { return gemv_supported(); });
   m.def("amx_linear(Tensor x, Tensor tiles, Tensor bias) -> Tensor", &amx_linear);
