@@ -229,7 +229,8 @@ class KVAccess:
             return K[a:b].unsqueeze(0), V[a:b].unsqueeze(0)
         K.index_copy_(0, self.write_rows, k.flatten(0, 1).to(K.dtype))
         V.index_copy_(0, self.write_rows, v.flatten(0, 1).to(V.dtype))
-        return K[self.read_rows], V[self.read_rows]
+        flat, shape = self.read_rows.flatten(), (*self.read_rows.shape, *K.shape[1:])
+        return K.index_select(0, flat).view(shape), V.index_select(0, flat).view(shape)  # (row copies, not per element)
 
 
 @torch.inference_mode()

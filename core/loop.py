@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from core.policy import Breaker, FixedK, PreDraftChoice
+from core.policy import Breaker, FixedK, PreDraftChoice, PreDraftCosts
 from core.protocol import Drafter, Proposal, StepInfo, Verifier
 from core.sequence import Sequence
 
@@ -131,7 +131,7 @@ def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[i
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
-                    alternatives: int = 1, pre_draft_always: bool = False):
+                    alternatives: int = 1, pre_draft_always: bool = False, pre_draft_costs: PreDraftCosts | None = None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -144,9 +144,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     whole block its own guess of the bonus token (it drafts one token more than is verified). A
     branch is used only when the sequence is then exactly its context; otherwise the tree is
     discarded. m = 0, or a loaded drafter pool, pre-drafts the whole-block branch only. With
-    ``pipeline`` on, whether to pre-draft is measured per sequence (``PreDraftChoice``): it pays
-    where drafter and verifier have hardware of their own and the guesses often hold, and costs
-    where they share cores.
+    ``pipeline`` on, whether to pre-draft is chosen from what it measurably saves and costs
+    (``PreDraftChoice``, over ``pre_draft_costs``: a replica's sequences share them): it pays where
+    drafter and verifier have hardware of their own and the guesses often hold, and costs where
+    they share cores.
 
     A drafter that reads the target's hidden states (EAGLE-3, ``seq.capture`` set) gets them with
     each draft request, from the verification before; the first step is plain (it computes the
@@ -201,7 +202,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         return res
 
     pre, batch, drafter_batch = None, 1, 1  # pre: the PreDraft in flight
-    choice = PreDraftChoice(always=pre_draft_always) if pipeline else None
+    choice = PreDraftChoice(always=pre_draft_always, costs=pre_draft_costs or PreDraftCosts()) if pipeline else None
     tree = alternatives if not seq.capture else -1  # a head continues its chain (provisional), never a tree
 
     def m_now() -> int:  # alternatives per outcome now: the chain only while the drafter pool is loaded
@@ -284,8 +285,8 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             # every step, plain ones too: the policy compares what each k costs here, end to end
             policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s, batch)
-            if choice is not None and res.num_drafts:
-                choice.observe(pre_drafting, info.step_s, len(new))
+            if choice is not None and res.num_drafts and len(seq.output_ids) > len(new):  # (not the prefill)
+                choice.observe(pre is not None, info.pre_draft, info.draft_s, info.step_s)
             if not seq.done:
                 # the next step's drafting starts before this step's tokens go out: whatever the caller
                 # does with them (streaming them to the client, served) overlaps it

@@ -423,10 +423,107 @@ class MeasuredChoice:
 
 
 @dataclass
-class PreDraftChoice(MeasuredChoice):
-    """Whether to pre-draft the next block (``MeasuredChoice``). A pre-draft costs the step that
-    makes it (where drafter and verifier share cores its compute slows verification) and pays in the
-    step after it (no drafting on the critical path when it hits)."""
+class PreDraftCosts:
+    """What pre-drafting costs and saves where the loop runs, measured by every sequence on a verifier
+    replica (a property of its drafter and verifier hardware, not of one request), as exponentially
+    weighted means in seconds:
+    - ``draft``: drafting on a step's critical path, by how the step's drafts came: "none" (the step
+      before did not pre-draft), "hit" (a pre-drafted branch was used), "miss" (the pre-draft was
+      discarded, and the drafter may still be busy with it);
+    - ``rest``: the step's time outside that drafting (the verify forward, the loop, the hand-off),
+      by whether the step itself pre-drafted (a pre-draft computed beside the verify slows it where
+      drafter and verifier share cores);
+    - ``hit``: the share of pre-drafts that hit (a sequence's own, once it has some, counts more).
+    Each is measured as a step's components, not as seconds per token: a step's tokens depend on
+    the text, not on whether it was pre-drafted, and dividing by them made the comparison noise."""
+
+    weight: float = 0.1  # of the newest step in each mean
+    draft: dict[str, float] = field(default_factory=dict)
+    rest: dict[bool, float] = field(default_factory=dict)
+    hit: float | None = None
+    n: dict = field(default_factory=dict)  # observations per key (draft outcomes, rest arms, "hit")
+
+    def _mean(self, table: dict, key, x: float) -> None:
+        old = table.get(key)
+        table[key] = x if old is None else old + self.weight * (x - old)
+        self.n[key] = self.n.get(key, 0) + 1
+
+    def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
+        self._mean(self.draft, outcome or "none", draft_s)
+        self._mean(self.rest, pre_drafted, max(0.0, step_s - draft_s))
+        if outcome is not None:
+            self.hit = float(outcome == "hit") if self.hit is None else self.hit + self.weight * ((outcome == "hit") - self.hit)
+            self.n["hit"] = self.n.get("hit", 0) + 1
+
+    def saving_s(self, hit: float | None = None) -> float | None:
+        """Expected seconds a pre-draft saves per step (negative: it costs), at hit rate ``hit`` (default:
+        the replica's); None until every term has been measured."""
+        hit = self.hit if hit is None else hit
+        if hit is None or "none" not in self.draft or len(self.rest) < 2:
+            return None
+        # (a term not seen yet: a hit drafts nothing on the critical path, a miss drafts as if none was made)
+        with_pre = (hit * self.draft.get("hit", 0.0) + (1 - hit) * self.draft.get("miss", self.draft["none"])
+                    + self.rest[True])
+        return self.draft["none"] + self.rest[False] - with_pre
+
+
+@dataclass
+class PreDraftChoice:
+    """Whether to pre-draft the next block: where ``PreDraftCosts`` (shared by a replica's sequences)
+    says it saves time at this sequence's hit rate. Until every term is measured it pre-drafts (the
+    default it was built for), trying the other arm for a run of ``run`` steps; then it keeps the
+    arm that saves, and tries the other for a run every ``explore_every`` steps so the means stay
+    current. ``margin``: the other arm must save this share of a step to replace the chosen one."""
+
+    always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
+    costs: PreDraftCosts = field(default_factory=PreDraftCosts)
+    explore_every: int = 24
+    run: int = 3
+    margin: float = 0.02
+    prior: int = 4  # pseudo-observations of the replica's hit rate in this sequence's
+    _hits: int = 0
+    _pre: int = 0  # this sequence's pre-drafts that were checked (hits + misses)
+    _best: bool = True
+    _left: int = 0
+    steps: int = 0
+    _arm: bool = True
+
+    def hit_rate(self) -> float | None:
+        rep = self.costs.hit
+        if rep is None:
+            return self._hits / self._pre if self._pre else None
+        return (self._hits + self.prior * rep) / (self._pre + self.prior)
+
+    def use(self) -> bool:
+        if self.always:
+            return True
+        self.steps += 1
+        if self._left > 0:
+            self._left -= 1
+            return self._arm
+        saving = self.costs.saving_s(self.hit_rate())
+        if saving is None:  # a term unmeasured: try the arm that measures it
+            c = self.costs
+            arm = False if False not in c.rest else True if True not in c.rest or c.hit is None else "none" in c.draft
+        else:
+            step = self.costs.draft["none"] + self.costs.rest[False]
+            if abs(saving) > self.margin * step:
+                self._best = saving > 0
+            explore = self.steps % self.explore_every == 0
+            arm = (not self._best) if explore else self._best
+        if arm != self._arm:
+            self._left = self.run - 1
+        self._arm = arm
+        return arm
+
+    def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
+        """A finished speculative step: whether it pre-drafted, how its own drafts came ("hit", "miss",
+        None), its drafting on the critical path and its wall time."""
+        if outcome is not None:
+            self._pre += 1
+            self._hits += outcome == "hit"
+        if not self.always:
+            self.costs.observe(pre_drafted, outcome, draft_s, step_s)
 
 
 @dataclass

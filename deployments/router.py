@@ -107,6 +107,9 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
             "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
             "mean_draft_engine_ms": round(1000 * timing["draft_engine_s"] / n, 3),  # of which in the drafter engine
+            # speculative steps by how their drafts came: a pre-draft "hit", a "miss" (discarded), "none" pre-drafted
+            "by_pre_draft": {o: {"steps": c, "mean_draft_ms": round(1000 * d / c, 3), "mean_step_ms": round(1000 * w / c, 3)}
+                             for o, (c, d, w) in sorted(timing["by_pre_draft"].items())},
             "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
 
 
@@ -353,7 +356,7 @@ class Router:
         resumes on another replica from its tokens, no token lost or repeated."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
+        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
                   "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
@@ -469,6 +472,10 @@ class Router:
         timing["forward_s"] += info.forward_s
         timing["draft_s"] += info.draft_s
         timing["draft_engine_s"] += info.draft_engine_s
+        row = timing["by_pre_draft"].setdefault(info.pre_draft or "none", [0, 0.0, 0.0])  # [steps, draft_s, step_s]
+        row[0] += 1
+        row[1] += info.draft_s
+        row[2] += wall_s
 
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go

@@ -14,7 +14,7 @@ import time
 from configs import SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.loop import speculate
-from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
+from core.policy import AdaptiveK, Breaker, FixedK, PreDraftCosts, StepCosts
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.server import EngineServer
@@ -83,6 +83,7 @@ class VerifierServer(EngineServer):
         self.drafter_timeout_s = drafter_timeout_s
         self.stream_interval_s = stream_interval_s
         self.step_costs = StepCosts()  # what a step costs here, measured by every sequence (the adaptive policy)
+        self.pre_draft_costs = PreDraftCosts()  # what pre-drafting costs and saves here, likewise
         if engine is None:
             cfg = VerifierConfig.model_validate(config)
             if cfg.backend == "vllm":
@@ -219,7 +220,8 @@ class VerifierServer(EngineServer):
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=self.pre_draft_alternatives,
-                                                  pre_draft_always=self.pre_draft_always):
+                                                  pre_draft_always=self.pre_draft_always,
+                                                  pre_draft_costs=self.pre_draft_costs):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)

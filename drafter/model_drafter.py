@@ -108,11 +108,13 @@ class ModelDrafter:
         step = 0
         while active:
             still = []
-            for (r, slot, _, k, prop), lg in self._forward(active, out):
+            passed = self._forward(active, out)
+            drawn = self._greedy_draws(passed)
+            for i, ((r, slot, _, k, prop), lg) in enumerate(passed):
                 if k == 0:
                     prop.cached = len(slot.tokens)
                     continue
-                token = self._next_draft(r, lg, slot.tokens, out, prop)
+                token = self._next_draft(r, lg, slot.tokens, out, prop, drawn.get(i))
                 if token is None:
                     continue
                 if step + 1 < k:
@@ -156,11 +158,33 @@ class ModelDrafter:
             for tid in scratch:
                 self.cache.release(tid)
 
+    @staticmethod
+    def _greedy_draws(passed) -> dict[int, tuple[int, list[int] | None]]:
+        """{row: (draft, alternatives)} for the pass's greedy rows without processors: one argmax (and
+        one top-m) over all of them instead of one per row, since a pre-draft tree's passes have
+        m (k + 1) rows. The same draft as ``_draw`` (argmax takes the first of tied maxima either way)."""
+        rows = [i for i, ((r, _, _, k, _), _) in enumerate(passed)
+                if k and r.sampling.greedy and not r.sampling.processed]
+        if len(rows) < 2:
+            return {}
+        x = torch.cat([passed[i][1] for i in rows]).float()  # [N, V]
+        drafts = x.argmax(-1).tolist()
+        m = max(passed[i][0][0].alternatives for i in rows)
+        alts = x.topk(min(m, x.shape[-1])).indices.tolist() if m else None  # [N, m], likeliest first
+        return {i: (t, alts[j][: passed[i][0][0].alternatives] if alts and passed[i][0][0].alternatives else None)
+                for j, (i, t) in enumerate(zip(rows, drafts))}
+
     def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict,
-                    prop: Proposal | None = None) -> int | None:
-        """Draw r's next draft (``_draw``) and append it to its proposal (default: r's); None when
-        drawing failed (the sequence keeps the drafts it has)."""
+                    prop: Proposal | None = None, drawn: tuple[int, list[int] | None] | None = None) -> int | None:
+        """Draw r's next draft (``_draw``, or ``drawn``: (draft, alternatives) from ``_greedy_draws``) and
+        append it to its proposal (default: r's); None when drawing failed (the sequence keeps the
+        drafts it has)."""
         prop = out[r.seq_id] if prop is None else prop
+        if drawn is not None:
+            if drawn[1] is not None:
+                prop.alts.append(drawn[1])
+            prop.tokens.append(drawn[0])
+            return drawn[0]
         try:
             token = self._draw(r, logits, slot_tokens, prop)
         except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has

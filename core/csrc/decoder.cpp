@@ -457,8 +457,10 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     } else {
       Kc.index_copy_(0, write_rows, k.reshape({T, KV, D}).to(Kc.scalar_type()));
       Vc.index_copy_(0, write_rows, v.reshape({T, KV, D}).to(Vc.scalar_type()));
-      K = Kc.index({read_rows});
-      V = Vc.index({read_rows});
+      // index_select on dim 0 copies whole rows (a memcpy each); advanced indexing went element by element
+      const Tensor flat = read_rows.reshape({-1});
+      K = Kc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
+      V = Vc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
     }
     Tensor a = at::scaled_dot_product_attention(q.transpose(1, 2).to(Kc.scalar_type()), K.transpose(1, 2),
                                                 V.transpose(1, 2), mask, 0.0, false, std::nullopt,
