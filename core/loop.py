@@ -103,6 +103,7 @@ class PreDraft:
 
     def __init__(self, base: list[int], drafts: list[int], branches: list[tuple[int, int]], task: asyncio.Future):
         self.base, self.drafts, self.task = len(base), list(drafts), task
+        self.context_len = len(base) + len(drafts)  # the tree request's context (how the drafter names the tree)
         self.branches = branches  # [(j, c)], the order of the drafter's answer
 
     def branch_for(self, tokens: list[int]) -> int | None:
@@ -131,7 +132,8 @@ def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[i
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
-                    alternatives: int = 1, pre_draft_always: bool = False, pre_draft_costs: PreDraftCosts | None = None):
+                    alternatives: int = 1, pre_draft_always: bool = False, pre_draft_costs: PreDraftCosts | None = None,
+                    narrow=None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -155,6 +157,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     drafter continues from its own, as EAGLE's later draft steps do, or declines, and the step
     drafts as usual); a drafter miss resends the whole sequence with every state, recomputed by
     ``recompute_aux(tokens) -> states`` (one prefill on the verifier) when they are no longer kept.
+
+    ``narrow(seq_id, context length, branch or None)``, if given, tells the drafter a tree's outcome
+    as soon as the verify answers, without waiting: it stops the branches nobody will read.
     """
 
     async def draft(k: int, context: list[int], provisional: bool = False, alternatives: int = 0,
@@ -162,7 +167,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         try:
             req = seq.draft_request(k, context=context, provisional=provisional, alternatives=alternatives,
                                     branches=branches)
-            (p,) = await asyncio.wait_for(propose([req]), draft_timeout_s)
+            # (asyncio.timeout, not wait_for: 3.11's wait_for runs the call in a task of its own, queued behind
+            # the verify, so a pre-draft's request left after the verify had taken the engine's core)
+            async with asyncio.timeout(draft_timeout_s):
+                (p,) = await propose([req])
             if p.cache_miss and provisional:
                 return None  # nothing to continue from: no pre-draft (not a failure)
             if p.cache_miss:
@@ -171,9 +179,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                     if recompute_aux is None:
                         raise RuntimeError("the drafter lost this sequence's states and nothing can recompute them")
                     seq.restart_aux(await recompute_aux(context[:-1]))
-                (p,) = await asyncio.wait_for(propose([seq.draft_request(k, full=True, context=context,
-                                                                         alternatives=alternatives, branches=branches)]),
-                                              draft_timeout_s)
+                async with asyncio.timeout(draft_timeout_s):
+                    (p,) = await propose([seq.draft_request(k, full=True, context=context, alternatives=alternatives,
+                                                            branches=branches)])
         except asyncio.CancelledError as e:
             if own_cancel():
                 raise
@@ -261,7 +269,6 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             pre = None
             drafts = proposal.tokens[:k] if proposal else []
             probs = proposal.probs.head(len(drafts)) if proposal and proposal.probs else None
-            step = asyncio.ensure_future(verified(drafts, probs))
             left = seq.params.max_tokens - len(seq.output_ids)
             # a head pre-drafts from its own rows, never from rows that were themselves pre-drafted
             chained = seq.capture and info.pre_draft == "hit"
@@ -274,10 +281,17 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                     task = draft(max(1, k) + 1, seq.tokens + drafts, alternatives=alts_now(True),  # sized like this step
                                  branches=[(len(seq.tokens) + j, c) for j, c in branches])
                 pre = PreDraft(seq.tokens, drafts, branches, asyncio.ensure_future(task))
+            # started after the pre-draft, so its request is on its way before the verify takes the
+            # engine's core (a verifier replica's event loop shares it: sent after, it waited 1.7-2.8 ms)
+            step = asyncio.ensure_future(verified(drafts, probs))
             res = await step
             batch = res.batch_size
             n_lp = len(seq.logprobs)
             new, _ = seq.apply(res)
+            if pre is not None and narrow is not None and tree >= 0:  # the tree's outcome is known: tell the drafter
+                b = pre.branch_for(seq.tokens) if not seq.done else None
+                narrow(seq.seq_id, pre.context_len, None if b is None else
+                       (pre.base + pre.branches[b][0], pre.branches[b][1]))
             seq.take_aux(res)
             info.aux_bytes = seq.aux_bytes_sent - sent
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch
@@ -330,7 +344,8 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
         seq.capture = getattr(drafter, "aux_layers", ()) if drafter is not None and seq.k > 0 else ()
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
-                                     Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives):
+                                     Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,
+                                     narrow=getattr(drafter, "narrow", None)):  # (a dict entry the engine thread reads)
                 pass
         finally:
             verifier.release(seq.seq_id)

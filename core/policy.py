@@ -455,6 +455,14 @@ class PreDraftCosts:
             self.hit = float(outcome == "hit") if self.hit is None else self.hit + self.weight * ((outcome == "hit") - self.hit)
             self.n["hit"] = self.n.get("hit", 0) + 1
 
+    def report(self) -> dict:
+        """In milliseconds: what a replica's ``stats()`` shows of its pre-drafting."""
+        saving = self.saving_s()
+        return {"draft_ms": {o: round(1000 * x, 3) for o, x in sorted(self.draft.items())},
+                "rest_ms": {("pre_draft" if a else "no_pre_draft"): round(1000 * x, 3) for a, x in sorted(self.rest.items())},
+                "hit_rate": None if self.hit is None else round(self.hit, 3),
+                "saving_ms_per_step": None if saving is None else round(1000 * saving, 3)}
+
     def saving_s(self, hit: float | None = None) -> float | None:
         """Expected seconds a pre-draft saves per step (negative: it costs), at hit rate ``hit`` (default:
         the replica's); None until every term has been measured."""

@@ -49,6 +49,13 @@ class DrafterServer(EngineServer):
     async def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         return await self.batcher.submit(requests)
 
+    async def narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:
+        """A pre-draft tree's outcome (``ModelDrafter.narrow``): set at once, from the event loop, while the
+        engine thread runs the tree. Drafters without trees ignore it."""
+        narrow = getattr(self.engine, "narrow", None)
+        if narrow is not None:
+            narrow(seq_id, context_len, branch)
+
     async def propose_bound(self, requests: list[DraftRequest]) -> tuple[list[Proposal], Endpoint | None]:
         """``propose``, plus where to reach this replica directly (``core.channel``): the
         verifier sends the sequence's later calls there. None when the channel cannot listen."""
@@ -56,7 +63,7 @@ class DrafterServer(EngineServer):
 
     async def endpoint(self) -> Endpoint | None:
         if self.channel is None:
-            self.channel = ChannelServer({"propose": self.propose, "release": self.release},
+            self.channel = ChannelServer({"propose": self.propose, "release": self.release, "narrow": self.narrow},
                                          where().get("replica_id", ""))
         try:
             return await self.channel.start(node_ip())

@@ -149,6 +149,7 @@ class VerifierServer(EngineServer):
     async def stats(self) -> dict:
         if not self.is_async:
             return {**await super().stats(), "drafter_calls": dict(self.drafter_calls),
+                    "pre_draft": self.pre_draft_costs.report(),
                     **({"local_drafter": await self.local.stats()} if self.local is not None else {})}
         from deployments.metrics import where
 
@@ -221,7 +222,7 @@ class VerifierServer(EngineServer):
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=self.pre_draft_alternatives,
                                                   pre_draft_always=self.pre_draft_always,
-                                                  pre_draft_costs=self.pre_draft_costs):
+                                                  pre_draft_costs=self.pre_draft_costs, narrow=self._narrow):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)
@@ -359,7 +360,8 @@ class VerifierServer(EngineServer):
         ep = self._bound.get(seq_id)
         if ep is not None:
             try:
-                out = await asyncio.wait_for(self.channel.call(ep, "propose", requests), 0.9 * self.drafter_timeout_s)
+                async with asyncio.timeout(0.9 * self.drafter_timeout_s):  # (no task of its own: the frame goes now)
+                    out = await self.channel.call(ep, "propose", requests)
             except OSError as e:  # gone, unreachable (ConnectionError, a connect timeout) or silent too long
                 log.warning("drafter channel to %s:%d failed (%r): back to Serve's router", ep.host, ep.port, e)
                 # a silent replica may only be overloaded: Serve's router, which sees queues, decides for a while
@@ -378,6 +380,19 @@ class VerifierServer(EngineServer):
         if ep is not None and not (ep in self._breakers and self._breakers[ep].open(time.monotonic())):
             self._bound[seq_id] = ep  # (an expired breaker: this binding probes the replica again)
         return proposals
+
+    def _narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:
+        """Tell the drafter a pre-draft tree's outcome (``ModelDrafter.narrow``), without waiting: to the
+        engine beside this one, or down the bound replica's channel (through Serve's router it would
+        reach a random replica: not sent; the tree then runs to its end, as before)."""
+        if self.local is not None:
+            coro = self.local.narrow(seq_id, context_len, branch)
+        elif self.drafter_transport == "direct" and seq_id in self._bound:
+            coro = self.channel.call(self._bound[seq_id], "narrow", seq_id, context_len, branch)
+        else:
+            return
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (a lost one only costs drafter time)
 
     def _avoid(self, ep: Endpoint, seconds: float) -> float:
         """A replica's channel failed: open its breaker (at least ``seconds``, doubling while it keeps

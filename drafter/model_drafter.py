@@ -37,9 +37,20 @@ class ModelDrafter:
         self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
         self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
+        # seq_id -> (a pre-draft tree's context length, the one branch (n, c) still wanted, or None: none)
+        self.narrowed: dict[str, tuple[int, tuple[int, int] | None]] = {}
 
     def release(self, seq_id: str) -> bool:
+        self.narrowed.pop(seq_id, None)
         return self.cache.release(seq_id)
+
+    def narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:
+        """The block a sequence's pre-draft tree was drafted for is verified: of the tree drafted after
+        ``context_len`` tokens, only ``branch`` (n, c) is still wanted (None: no branch). The others stop
+        at the tree's next batched pass, so a miss no longer holds the drafter for the rest of the
+        tree, nor a hit for branches nobody reads. Called from any thread, at any time (a tree not
+        running yet, or done, is narrowed when it runs, or not at all)."""
+        self.narrowed[seq_id] = (context_len, None if branch is None else tuple(branch))
 
     def num_cached(self) -> int:
         return len(self.cache)
@@ -102,11 +113,16 @@ class ModelDrafter:
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
 
-    def _run(self, active, out) -> None:
+    def _run(self, active, out, wanted=None) -> None:
         """Batched passes until every entry has its k drafts: the first pass feeds each entry's new
-        tokens, each later one its previous draft. An entry with k = 0 is only fed (a tree's context)."""
+        tokens, each later one its previous draft. An entry with k = 0 is only fed (a tree's context).
+        ``wanted(entry)``, asked before each pass: False drops the entry (its drafts so far stay)."""
         step = 0
         while active:
+            if wanted is not None:
+                active = [a for a in active if wanted(a)]
+                if not active:
+                    break
             still = []
             passed = self._forward(active, out)
             drawn = self._greedy_draws(passed)
@@ -129,7 +145,7 @@ class ModelDrafter:
         branch of every tree in the same batched passes. A branch reads its prefix's rows from the
         sequence's slot and writes its own to scratch blocks of the same pool (the memory of the
         branches is the KV budget's), freed when the call ends; the slot itself is left as it was."""
-        active, scratch = [], []
+        active, scratch, points = [], [], {}  # points: id(branch proposal) -> (seq_id, context length, (n, c))
         for r in trees:
             slot = self.cache.slots.get(r.seq_id)
             prop = out[r.seq_id]
@@ -137,7 +153,8 @@ class ModelDrafter:
             held = len(slot.tokens) if slot is not None else 0
             if slot is None or held != len(r.new_tokens) + r.start or r.k <= 0:
                 continue  # its context could not be fed: no tree (still lossless)
-            branches = [(n, c) for n, c in r.branches if 1 <= n <= held and n + r.k <= self.max_len]
+            fits = [1 <= n <= held and n + r.k <= self.max_len for n, _ in r.branches]
+            branches = [b for b, ok in zip(r.branches, fits) if ok]
             tid = f"{r.seq_id}\x00tree"
             self.cache.slots[tid] = Slot()
             try:
@@ -147,16 +164,29 @@ class ModelDrafter:
                 continue
             scratch.append(tid)
             rows = self.cache.slots[tid].rows(len(branches) * r.k, self.cache.block_size)
-            for i, (n, c) in enumerate(branches):
-                bprop = self._proposal(r, cached=n)
-                prop.branches.append(bprop)
-                branch = BranchSlot(slot, n, rows[i * r.k:(i + 1) * r.k])
-                active.append((r, branch, [c], r.k, bprop))
+            i = 0
+            for (n, c), ok in zip(r.branches, fits):
+                bprop = self._proposal(r, cached=min(n, held))
+                prop.branches.append(bprop)  # (one per requested branch, in order: one that does not fit stays empty)
+                if not ok:
+                    continue
+                points[id(bprop)] = (r.seq_id, held, (n, c))
+                active.append((r, BranchSlot(slot, n, rows[i * r.k:(i + 1) * r.k]), [c], r.k, bprop))
+                i += 1
+
+        def wanted(entry) -> bool:
+            seq_id, context_len, point = points[id(entry[4])]
+            narrowed = self.narrowed.get(seq_id)
+            return narrowed is None or narrowed[0] != context_len or narrowed[1] == point
+
         try:
-            self._run(active, out)
+            self._run(active, out, wanted)
         finally:
             for tid in scratch:
                 self.cache.release(tid)
+            for seq_id, context_len, _ in points.values():
+                if self.narrowed.get(seq_id, (None,))[0] == context_len:
+                    del self.narrowed[seq_id]
 
     @staticmethod
     def _greedy_draws(passed) -> dict[int, tuple[int, list[int] | None]]:

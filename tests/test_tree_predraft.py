@@ -76,6 +76,80 @@ def test_a_tree_whose_context_is_not_held_feeds_it_first(tiny_engines):
     assert miss.cache_miss
 
 
+def test_a_narrowed_tree_drafts_only_the_branch_still_wanted(tiny_engines):
+    """``narrow``: once the block's outcome is known, only the branch the sequence took is drafted on
+    (its drafts unchanged); a miss stops every branch. A narrowing for another tree of the sequence
+    (another context length) changes nothing, and the engine forgets a narrowing once its tree ran."""
+    tok, _, _, drafter = tiny_engines
+    params = SamplingParams(temperature=0)
+    prompt = prompts(tok, 1)[0]
+
+    def tree(seq_id, narrowed=None):
+        block = chain(drafter, seq_id, prompt, K + 1, params, alternatives=2)
+        context = prompt + block.tokens[:K]
+        branches = [(len(prompt) + j, c) for j in range(K + 1) for c in block.alts[j][:1]]
+        if narrowed is not None:
+            drafter.narrow(seq_id, *narrowed(context, branches))
+        req = DraftRequest.for_tokens(seq_id, context, len(context) - K, None, None, k=K + 1, sampling=params,
+                                      seed=0, alternatives=2, branches=branches)
+        (t,) = drafter.propose([req])
+        drafter.release(seq_id)
+        return branches, [b.tokens for b in t.branches]
+
+    branches, full = tree("whole")
+    assert all(len(b) == K + 1 for b in full)
+    _, hit = tree("hit", lambda ctx, br: (len(ctx), br[2]))
+    assert hit[2] == full[2] and all(b == [] for i, b in enumerate(hit) if i != 2)
+    _, miss = tree("miss", lambda ctx, br: (len(ctx), None))
+    assert all(b == [] for b in miss)
+    _, other = tree("other", lambda ctx, br: (len(ctx) - 1, None))  # an older tree's outcome
+    assert other == full
+    assert not drafter.narrowed
+
+
+def test_a_tree_narrowed_while_it_runs_stops_between_passes(tiny_engines, monkeypatch):
+    """The verifier tells the drafter the outcome from another thread while the tree's passes run."""
+    import drafter.model_drafter as md
+
+    tok, _, _, drafter = tiny_engines
+    params = SamplingParams(temperature=0)
+    prompt = prompts(tok, 1)[0]
+    block = chain(drafter, "mid", prompt, K + 1, params, alternatives=2)
+    context = prompt + block.tokens[:K]
+    branches = [(len(prompt) + j, c) for j in range(K + 1) for c in block.alts[j][:1]]
+    passes = []
+    real = md.batched_forward
+
+    def counted(runner, cache, slots, *args, **kw):
+        passes.append(len(slots))
+        if len(passes) == 2:  # after the tree's first pass: the block took branch 0
+            drafter.narrow("mid", len(context), branches[0])
+        return real(runner, cache, slots, *args, **kw)
+
+    monkeypatch.setattr(md, "batched_forward", counted)
+    req = DraftRequest.for_tokens("mid", context, len(context) - K, None, None, k=K + 1, sampling=params, seed=0,
+                                  alternatives=2, branches=branches)
+    (t,) = drafter.propose([req])
+    drafter.release("mid")
+    assert passes[:2] == [1, len(branches)] and passes[2:] == [1] * K  # (the context's feed, then the tree)
+    assert len(t.branches[0].tokens) == K + 1 and all(len(b.tokens) == 1 for b in t.branches[1:])
+
+
+def test_a_branch_without_room_keeps_its_place(tiny_engines):
+    """The loop reads a tree's answer by branch index: a branch the drafter cannot draft (past its
+    context) answers empty in its place, and the branches after it stay where they were asked."""
+    tok, _, _, drafter = tiny_engines
+    params = SamplingParams(temperature=0)
+    prompt = prompts(tok, 1)[0]
+    block = chain(drafter, "room", prompt, 2, params)
+    context = prompt + block.tokens
+    req = DraftRequest.for_tokens("room", context, len(context), None, None, k=3, sampling=params, seed=0,
+                                  branches=[(len(context) + 5, 4), (len(prompt), 6)])  # the first is past the context
+    (t,) = drafter.propose([req])
+    assert [b.tokens for b in t.branches] == [[], alone(drafter, prompt + [6], 3, params).tokens]
+    drafter.release("room")
+
+
 def test_the_ngram_drafter_drafts_the_chain_branch_only():
     from configs import NgramConfig
     from drafter.ngram import NgramDrafter
