@@ -120,6 +120,7 @@ class Eagle3Drafter(ModelDrafter):
             eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
         self.eos_ids = eos_ids
         self.on_progress = None
+        self.narrowed = {}  # (ModelDrafter.narrow: a head drafts chains, never trees, so nothing reads it)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
