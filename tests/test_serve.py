@@ -48,6 +48,10 @@ def test_greedy_completions_match_target_generate(serve_app, k):
         if k:
             pre_drafts.append((spec["pre_draft_hits"], spec["pre_draft_misses"]))
             assert 0 <= spec["mean_exposed_ms"] <= spec["mean_step_ms"]
+            # every speculative step, by how its drafts came (fixed k: no plain steps)
+            by = spec["by_pre_draft"]
+            assert sum(v["steps"] for v in by.values()) == spec["num_drafts"]
+            assert [by.get(o, {}).get("steps", 0) for o in ("hit", "miss")] == list(pre_drafts[-1])
     if k:  # the next block was drafted during verification, and used when the guess held
         assert sum(h for h, _ in pre_drafts) > 0 and sum(m for _, m in pre_drafts) > 0, pre_drafts
 
