@@ -174,6 +174,11 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
     drafter = serve.get_deployment_handle("Drafter", app_name="strict")
     drafter.inject_fault.remote("slow", 0.05).result()
     try:
+        # plain steps measured now: the replica's step costs (shared by its sequences) otherwise hold the
+        # plain steps of the overload tests before this one, queued behind full batches
+        r = post(strict_app, prompt="def add(a, b):", max_tokens=48, temperature=0, ignore_eos=True,
+                 num_speculative_tokens=0)
+        assert r.status_code == 200, r.text
         for _ in range(3):
             r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
                      return_token_ids=True)
