@@ -290,8 +290,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             new, _ = seq.apply(res)
             if pre is not None and narrow is not None and tree >= 0:  # the tree's outcome is known: tell the drafter
                 b = pre.branch_for(seq.tokens) if not seq.done else None
-                narrow(seq.seq_id, pre.context_len, None if b is None else
-                       (pre.base + pre.branches[b][0], pre.branches[b][1]))
+                if b is None or len(pre.branches) > 1:  # (a hit on a lone chain would narrow nothing)
+                    narrow(seq.seq_id, pre.context_len, None if b is None else
+                           (pre.base + pre.branches[b][0], pre.branches[b][1]))
             seq.take_aux(res)
             info.aux_bytes = seq.aux_bytes_sent - sent
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, batch

@@ -441,19 +441,16 @@ class PreDraftCosts:
     draft: dict[str, float] = field(default_factory=dict)
     rest: dict[bool, float] = field(default_factory=dict)
     hit: float | None = None
-    n: dict = field(default_factory=dict)  # observations per key (draft outcomes, rest arms, "hit")
 
-    def _mean(self, table: dict, key, x: float) -> None:
-        old = table.get(key)
-        table[key] = x if old is None else old + self.weight * (x - old)
-        self.n[key] = self.n.get(key, 0) + 1
+    def _mean(self, old: float | None, x: float) -> float:
+        return x if old is None else old + self.weight * (x - old)
 
     def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        self._mean(self.draft, outcome or "none", draft_s)
-        self._mean(self.rest, pre_drafted, max(0.0, step_s - draft_s))
+        key = outcome or "none"
+        self.draft[key] = self._mean(self.draft.get(key), draft_s)
+        self.rest[pre_drafted] = self._mean(self.rest.get(pre_drafted), max(0.0, step_s - draft_s))
         if outcome is not None:
-            self.hit = float(outcome == "hit") if self.hit is None else self.hit + self.weight * ((outcome == "hit") - self.hit)
-            self.n["hit"] = self.n.get("hit", 0) + 1
+            self.hit = self._mean(self.hit, float(outcome == "hit"))
 
     def report(self) -> dict:
         """In milliseconds: what a replica's ``stats()`` shows of its pre-drafting."""
@@ -478,10 +475,10 @@ class PreDraftCosts:
 @dataclass
 class PreDraftChoice:
     """Whether to pre-draft the next block: where ``PreDraftCosts`` (shared by a replica's sequences)
-    says it saves time at this sequence's hit rate. Until every term is measured it pre-drafts (the
-    default it was built for), trying the other arm for a run of ``run`` steps; then it keeps the
-    arm that saves, and tries the other for a run every ``explore_every`` steps so the means stay
-    current. ``margin``: the other arm must save this share of a step to replace the chosen one."""
+    says it saves time at this sequence's hit rate. Until every term is measured it takes the arm
+    that measures a missing one (without pre-drafting first), in runs of ``run`` steps;
+    then it keeps the arm that saves, and tries the other for a run every ``explore_every`` steps so
+    the means stay current. ``margin``: the other arm must save this share of a step to replace the chosen one."""
 
     always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
     costs: PreDraftCosts = field(default_factory=PreDraftCosts)
@@ -510,9 +507,14 @@ class PreDraftChoice:
             self._left -= 1
             return self._arm
         saving = self.costs.saving_s(self.hit_rate())
-        if saving is None:  # a term unmeasured: try the arm that measures it
+        if saving is None:  # a term unmeasured: take the arm that measures it
             c = self.costs
-            arm = False if False not in c.rest else True if True not in c.rest or c.hit is None else "none" in c.draft
+            if False not in c.rest:  # steps without pre-drafting
+                arm = False
+            elif True not in c.rest or c.hit is None:  # steps that pre-draft, and the hit rate of their pre-drafts
+                arm = True
+            else:  # only a step not pre-drafted for is missing
+                arm = False
         else:
             step = self.costs.draft["none"] + self.costs.rest[False]
             if abs(saving) > self.margin * step:

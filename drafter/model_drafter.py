@@ -184,7 +184,7 @@ class ModelDrafter:
         finally:
             for tid in scratch:
                 self.cache.release(tid)
-            for seq_id, context_len, _ in points.values():
+            for seq_id, context_len in {(s, n) for s, n, _ in points.values()}:  # (this call's trees: forgotten)
                 if self.narrowed.get(seq_id, (None,))[0] == context_len:
                     del self.narrowed[seq_id]
 
