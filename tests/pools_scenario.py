@@ -73,13 +73,14 @@ def main(target_dir: str, drafter_dir: str):
     out["drafter_placements"] = placements("Drafter")
     out["verifier_placements_before"] = placements("Verifier")
 
-    # 1. load: the verifier deployment scales up on its own; the drafter stays as configured
-    async def load(n, seconds):
-        stop = time.monotonic() + seconds
+    # 1. load: the verifier deployment scales up on its own; the drafter stays as configured.
+    # The load holds until the second verifier replica runs (at most 180 s): on 2 cores busy with
+    # 12 streams, a new replica's worker process took 30 s or more to import and load its engine.
+    async def load(n, done):
         codes = []
 
         async def client_loop(client, i):
-            while time.monotonic() < stop:
+            while not done():
                 r = await client.post(f"{base}/v1/completions", timeout=300, json={
                     "model": "tiny", "prompt": f"x{i}", "max_tokens": 48, "temperature": 0, "ignore_eos": True})
                 codes.append(r.status_code)
@@ -90,14 +91,23 @@ def main(target_dir: str, drafter_dir: str):
 
     async def load_and_watch():
         peak = {"Verifier": 0, "Drafter": 0}
-        load_task = asyncio.ensure_future(load(12, 40))
+        start = time.monotonic()
+        scaled_at = None
+
+        def done():  # 10 s of load at the peak, after at least 20 s
+            now = time.monotonic()
+            return now - start > 180 or (scaled_at is not None and now - max(scaled_at, start + 10) > 10)
+
+        load_task = asyncio.ensure_future(load(12, done))
         while not load_task.done():
             for name in peak:
                 peak[name] = max(peak[name], running(name))
+            if scaled_at is None and peak["Verifier"] >= 2:
+                scaled_at = time.monotonic()
             await asyncio.sleep(0.5)
-        return peak, load_task.result()
+        return peak, load_task.result(), None if scaled_at is None else scaled_at - start
 
-    peak, codes = asyncio.run(load_and_watch())
+    peak, codes, out["scaled_after_s"] = asyncio.run(load_and_watch())
     out["peak_replicas"] = peak
     out["load_requests"] = len(codes)
     out["load_failures"] = sum(c != 200 for c in codes)

@@ -40,7 +40,7 @@ def test_verifier_death_mid_request_costs_a_recompute_not_a_failure(scenario):
 
 
 def test_verifier_scales_independently_under_load(scenario):
-    assert scenario["peak_replicas"] == {"Verifier": 2, "Drafter": 1}
+    assert scenario["peak_replicas"] == {"Verifier": 2, "Drafter": 1}, scenario["scaled_after_s"]
     assert scenario["load_requests"] > 10 and scenario["load_failures"] == 0
     assert scenario["verifier_replicas_after"] == 1
 
