@@ -135,10 +135,74 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     add_generation_prompt: bool = True
+    # OpenAI chat fields clients send with neutral values (SDKs and agent frameworks fill them in):
+    # accepted where they ask for nothing this server would not do, a 400 naming them otherwise
+    response_format: ResponseFormat | None = Field(None, description="Only {\"type\": \"text\"} (no JSON or schema-guided decoding).")
+    tools: list[dict] | None = Field(None, description="Must be empty: no tool calling.")
+    tool_choice: str | dict | None = Field(
+        None, description="none, or auto with no tools (what OpenAI does then): no tool calling.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; no effect without tools.")
+    functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
+    function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
+    modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description="Only [\"text\"].")
+    store: bool | None = Field(None, description="Only false: this server stores no completions.")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Accepted and ignored (OpenAI keeps it with stored completions).")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="Accepted; every request is served alike.")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="Accepted; prefix caching here is per sequence, automatic.")
+    safety_identifier: str | None = Field(None, max_length=1024, description="Accepted and ignored, as user.")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"type {v.type!r} is not supported: no JSON or schema-guided decoding, only 'text'")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported: leave it out or empty")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v is not None and v not in ("none", "auto"):  # 'required', or a named tool
+            raise ValueError("tool calling is not supported: only 'none', or 'auto' without tools")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, v):
+        if v and set(v) != {"text"}:
+            raise ValueError("only ['text'] output is supported")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v):
+        if v:
+            raise ValueError("this server does not store completions: leave it out or false")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        for key, value in (v or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("keys at most 64 characters and values at most 512")
+        return v
 
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -73,6 +73,34 @@ def test_vllm_benchmark_clients_parameters_are_accepted(serve_app):
     assert r.status_code == 200, r.text
 
 
+def test_openai_chat_fields_with_neutral_values_are_accepted_the_rest_named(serve_app):
+    """What OpenAI SDKs and agent frameworks fill in on chat requests: accepted where they ask
+    for nothing this server would not do (the output is the plain request's), a 400 naming the
+    field where they ask for tool calling, JSON decoding, audio or storage."""
+    from openai import BadRequestError, OpenAI
+
+    base, *_ = serve_app
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    neutral = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, response_format={"type": "text"}, tools=[],
+        tool_choice="none", parallel_tool_calls=False, store=False, metadata={"run": "ci"}, service_tier="auto",
+        modalities=["text"], prompt_cache_key="k1", safety_identifier="u1",
+        extra_body={"functions": [], "function_call": "auto"})
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    refused = [({"response_format": {"type": "json_object"}}, "response_format"),
+               ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+               ({"tool_choice": "required"}, "tool_choice"),
+               ({"store": True}, "store"), ({"modalities": ["text", "audio"]}, "modalities"),
+               ({"metadata": {"k": "v" * 513}}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
+               ({"prediction": {"type": "content", "content": "x"}}, "prediction")]
+    for extra, param in refused:
+        with pytest.raises(BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"top_k": 2_000_000}, "top_k"),  # was a 500 (accepted here, rejected inside the handler)
     ({"top_k": 100_000}, "top_k"),  # beyond the vocabulary
