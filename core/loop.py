@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.policy import Breaker, FixedK, PreDraftChoice, PreDraftCosts
+from core.prediction import PredictedOutput
 from core.protocol import Drafter, Proposal, StepInfo, Verifier
 from core.sequence import Sequence
 
@@ -133,7 +134,7 @@ def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[i
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
                     alternatives: int = 1, pre_draft_always: bool = False, pre_draft_costs: PreDraftCosts | None = None,
-                    narrow=None):
+                    narrow=None, predicted: PredictedOutput | None = None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -160,6 +161,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     ``narrow(seq_id, context length, branch or None)``, if given, tells the drafter a tree's outcome
     as soon as the verify answers, without waiting: it stops the branches nobody will read.
+
+    ``predicted``: the client's predicted output (``core.prediction``). Where it continues the
+    sequence, a step drafts from it (the request's k tokens, one-hot q) without the drafter, and
+    neither the policy nor the pre-draft choice learns from that step; elsewhere the drafter drafts.
     """
 
     async def draft(k: int, context: list[int], provisional: bool = False, alternatives: int = 0,
@@ -221,6 +226,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
 
+    def guess() -> list[int]:  # the predicted output's drafts for the next step ([]: none)
+        return predicted.drafts(seq.output_ids, seq.step_k()) if predicted is not None else []
+
     def plan():
         k = seq.step_k(policy.next_k(batch))
         if seq.capture and not seq.has_aux:
@@ -238,9 +246,18 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             planned = None
             info = StepInfo(0, 0, degraded=degraded)
             proposal = None
+            predicted_drafts = guess()
+            if predicted_drafts:  # the client's prediction continues here: drafts without the drafter
+                for task in (early, pre.task if pre is not None else None):
+                    if task is not None:
+                        task.cancel()
+                if pre is not None and narrow is not None and tree >= 0:
+                    narrow(seq.seq_id, pre.context_len, None)
+                pre, k, info.predicted, info.degraded = None, len(predicted_drafts), len(predicted_drafts), False
+                proposal = Proposal(seq.seq_id, predicted_drafts)
             if pre is not None:
                 info.pre_branches, info.pre_outcome = len(pre.branches), len(seq.tokens) - pre.base - 1
-            if k > 0:
+            if k > 0 and not predicted_drafts:
                 branch = pre.branch_for(seq.tokens) if pre is not None else None
                 t_wait = clock()  # waiting for a pre-draft still running is drafting on the critical path too
                 if branch is not None:
@@ -299,16 +316,18 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.step_s = clock() - t0
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             # every step, plain ones too: the policy compares what each k costs here, end to end
-            policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s, batch)
-            if choice is not None and res.num_drafts and len(seq.output_ids) > len(new):  # (not the prefill)
-                choice.observe(pre is not None, info.pre_draft, info.draft_s, info.step_s)
+            # (a step drafted from the client's prediction says nothing about the drafter)
+            if not predicted_drafts:
+                policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s, batch)
+            if choice is not None and res.num_drafts and len(seq.output_ids) > len(new) and not predicted_drafts:
+                choice.observe(pre is not None, info.pre_draft, info.draft_s, info.step_s)  # (not the prefill)
             if not seq.done:
                 # the next step's drafting starts before this step's tokens go out: whatever the caller
                 # does with them (streaming them to the client, served) overlaps it
                 nk, npre, ndeg = plan()
                 hit = pre is not None and pre.branch_for(seq.tokens) is not None
                 task = (asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens), alternatives=alts_now(npre)))
-                        if nk > 0 and not hit else None)
+                        if nk > 0 and not hit and not guess() else None)
                 planned = (nk, npre, ndeg, task)
             info.done = seq.done
             yield new, seq.logprobs[n_lp:], info

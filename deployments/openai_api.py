@@ -140,6 +140,19 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+class PredictionContent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[dict]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            if any(p.get("type") != "text" for p in self.content):
+                raise ValueError("prediction content parts must be of type 'text'")
+            return "".join(str(p.get("text", "")) for p in self.content)
+        return self.content
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
@@ -160,6 +173,9 @@ class ChatCompletionRequest(_Common):
         None, description="Accepted; every request is served alike.")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="Accepted; prefix caching here is per sequence, automatic.")
     safety_identifier: str | None = Field(None, max_length=1024, description="Accepted and ignored, as user.")
+    prediction: PredictionContent | None = Field(
+        None, description="Predicted Outputs: text the answer is expected to mostly repeat; where it continues the "
+        "output, its tokens are the drafts (verified, so the output is the model's whatever it says).")
 
     @field_validator("response_format")
     @classmethod

@@ -246,9 +246,24 @@ class Router:
                               param="messages", code="context_length_exceeded")
         prompt_ids = self._chat_prompt(messages, body.add_generation_prompt)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._serve("chat", body, prompt_ids, request, top)
+        return await self._serve("chat", body, prompt_ids, request, top, self._prediction_ids(body))
 
     # ---------------------------------------------------------------- internals
+    def _prediction_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The tokens of a chat request's predicted output ([]: none)."""
+        if body.prediction is None:
+            return []
+        try:
+            text = body.prediction.text()
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prediction") from None
+        if len(text) > self.config.max_prompt_chars:
+            raise OpenAIError(400, f"prediction has {len(text)} characters; the limit is "
+                              f"{self.config.max_prompt_chars}", param="prediction")
+        if text and self.config.verifier.backend == "vllm":
+            raise OpenAIError(400, "prediction is not supported with the vllm verifier backend", param="prediction")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok.chat_template:
@@ -273,35 +288,40 @@ class Router:
                                   verification=self.config.verification, backend=self.config.verifier.backend,
                                   vllm_loop=self.config.verifier.vllm_loop)
 
-    async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None):
+    async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None,
+                     prediction: list[int] = ()):
         params = self._params(body, len(prompt_ids))
         if self.active >= self.config.max_active_requests:
             raise OpenAIError(429, f"server busy: {self.active} requests running; retry shortly",
                               type_="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
         slot = Admission(self)
         try:
-            return await self._serve_admitted(endpoint, body, prompt_ids, request, logprobs, params, slot)
+            return await self._serve_admitted(endpoint, body, prompt_ids, request, logprobs, params, slot, prediction)
         except BaseException:
             slot.release()
             raise
 
-    async def _serve_admitted(self, endpoint, body, prompt_ids, request, logprobs, params, slot: "Admission"):
+    async def _serve_admitted(self, endpoint, body, prompt_ids, request, logprobs, params, slot: "Admission",
+                              prediction: list[int] = ()):
         k = self.config.drafter.num_speculative_tokens
         if body.num_speculative_tokens is not None:
             k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
         timeout_s = min(body.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
+        # predicted output tokens verified and kept / verified and dropped, every choice's (OpenAI's usage details)
+        predicted = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0} if prediction else None
         # n choices: each its own speculative sequence; choice i of a seeded request uses seed + i
         choices = [self._generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
                                   params if params.seed is None or i == 0
-                                  else params.model_copy(update={"seed": (params.seed + i) % 2**63}), k, logprobs)
+                                  else params.model_copy(update={"seed": (params.seed + i) % 2**63}), k, logprobs,
+                                  prediction, predicted)
                    for i in range(body.n)]
         steps = self._until_deadline(_merged(choices), timeout_s)
         echo = ""
         if endpoint == "completions" and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
         meta = dict(rid=rid, endpoint=endpoint, prompt_ids=prompt_ids, t0=time.perf_counter(), body=body, echo=echo,
-                    logprobs=logprobs, echo_logprobs=None)
+                    logprobs=logprobs, echo_logprobs=None, predicted=predicted)
         if echo and logprobs is not None:  # the prompt's own logprobs lead the choice's (the first is None)
             if self.config.verifier.backend == "vllm":
                 raise OpenAIError(400, "echo with logprobs is not supported with the vllm verifier backend",
@@ -348,7 +368,8 @@ class Router:
         finally:
             await steps.aclose()
 
-    async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None):
+    async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None,
+                        prediction: list[int] = (), predicted: dict | None = None):
         """The request's steps. Its loop runs on a verifier replica (``VerifierServer.speculate``:
         draft, verify, accept beside the engine, no router round trip per step), which streams
         each step's tokens; the router keeps the text (detokenisation, stop strings), the
@@ -364,7 +385,8 @@ class Router:
         try:
             while not seq.done:
                 stream = self.verifier.options(stream=True).speculate.remote(
-                    prompt_ids, params, rid, k, self.max_len, logprobs, seq.output_ids, self.config.k_policy)
+                    prompt_ids, params, rid, k, self.max_len, logprobs, seq.output_ids, self.config.k_policy,
+                    list(prediction))
                 ended = False  # the replica's loop finished by itself: nothing to cancel
                 try:
                     t_prev = time.perf_counter()
@@ -390,6 +412,9 @@ class Router:
                             step_wall = wall if j == len(group) - 1 else min(info.step_s, wall)
                             wall -= step_wall
                             self._record(seq, info, timing, step_wall)
+                            if predicted is not None and info.predicted:
+                                predicted["accepted_prediction_tokens"] += info.accepted
+                                predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
                             out_ids += new
                             text += delta
                         stats = _spec_stats(seq, timing) if seq.done else None
@@ -581,7 +606,10 @@ class Router:
     def _usage(self, meta: dict, n_out: int) -> dict:
         """The prompt counts once, the completion tokens of every choice add up (as OpenAI's)."""
         n_in = len(meta["prompt_ids"])
-        return {"usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        if meta.get("predicted") is not None:  # drafted from the prediction and kept / dropped by verification
+            usage["completion_tokens_details"] = dict(meta["predicted"])
+        return {"usage": usage}
 
     def _final_body(self, meta: dict, outs: list[dict]) -> dict:
         body = meta["body"]

@@ -15,6 +15,7 @@ from configs import SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK, PreDraftCosts, StepCosts
+from core.prediction import PredictedOutput
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.server import EngineServer
@@ -168,16 +169,16 @@ class VerifierServer(EngineServer):
 
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
-                        k_policy: str = "fixed"):
+                        k_policy: str = "fixed", prediction: list[int] = ()):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
         ``stream_interval_s`` (``coalesced``), the first step and the last at once."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy)
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction)
         async for group in coalesced(steps, self.stream_interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
-                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str):
+                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = ()):
         """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
         each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
         network (to the drafter pool, overlapped with verification by pre-drafting); verification
@@ -185,7 +186,8 @@ class VerifierServer(EngineServer):
         pool) is plain decoding. It stops at EOS, max_tokens or the context limit; stop strings
         and text stay with the caller, which closes the stream when it is done, and which can
         resume the sequence on any replica from its tokens (``output_ids``): randomness is keyed
-        by position, so a seeded request continues exactly as it would have."""
+        by position, so a seeded request continues exactly as it would have. ``prediction``: the
+        client's predicted output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
 
         if self.vllm_loop:
@@ -222,7 +224,8 @@ class VerifierServer(EngineServer):
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=self.pre_draft_alternatives,
                                                   pre_draft_always=self.pre_draft_always,
-                                                  pre_draft_costs=self.pre_draft_costs, narrow=self._narrow):
+                                                  pre_draft_costs=self.pre_draft_costs, narrow=self._narrow,
+                                                  predicted=PredictedOutput(prediction) if prediction else None):
                 yield new, lps, info
         finally:
             self._bound.pop(seq_id, None)
