@@ -92,7 +92,7 @@ def main(argv=None):
                       "rejected_prediction_tokens": round(statistics.mean(rej), 1) if rej else None}
         log(f"{v:7s} {summary[v]}")
     log(f"outputs different from the plain response: {mismatches}")
-    write_json(Path(args.out), "prediction.json", {"summary": summary, "mismatches": mismatches, "rows": rows,
+    write_json(Path(args.out), "prediction", {"summary": summary, "mismatches": mismatches, "rows": rows,
                                                      "args": vars(args), "environment": environment(args.threads)})
     return 1 if mismatches else 0
 
