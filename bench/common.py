@@ -152,9 +152,26 @@ BENCH_OVERRIDES = {"Router": {"ray_actor_options": {"num_cpus": 0.05}},
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, chosen at random below the kernel's ephemeral range and above Ray's
+    worker ports (10002-19999). A port from ``bind(0)`` comes from the ephemeral range, where any
+    process starting before the server binds it may be handed the same one: Ray's workers bind
+    theirs that way, and a test session's Serve proxy once failed to bind such a port."""
+    import random
+
+    lo, hi = 20000, 32767
+    try:
+        hi = min(hi, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(100):
+        port = random.randint(lo, hi) if hi > lo else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port found")
 
 
 @contextlib.contextmanager

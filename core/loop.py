@@ -344,7 +344,8 @@ async def _as_tree(chain_draft) -> Proposal | None:
 
 
 async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,
-                          pipeline: bool = True, alternatives: int = 1) -> Sequence:
+                          pipeline: bool = True, alternatives: int = 1,
+                          predicted: PredictedOutput | None = None) -> Sequence:
     """``speculate`` in process: the drafter and the verifier each on a thread of its own (torch
     releases the GIL), so pre-drafting overlaps verification as it does across the pools. Each
     engine's calls run one at a time, in order, as a served replica's batcher runs them."""
@@ -365,7 +366,8 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
                                      Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,
-                                     narrow=getattr(drafter, "narrow", None)):  # (a dict entry the engine thread reads)
+                                     narrow=getattr(drafter, "narrow", None),  # (a dict entry the engine thread reads)
+                                     predicted=predicted):
                 pass
         finally:
             verifier.release(seq.seq_id)

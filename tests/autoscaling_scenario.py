@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,9 +78,8 @@ def local_variant(gpu_config: dict, target_dir: str, drafter_dir: str) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
+    return pick()
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -31,10 +31,8 @@ def tiny_engines(tiny_pair):
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from bench.common import free_port
+    return free_port()
 
 
 @pytest.fixture(scope="session")

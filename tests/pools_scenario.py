@@ -9,17 +9,15 @@ Prints one JSON line of observations.
 
 import asyncio
 import json
-import socket
 import sys
 import time
 
 import httpx
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
+    return pick()
 
 
 def main(target_dir: str, drafter_dir: str):

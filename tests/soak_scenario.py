@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 import time
@@ -30,9 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
+    return pick()
 
 
 def references(target: str, prompts: list[str], modes: list[dict], max_tokens: int) -> dict:

@@ -307,3 +307,38 @@ def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(r
         _greedy_is_the_targets(url, shipped_engines[0])
         stats = serve.get_deployment_handle("Verifier", app_name="eagle-colocated").stats.remote().result()
         assert stats["drafter_calls"]["local"] > 10 and stats["local_drafter"]["cached_sequences"] == 0, stats
+
+
+def test_greedy_with_the_head_and_a_partly_right_prediction_equals_the_target(shipped_engines):
+    """Steps drafted from a client's prediction skip the head; the target's states of their tokens
+    reach it with its next request: greedy output stays the target's, both kinds of step taken."""
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from core.prediction import PredictedOutput
+    from core.sequence import Sequence
+    from tests.test_processors import hf_greedy
+
+    ver, dr = shipped_engines
+    calls = []
+
+    class Counted:  # the head, its calls counted
+        def __getattr__(self, name):
+            return getattr(dr, name)
+
+        def propose(self, requests):
+            calls.append(len(requests))
+            return dr.propose(requests)
+
+    for i, text in enumerate(CODE[1:3]):  # (the other two are periodic: a prediction matches them anywhere)
+        ids = ver.tokenizer(text)["input_ids"]
+        want = hf_greedy(ver.model, ids, 48)
+        # right for 12 tokens, then 8 tokens the output never has, then 10 right ones from token 30
+        absent = [t for t in range(len(ver.tokenizer)) if t not in want][:8]
+        prediction = want[:12] + absent + want[30:40]
+        seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), 4, ver.tokenizer,
+                       ver.eos_ids, ver.max_len, seq_id=f"p{i}")
+        calls.clear()
+        asyncio.run(speculate_local(seq, Counted(), ver, FixedK(4), predicted=PredictedOutput(prediction)))
+        assert seq.output_ids == want, text
+        assert calls and seq.stats.num_drafts > len(calls)  # the head drafted some steps, the prediction others
+        assert ver.num_cached() == 0 and dr.num_cached() == 0
