@@ -26,7 +26,7 @@ install: $(STAMP)
 # The import contracts (pyproject.toml, README "Architecture") first: a layering violation fails the build.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Everything, the long soak/load scenarios included.
 test-all: $(STAMP)
