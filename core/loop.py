@@ -224,7 +224,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     def alts_now(pre_drafting: bool) -> int:  # what a draft records for the tree after it (m, its own draft)
         return m_now() + 1 if pre_drafting and m_now() > 0 else 0
 
-    planned = None  # the next step's (k, pre-drafting, degraded, its drafting task), chosen as the last step ended
+    planned = None  # the next step's (k, pre-drafting, degraded, its drafting task, predicted drafts), chosen as the last step ended
 
     def guess() -> list[int]:  # the predicted output's drafts for the next step ([]: none)
         return predicted.drafts(seq.output_ids, seq.step_k()) if predicted is not None else []
@@ -242,17 +242,16 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         while not seq.done:
             t0 = clock()
             misses, sent = dict(seq.cache_misses), seq.aux_bytes_sent
-            k, pre_drafting, degraded, early = planned or (*plan(), None)
+            # (the predicted drafts were looked up as the last step ended, for the same output)
+            k, pre_drafting, degraded, early, predicted_drafts = planned or (*plan(), None, guess())
             planned = None
             info = StepInfo(0, 0, degraded=degraded)
             proposal = None
-            predicted_drafts = guess()
             if predicted_drafts:  # the client's prediction continues here: drafts without the drafter
-                for task in (early, pre.task if pre is not None else None):
-                    if task is not None:
-                        task.cancel()
-                if pre is not None and narrow is not None and tree >= 0:
-                    narrow(seq.seq_id, pre.context_len, None)
+                if pre is not None:  # (no early draft was started for this step)
+                    pre.task.cancel()
+                    if narrow is not None and tree >= 0:
+                        narrow(seq.seq_id, pre.context_len, None)
                 pre, k, info.predicted, info.degraded = None, len(predicted_drafts), len(predicted_drafts), False
                 proposal = Proposal(seq.seq_id, predicted_drafts)
             if pre is not None:
@@ -326,9 +325,10 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 # does with them (streaming them to the client, served) overlaps it
                 nk, npre, ndeg = plan()
                 hit = pre is not None and pre.branch_for(seq.tokens) is not None
+                nguess = guess()
                 task = (asyncio.ensure_future(draft(nk + 1 if npre else nk, list(seq.tokens), alternatives=alts_now(npre)))
-                        if nk > 0 and not hit and not guess() else None)
-                planned = (nk, npre, ndeg, task)
+                        if nk > 0 and not hit and not nguess else None)
+                planned = (nk, npre, ndeg, task, nguess)
             info.done = seq.done
             yield new, seq.logprobs[n_lp:], info
     finally:

@@ -119,20 +119,25 @@ class CompletionRequest(_Common):
         return v
 
 
+def content_text(content: str | list[dict] | None) -> str:
+    """A message's (or a prediction's) content as text: a string, or text parts joined."""
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if p.get("type") != "text":
+                raise ValueError(f"content part type {p.get('type')!r} is not supported")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+    return content or ""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text":
-                    raise ValueError(f"content part type {p.get('type')!r} is not supported")
-                parts.append(str(p.get("text", "")))
-            return "".join(parts)
-        return self.content or ""
+        return content_text(self.content)
 
 
 class ResponseFormat(BaseModel):
@@ -146,11 +151,7 @@ class PredictionContent(BaseModel):
     content: str | list[dict]
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            if any(p.get("type") != "text" for p in self.content):
-                raise ValueError("prediction content parts must be of type 'text'")
-            return "".join(str(p.get("text", "")) for p in self.content)
-        return self.content
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_Common):

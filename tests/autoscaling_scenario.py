@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import free_port  # (below the ephemeral range: see there)
+
 ROOT = Path(__file__).resolve().parent.parent
 MARKER_VAR = "SPLITSPEC_CLUSTER_MARKER"
 GPU_SERVE_CONFIG = ROOT / "configs" / "serve_gpu_cluster.yaml"
@@ -75,11 +77,6 @@ def local_variant(gpu_config: dict, target_dir: str, drafter_dir: str) -> dict:
             if auto.get("policy") is not None:
                 auto["policy"].setdefault("policy_kwargs", {}).update(LOCAL_POLICY_KWARGS[dep["name"]])
     return app
-
-
-def free_port() -> int:
-    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
-    return pick()
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -14,10 +14,7 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
-    return pick()
+from bench.common import free_port  # (below the ephemeral range: see there)
 
 
 def main(target_dir: str, drafter_dir: str):

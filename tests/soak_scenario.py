@@ -25,12 +25,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import free_port  # (below the ephemeral range: see there)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    from bench.common import free_port as pick  # (outside the ephemeral range: see there)
-    return pick()
 
 
 def references(target: str, prompts: list[str], modes: list[dict], max_tokens: int) -> dict:
