@@ -338,7 +338,9 @@ def test_greedy_with_the_head_and_a_partly_right_prediction_equals_the_target(sh
         seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), 4, ver.tokenizer,
                        ver.eos_ids, ver.max_len, seq_id=f"p{i}")
         calls.clear()
-        asyncio.run(speculate_local(seq, Counted(), ver, FixedK(4), predicted=PredictedOutput(prediction)))
+        # (no pre-drafting: then every head call drafts one step, and the count below is exact)
+        asyncio.run(speculate_local(seq, Counted(), ver, FixedK(4), pipeline=False,
+                                    predicted=PredictedOutput(prediction)))
         assert seq.output_ids == want, text
         assert calls and seq.stats.num_drafts > len(calls)  # the head drafted some steps, the prediction others
         assert ver.num_cached() == 0 and dr.num_cached() == 0
