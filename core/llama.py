@@ -186,6 +186,8 @@ class NativeLlama(CompactLlama):
                 self.tiles += [tiles(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), tiles(a.o_proj.weight),
                                tiles(torch.cat([p.gate_proj.weight, p.up_proj.weight])), tiles(p.down_proj.weight)]
             self.tiles.append(tiles(model.lm_head.weight))
+        # attention over the cache in place (core/csrc/decoder.cpp); SPLITSPEC_ATTENTION=aten: ATen's, for A/B runs
+        self.aten_attention = os.environ.get("SPLITSPEC_ATTENTION", "own") == "aten"
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
@@ -205,7 +207,7 @@ class NativeLlama(CompactLlama):
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
             self.packed, self.parts, self.tiles, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
             kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
-            layers, self.eps, self.heads, self.kv_heads, self.head_dim)
+            layers, self.eps, self.heads, self.kv_heads, self.head_dim, self.aten_attention)
         return out[0], dict(zip(layers, out[1:]))
 
 

@@ -3,10 +3,10 @@
 // Why: at decode shapes a layer's matmuls take tens of microseconds, and the ~30 small PyTorch ops
 // around them (norms, rotary, casts, residual adds, the SiLU gate), each a Python call and a dispatch,
 // cost about half as much again (measured: the eager forward 1.5-1.7x its pre-packed linear layers,
-// this one 1.06-1.2x). Here the whole forward is one op: the matmuls stay the library's (oneDNN
-// pre-packed bf16 on CPUs, else at::linear), the cache reads and writes and attention stay ATen's
-// (at::scaled_dot_product_attention: a hand-written loop measured no faster at one query and slower at
-// more), and the elementwise work runs as plain loops the compiler vectorises.
+// this one 1.06-1.2x). Here the whole forward is one op: the matmuls are the engine's own kernels where
+// the CPU has them (AMX tiles, a bf16 GEMV) or the library's (oneDNN pre-packed bf16, else at::linear),
+// attention reads and writes the paged cache in place (ATen's kernel where it is the faster, see
+// `attention`), and the elementwise work runs as plain loops the compiler vectorises.
 //
 // Numerics: every elementwise step rounds to the compute dtype where the eager forward's op would
 // (bf16: each multiply and add rounded, as ATen's bf16 kernels compute in float and store bf16), and
@@ -22,6 +22,10 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <optional>
 #include <string_view>
@@ -170,6 +174,312 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
       o[i] = st<T>(act * ld(u[i]));
     }
   }
+}
+
+// ---- Attention over the paged cache, read in place.
+//
+// Why: at decode shapes ATen's CPU flash attention costs far more than its arithmetic (one query over
+// 121 keys: some 50 us a layer, 8 heads' worth of tiny gemm calls, buffers, a cast of q and of the
+// output, a gather of every row in batches), a tenth of the shipped target's one-token forward. Here
+// each (sequence, KV head) reads its K and V rows once, straight from the cache (views or row indices:
+// no gather), for all the queries that share that head (GQA groups x new tokens), and writes the
+// output in the compute dtype. Numerics as ATen's: float32 scores q.k times the scale, masked keys
+// skipped, exp(score - max), the weighted sum of V times 1 / sum, rounded once to the compute dtype;
+// only the order of the float32 sums (and exp_ against Sleef's exp) differs.
+
+// Keys whose weight exp(score - max) is below 2^-64 get 0: all of them together move the output by under
+// S x 2^-64 of the largest weight's (1), far below float32's resolution, while their products with V would be
+// denormal floats, each a microcode assist (measured: attention 20x slower at some positions).
+constexpr float kNegligible = -44.3614195558365f;  // ln(2^-64)
+
+// The attention loops in GCC's vector extension, as wide as the build's registers: 16 floats where it targets
+// AVX-512 (x86-64-v4), 8 elsewhere (AVX2 or two SSE registers); multiply-adds fused where the build has FMA
+// (float32 attention, as ATen's BLAS fuses them; the elementwise loops above keep -ffp-contract=off). Written
+// with 16 scalar lanes the loops came out scalar; 16-float vectors on an AVX2 build were spilled to the stack.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t hvec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
+
+inline fvec vload(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline fvec vload(const c10::BFloat16* p) {  // bf16 -> float: the bits shifted up, exact
+  hvec h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<fvec>(__builtin_convertvector(h, uvec) << 16);
+}
+inline fvec vfma(fvec a, fvec b, fvec c) {  // a * b + c
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float hsum(fvec v) {  // a fixed tree of shuffles and adds
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX__)
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+#else
+  float x[kLanes];
+  std::memcpy(x, &v, sizeof v);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) x[j] += x[j + w];
+  return x[0];
+#endif
+}
+
+// max and sum of x[0..n) in lanes (a max in any order is exact; the sum's order is fixed), so they vectorise.
+inline float vmax(const float* x, int64_t n) {
+  fvec m = fvec{} - INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const fvec v = vload(x + i);
+    m = v > m ? v : m;
+  }
+  float r = -INFINITY;
+  for (int j = 0; j < kLanes; ++j) r = std::max(r, m[j]);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+inline float vsum(const float* x, int64_t n) {
+  fvec a = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) a += vload(x + i);
+  float r = hsum(a);
+  for (; i < n; ++i) r += x[i];
+  return r;
+}
+
+// sum_i a[i] * b[i] over D floats, 2 x kLanes at a time in two independent sums.
+template <typename C>
+inline float dot(const float* a, const C* b, int64_t D) {
+  fvec s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= D; i += 2 * kLanes) {
+    s0 = vfma(vload(a + i), vload(b + i), s0);
+    s1 = vfma(vload(a + i + kLanes), vload(b + i + kLanes), s1);
+  }
+  for (; i + kLanes <= D; i += kLanes) s0 = vfma(vload(a + i), vload(b + i), s0);
+  float s = hsum(s0 + s1);
+  for (; i < D; ++i) s += a[i] * ld(b[i]);
+  return s;
+}
+
+#if defined(__AVX512F__)
+// The four sums of a0..a3's lanes, as [sum a0, sum a1, sum a2, sum a3] (a fixed tree: 13 instructions, where four
+// horizontal sums take 32).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));  // per 128 bits: a0..a3
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+#endif
+
+// Rows a few ahead of s into cache, where `on` (the first pass over a head's rows; later ones find them in L2).
+template <int NV, typename C, typename Row>
+inline void prefetch_row(const C* X, const Row& row, int64_t s, int64_t S, bool on) {
+  if (!on || s >= S) return;
+  const char* r = reinterpret_cast<const char*>(X + row(s));
+  for (size_t o = 0; o < NV * kLanes * sizeof(C); o += 64) __builtin_prefetch(r + o);
+}
+
+// p[r][s] = q[r] . K[row(s) ..] * scale, or -inf where mrow[r][s] is false, for QB queries of one KV head and
+// D = NV * kLanes: the queries held in registers, each key row read once for all of them. With one query, four
+// keys go at a time instead, so that a horizontal sum serves four scores either way (hsum4, AVX-512 builds).
+template <int QB, int NV, typename C, typename Row>
+inline void scores(const float* q, const C* K, const Row& row, int64_t S, const bool* const* mrow, float scale,
+                   bool prefetch, float* p) {
+  fvec qv[QB][NV];
+  for (int r = 0; r < QB; ++r)
+    for (int j = 0; j < NV; ++j) qv[r][j] = vload(q + r * NV * kLanes + j * kLanes);
+  auto put = [&](int r, int64_t s, float x) { p[r * S + s] = !mrow[r] || mrow[r][s] ? x * scale : -INFINITY; };
+  int64_t s = 0;
+#if defined(__AVX512F__)
+  if constexpr (QB == 4) {
+    for (; s < S; ++s) {
+      prefetch_row<NV>(K, row, s + 8, S, prefetch);
+      const C* k = K + row(s);
+      fvec a[4] = {};
+      for (int j = 0; j < NV; ++j) {
+        const fvec kv = vload(k + j * kLanes);
+        for (int r = 0; r < 4; ++r) a[r] = vfma(qv[r][j], kv, a[r]);
+      }
+      float x[4];
+      _mm_storeu_ps(x, hsum4(a[0], a[1], a[2], a[3]));
+      for (int r = 0; r < 4; ++r) put(r, s, x[r]);
+    }
+  }
+  if constexpr (QB == 1) {
+    for (; s + 4 <= S; s += 4) {
+      fvec a[4] = {};
+      for (int u = 0; u < 4; ++u) {
+        prefetch_row<NV>(K, row, s + u + 8, S, prefetch);
+        const C* k = K + row(s + u);
+        for (int j = 0; j < NV; ++j) a[u] = vfma(qv[0][j], vload(k + j * kLanes), a[u]);
+      }
+      float x[4];
+      _mm_storeu_ps(x, hsum4(a[0], a[1], a[2], a[3]));
+      for (int u = 0; u < 4; ++u) put(0, s + u, x[u]);
+    }
+  }
+#endif
+  for (; s < S; ++s) {
+    prefetch_row<NV>(K, row, s + 8, S, prefetch);
+    const C* k = K + row(s);
+    fvec a[QB] = {};
+    for (int j = 0; j < NV; ++j) {
+      const fvec kv = vload(k + j * kLanes);
+      for (int r = 0; r < QB; ++r) a[r] = vfma(qv[r][j], kv, a[r]);
+    }
+    for (int r = 0; r < QB; ++r) put(r, s, hsum(a[r]));
+  }
+}
+
+// o[r][0..D) = sum_s w[r][s] * V[row(s) ..] for QB queries (weights [QB][S]) and D = NV * kLanes: the sums held
+// in registers across the rows, each value row read once for all of them.
+template <int QB, int NV, typename C, typename Row>
+inline void weighted_sum(const float* w, const C* V, const Row& row, int64_t S, bool prefetch, float* o) {
+  fvec acc[QB][NV] = {};
+  for (int64_t s = 0; s < S; ++s) {
+    prefetch_row<NV>(V, row, s + 8, S, prefetch);
+    const C* v = V + row(s);
+    for (int j = 0; j < NV; ++j) {
+      const fvec vv = vload(v + j * kLanes);
+      for (int r = 0; r < QB; ++r) acc[r][j] = vfma(fvec{} + w[r * S + s], vv, acc[r][j]);
+    }
+  }
+  std::memcpy(o, acc, sizeof acc);
+}
+
+// One KV head's queries, QB at a time (the rest one by one): scores, softmax, weighted sums.
+// q [G][D], mrow [G]; p: [QB][S] scratch; o: [QB][D] scratch; out(g) -> where query g's D outputs go.
+template <int QB, int NV, typename T, typename C, typename Row, typename Out>
+void attend_head(const float* q, int64_t G, const C* Kc, const C* Vc, const Row& row, int64_t S,
+                 const bool* const* mrow, float scale, float* p, float* o, const Out& out) {
+  constexpr int64_t D = NV * kLanes;
+  int64_t g0 = 0;
+  for (; g0 + QB <= G; g0 += QB) {
+    scores<QB, NV>(q + g0 * D, Kc, row, S, mrow + g0, scale, true, p);
+    float inv[QB];
+    for (int r = 0; r < QB; ++r) {
+      float* pr = p + r * S;
+      float m = vmax(pr, S);
+      if (m == -INFINITY) m = 0.f;  // no visible key (never sent): zeros, not NaNs
+      for (int64_t s = 0; s < S; ++s) {  // unnormalised weights; masked (-inf) or negligible: 0
+        const float x = pr[s] - m;
+        pr[s] = x < kNegligible ? 0.f : exp_(x);
+      }
+      const float sum = vsum(pr, S);
+      inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    weighted_sum<QB, NV>(p, Vc, row, S, true, o);
+    for (int r = 0; r < QB; ++r) {
+      T* dst = out(g0 + r);
+      for (int64_t i = 0; i < D; ++i) dst[i] = st<T>(o[r * D + i] * inv[r]);
+    }
+  }
+  if constexpr (QB > 1)  // the rest one at a time
+    if (g0 < G)
+      attend_head<1, NV, T>(q + g0 * D, G - g0, Kc, Vc, row, S, mrow + g0, scale, p, o,
+                            [&](int64_t g) { return out(g0 + g); });
+}
+
+// a[i] += w * b[i] over D floats.
+template <typename C>
+inline void axpy(float* a, float w, const C* b, int64_t D) {
+  const fvec wv = fvec{} + w;
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes) {
+    fvec v = vfma(wv, vload(b + i), vload(a + i));
+    std::memcpy(a + i, &v, sizeof v);
+  }
+  for (; i < D; ++i) a[i] += w * ld(b[i]);
+}
+
+// The new tokens' K and V (rows H.. and H+KV.. of each token in qkv [T, heads_all, D]) into cache rows:
+// write_rows[t] when given, else write_start + t.
+template <typename T, typename C>
+void write_kv(const T* qkv, C* Kc, C* Vc, const int64_t* write_rows, int64_t write_start, int64_t tokens,
+              int64_t heads_all, int64_t H, int64_t KV, int64_t D) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t row = write_rows ? write_rows[t] : write_start + t;
+    const T* k = qkv + (t * heads_all + H) * D;
+    const T* v = k + KV * D;
+    C* kd = Kc + row * KV * D;
+    C* vd = Vc + row * KV * D;
+    for (int64_t i = 0; i < KV * D; ++i) kd[i] = st<C>(ld(k[i]));
+    for (int64_t i = 0; i < KV * D; ++i) vd[i] = st<C>(ld(v[i]));
+  }
+}
+
+// out [B * n, H * D] = softmax(q k^T * scale, masked) v for the queries in qkv [B * n, heads_all, D]; key s of
+// sequence b is cache row read_rows[b * S + s] (or read_start + s); mask [B, n, S] (true: attend) or none.
+// A task is one (sequence, KV head): its queries (GQA group x new tokens) go in blocks held in registers, each
+// block reading the head's key and value rows once; the first block brings them into L2, prefetching ahead (they
+// come from L3 or memory, the weights streaming past them).
+template <typename T, typename C>
+void attention(const T* qkv, const C* Kc, const C* Vc, const int64_t* read_rows, int64_t read_start, int64_t S,
+               const bool* mask, int64_t B, int64_t n, int64_t heads_all, int64_t H, int64_t KV, int64_t D, float scale,
+               T* out) {
+  const int64_t group = H / KV, G = group * n, NV = D % kLanes ? 0 : D / kLanes;  // NV: D in vectors (0: not whole)
+  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(G * D), p(4 * S), o(4 * D);
+    std::vector<const bool*> mrow(G);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / KV, kvh = bh % KV;
+      auto row = [&](int64_t s) { return (read_rows ? read_rows[b * S + s] : read_start + s) * KV * D + kvh * D; };
+      auto out_of = [&](int64_t g) { return out + ((b * n + g / group) * H + kvh * group + g % group) * D; };
+      for (int64_t g = 0; g < G; ++g) {  // query g: token g / group, head kvh * group + g % group
+        const T* src = qkv + ((b * n + g / group) * heads_all + kvh * group + g % group) * D;
+        for (int64_t i = 0; i < D; ++i) q[g * D + i] = ld(src[i]);
+        mrow[g] = mask ? mask + (b * n + g / group) * S : nullptr;
+      }
+      // blocks of 4 queries where their sums fit the registers (16 vectors), else 2 or 1
+      const bool one = G == 1;
+      switch (NV) {
+        case 1: one ? attend_head<1, 1, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of)
+                    : attend_head<4, 1, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of); break;
+        case 2: one ? attend_head<1, 2, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of)
+                    : attend_head<4, 2, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of); break;
+        case 4: one ? attend_head<1, 4, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of)
+                    : attend_head<4, 4, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of); break;
+        case 8: attend_head<2, 8, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of); break;
+        case 16: attend_head<1, 16, T>(q.data(), G, Kc, Vc, row, S, mrow.data(), scale, p.data(), o.data(), out_of); break;
+        default:  // D not a whole number of vectors: one query at a time, plain loops
+          for (int64_t g = 0; g < G; ++g) {
+            float* pg = p.data();
+            for (int64_t s = 0; s < S; ++s)
+              pg[s] = !mrow[g] || mrow[g][s] ? dot(q.data() + g * D, Kc + row(s), D) * scale : -INFINITY;
+            float m = vmax(pg, S);
+            if (m == -INFINITY) m = 0.f;
+            for (int64_t s = 0; s < S; ++s) {
+              const float x = pg[s] - m;
+              pg[s] = x < kNegligible ? 0.f : exp_(x);
+            }
+            const float sum = vsum(pg, S), inv = sum > 0.f ? 1.f / sum : 0.f;
+            std::fill(o.begin(), o.end(), 0.f);
+            for (int64_t s = 0; s < S; ++s) axpy(o.data(), pg[s], Vc + row(s), D);
+            T* dst = out_of(g);
+            for (int64_t i = 0; i < D; ++i) dst[i] = st<T>(o[i] * inv);
+          }
+      }
+    }
+  });
 }
 
 // ---- bf16 GEMV for a few rows (AVX-512 BF16), over the model's own row-major weights.
@@ -403,14 +713,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at
 // weights: PER_LAYER tensors per layer (see the enum); k_cache/v_cache: per layer [rows, KV, D].
 // K/V access (core.kv_cache.KVAccess): with write_rows empty, batch 1 reads and writes views
 // (rows write_start.. and read_start..read_start+S); else write_rows [B*n] and read_rows [B, S].
-// mask [B, 1, n, S] bool or none. Returns [logits [B, keep, V], then the residual stream entering
+// mask [B, 1, n, S] bool or none; aten_attention: ATen's attention (benchmarks) instead of ours. Returns [logits [B, keep, V], then the residual stream entering
 // each layer in `capture` [B, n, hidden]].
 std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_t,
                             const Tensor& sin_t, at::TensorList weights, const Tensor& final_norm,
                             const Tensor& lm_head, bool packed, at::TensorList parts, at::TensorList tiles, at::TensorList k_cache, at::TensorList v_cache,
                             const Tensor& write_rows, const Tensor& read_rows, int64_t write_start, int64_t read_start,
                             int64_t S, const std::optional<Tensor>& mask, int64_t keep, at::IntArrayRef capture,
-                            double eps, int64_t H, int64_t KV, int64_t D) {
+                            double eps, int64_t H, int64_t KV, int64_t D, bool aten_attention) {
   at::NoGradGuard no_grad;
   const int64_t B = input_ids.size(0), n = input_ids.size(1), T = B * n;
   const int64_t L = static_cast<int64_t>(k_cache.size());
@@ -427,6 +737,26 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   const int64_t heads_all = H + 2 * KV;
   const bool rows_mode = present(write_rows);
 
+  // Our attention reads the cache in place where its dtype is one the loops compute (float32 or bf16: the
+  // engines' KV dtypes on CPUs) and rows are [rows, KV, D] contiguous, and where it is the faster: always for up to
+  // 4 queries per KV head (decoding, drafting), else up to 640 keys. Beyond, ATen's BLAS-backed kernel wins
+  // (shipped target, bf16 on an Intel Xeon, ours / ATen's forward, paired: 0.76-0.85 at one token for 120-900
+  // keys; 5 and 9 tokens 0.85-0.88 at 120 keys, 0.88-1.02 at 550, 1.02-1.24 at 900).
+  const at::ScalarType kv_dtype = k_cache[0].scalar_type();
+  const int64_t S_read = rows_mode ? read_rows.size(1) : S;
+  bool own_attention = !aten_attention && (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) &&
+                       (H / KV * n <= 4 || S_read <= 640);
+  for (int64_t l = 0; l < L; ++l)
+    own_attention = own_attention && k_cache[l].is_contiguous() && v_cache[l].is_contiguous() &&
+                    k_cache[l].scalar_type() == kv_dtype && v_cache[l].scalar_type() == kv_dtype;
+  Tensor mask_c;  // [B, 1, n, S_read] bool, contiguous
+  if (own_attention && mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->numel() == B * n * S_read, "decoder: a bool mask [B, 1, n, S]");
+    mask_c = mask->contiguous();
+  }
+  const bool* mask_ptr = mask_c.defined() ? mask_c.const_data_ptr<bool>() : nullptr;
+  Tensor read_rows_c = rows_mode ? read_rows.contiguous() : read_rows, write_rows_c = rows_mode ? write_rows.contiguous() : write_rows;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
   Tensor x = at::embedding(embed, input_ids.reshape({T}));  // [T, hidden]
   Tensor pos = positions.reshape({T});
   Tensor cos = cos_t.index_select(0, pos), sin = sin_t.index_select(0, pos);  // [T, D]
@@ -446,26 +776,43 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
                             D, static_cast<float>(eps));
     });
     const Tensor &Kc = k_cache[l], &Vc = v_cache[l];
-    Tensor heads = qkv.view({B, n, heads_all, D});
-    Tensor q = heads.narrow(2, 0, H), k = heads.narrow(2, H, KV), v = heads.narrow(2, H + KV, KV);
-    Tensor K, V;  // [B, S, KV, D] in the cache's dtype
-    if (!rows_mode) {
-      Kc.narrow(0, write_start, n).copy_(k[0]);
-      Vc.narrow(0, write_start, n).copy_(v[0]);
-      K = Kc.narrow(0, read_start, S).unsqueeze(0);
-      V = Vc.narrow(0, read_start, S).unsqueeze(0);
-    } else {
-      Kc.index_copy_(0, write_rows, k.reshape({T, KV, D}).to(Kc.scalar_type()));
-      Vc.index_copy_(0, write_rows, v.reshape({T, KV, D}).to(Vc.scalar_type()));
-      // index_select on dim 0 copies whole rows (a memcpy each); advanced indexing went element by element
-      const Tensor flat = read_rows.reshape({-1});
-      K = Kc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
-      V = Vc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
+    Tensor a;  // [T, H * D]
+    if (own_attention) {
+      a = at::empty({T, H * D}, x.options());
+      on_dtype(x.scalar_type(), [&](auto t) {
+        using scalar_t = decltype(t);
+        on_dtype(Kc.scalar_type(), [&](auto c) {
+          using cache_t = decltype(c);
+          const scalar_t* q = qkv.const_data_ptr<scalar_t>();
+          write_kv<scalar_t, cache_t>(q, Kc.mutable_data_ptr<cache_t>(), Vc.mutable_data_ptr<cache_t>(),
+                                      rows_mode ? write_rows_c.const_data_ptr<int64_t>() : nullptr, write_start, T,
+                                      heads_all, H, KV, D);
+          attention<scalar_t, cache_t>(q, Kc.const_data_ptr<cache_t>(), Vc.const_data_ptr<cache_t>(),
+                                       rows_mode ? read_rows_c.const_data_ptr<int64_t>() : nullptr, read_start, S_read,
+                                       mask_ptr, B, n, heads_all, H, KV, D, scale, a.mutable_data_ptr<scalar_t>());
+        });
+      });
+    } else {  // ATen's (a cache in another dtype)
+      Tensor heads = qkv.view({B, n, heads_all, D});
+      Tensor q = heads.narrow(2, 0, H), k = heads.narrow(2, H, KV), v = heads.narrow(2, H + KV, KV);
+      Tensor K, V;  // [B, S, KV, D] in the cache's dtype
+      if (!rows_mode) {
+        Kc.narrow(0, write_start, n).copy_(k[0]);
+        Vc.narrow(0, write_start, n).copy_(v[0]);
+        K = Kc.narrow(0, read_start, S).unsqueeze(0);
+        V = Vc.narrow(0, read_start, S).unsqueeze(0);
+      } else {
+        Kc.index_copy_(0, write_rows, k.reshape({T, KV, D}).to(Kc.scalar_type()));
+        Vc.index_copy_(0, write_rows, v.reshape({T, KV, D}).to(Vc.scalar_type()));
+        // index_select on dim 0 copies whole rows (a memcpy each); advanced indexing went element by element
+        const Tensor flat = read_rows.reshape({-1});
+        K = Kc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
+        V = Vc.index_select(0, flat).view({B, read_rows.size(1), KV, D});
+      }
+      a = at::scaled_dot_product_attention(q.transpose(1, 2).to(Kc.scalar_type()), K.transpose(1, 2),
+                                           V.transpose(1, 2), mask, 0.0, false, std::nullopt, KV != H);  // [B, H, n, D]
+      a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
     }
-    Tensor a = at::scaled_dot_product_attention(q.transpose(1, 2).to(Kc.scalar_type()), K.transpose(1, 2),
-                                                V.transpose(1, 2), mask, 0.0, false, std::nullopt,
-                                                KV != H);  // [B, H, n, D]
-    a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
     x.add_(linear(a, w[O], w[O_B], packed, part(l, P_O, 1), tile(l, T_O)));
     Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(l, P_GATE, 2), tile(l, T_GATE_UP)).contiguous();  // [T, 2I]
     const int64_t I = gu.size(1) / 2;
@@ -492,7 +839,7 @@ TORCH_LIBRARY(splitspec, m) {
       "decoder(Tensor input_ids, Tensor positions, Tensor embed, Tensor cos, Tensor sin, Tensor[] weights, "
       "Tensor final_norm, Tensor lm_head, bool packed, Tensor[] parts, Tensor[] tiles, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
       "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
-      "int[] capture, float eps, int H, int KV, int D) -> Tensor[]",
+      "int[] capture, float eps, int H, int KV, int D, bool aten_attention) -> Tensor[]",
       &forward);
   // one matmul as the forward dispatches it (benchmarks time the layers alone through it)
   m.def("linear(Tensor x, Tensor w, Tensor bias, bool packed, Tensor[] parts, Tensor tiles) -> Tensor",
