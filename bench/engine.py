@@ -15,7 +15,9 @@ interleaved round by round (medians over rounds, one torch thread):
   replaces, over the same cache;
 - ``onednn``: where the engine runs the native forward with its own bf16 matmuls (AMX tiles up to 16
   rows, the GEMV up to 3), the same forward with every matmul on oneDNN's pre-packed kernels, over
-  the same cache.
+  the same cache;
+- ``aten_attention``: where the engine runs the native forward, the same forward with ATen's attention
+  (``scaled_dot_product_attention`` over gathered K/V) instead of its own, over the same cache.
 
 Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
@@ -97,6 +99,13 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         onednn.parts, onednn.tiles = [], []
         for r in rows.values():
             r["linear_engine"], r["onednn"] = [], []
+    # and the same native forward with ATen's attention instead of its own
+    aten = None
+    if engine.runner.kind == "native":
+        aten = copy.copy(engine.runner)
+        aten.aten_attention = True
+        for r in rows.values():
+            r["aten_attention"] = []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)
     eager_runner = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else engine.runner
     with torch.inference_mode():
@@ -122,6 +131,10 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     slot.cut(context)
                     batched_forward(onednn, cache, [slot], [new], [n])
 
+                def aten_attention():
+                    slot.cut(context)
+                    batched_forward(aten, cache, [slot], [new], [n])
+
                 def eager():
                     slot_c.cut(context)
                     batched_forward(eager_runner, cache, [slot_c], [new], [n])
@@ -141,6 +154,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                 rows[n]["compact"].append(timer(eager))
                 if own:
                     rows[n]["onednn"].append(timer(library_only))
+                if aten:
+                    rows[n]["aten_attention"].append(timer(aten_attention))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
     one = table[ns[0]]
     return {
@@ -154,6 +169,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                                 for n in ns},  # paired per round
         "hf_over_linear_1": rnd(one["hf"] / one["linear"], 3),
         "gemv": bool(own), "amx": bool(getattr(engine.runner, "amx", False)),  # "gemv": any own kernel (the key's old name)
+        "engine_over_aten_attention": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["aten_attention"])]), 3)
+                                       for n in ns} if aten else None,  # paired per round
         "engine_over_onednn": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["onednn"])]), 3)
                                for n in ns} if own else None,  # paired per round
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
@@ -239,7 +256,9 @@ def table(result: dict) -> str:
                      + (f"; engine / its own matmul kernels alone {r['engine_over_linear_engine_1']}"
                         if r.get("engine_over_linear_engine_1") is not None else "")
                      + (f"; matmuls on AMX tiles / the GEMV, engine / the same forward on oneDNN alone (paired): "
-                        f"{r['engine_over_onednn']}" if r.get("gemv") else ""))
+                        f"{r['engine_over_onednn']}" if r.get("gemv") else "")
+                     + (f"; own attention, engine / the same forward with ATen's (paired): {r['engine_over_aten_attention']}"
+                        if r.get("engine_over_aten_attention") else ""))
         own = r.get("engine_over_linear_engine_1") is not None  # the engine's own matmul kernels, timed alone
         lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10}" + (f" {'own ms':>8}" if own else "")
                      + f" {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} {'engine/compact':>15} {'engine k+1/1':>13} "
@@ -256,6 +275,8 @@ def table(result: dict) -> str:
         dr = result["drafter"][dtype]
         lines.append(f"drafter 1-token forward: engine {d['engine']:.2f} ms"
                      + (f" (oneDNN alone {d['onednn']:.2f}, paired {dr['engine_over_onednn']['0']})" if dr.get("gemv") else "")
+                     + (f" (ATen's attention {d['aten_attention']:.2f}, paired {dr['engine_over_aten_attention']['0']})"
+                        if dr.get("engine_over_aten_attention") else "")
                      + f", hf {d['hf']:.2f}, linear {d['linear']:.2f}, packed {d['linear_packed']:.2f}; "
                      f"target engine start: cold {s['cold_s']} s, warm {s['warm_s']} s"
                      + (f", cold on a machine that never built the native forward {s['cold_first_build_s']} s"

@@ -166,6 +166,7 @@ def test_engine_bench_quick(tmp_path, capsys):
     assert set(t["verify_ratio"]) == {"0", "4", "8"} and t["verify_ratio"]["0"]["engine"] == 1.0
     assert all(v > 0 for row in t["ms"].values() for v in row.values())
     assert 0 < t["engine_over_linear_1"] < 10 and r["startup"]["bfloat16"]["cold_s"] > 0
+    assert set(t["engine_over_aten_attention"]) == {"0", "4", "8"} and all(v > 0 for v in t["engine_over_aten_attention"].values())
     assert "engine / linear" in capsys.readouterr().out and (tmp_path / "engine.json").exists()
 
 
