@@ -400,18 +400,24 @@ class Router:
                         # progress: a later failure gets the whole retry window again
                         deadline, attempt = time.monotonic() + self.config.verifier_retry_s, 0
                         n_lp, out_ids, text = len(seq.logprobs), [], ""
-                        # the group's wall time as the router saw it, split by the replica's own step times
-                        # (the last step takes the rest), so per-step statistics add up to the client's time
+                        # the group's wall time as the router saw it, split by the replica's own step times,
+                        # so per-step statistics add up to the client's time: the group's last speculative
+                        # step takes the rest (a plain step's time is not in the speculative steps' figures,
+                        # so the rest given to one would drop the transit time it absorbed from them)
                         wall = t_got - t_prev
+                        rest_j = max((j for j, (_, _, info) in enumerate(group) if info.k), default=len(group) - 1)
+                        walls = [0.0] * len(group)
+                        for j, (_, _, info) in enumerate(group):
+                            if j != rest_j:
+                                walls[j] = min(info.step_s, wall - sum(walls))
+                        walls[rest_j] = wall - sum(walls)
                         for j, (ids, lps, info) in enumerate(group):
                             if seq.done:  # a stop string ended it: the rest was decoded past the end
                                 break
                             new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
                                                                 num_drafts=info.k,
                                                                 logprobs=lps if logprobs is not None else None))
-                            step_wall = wall if j == len(group) - 1 else min(info.step_s, wall)
-                            wall -= step_wall
-                            self._record(seq, info, timing, step_wall)
+                            self._record(seq, info, timing, walls[j])
                             if predicted is not None and info.predicted:
                                 predicted["accepted_prediction_tokens"] += info.accepted
                                 predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
