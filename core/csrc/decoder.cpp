@@ -181,9 +181,9 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 // Why: at decode shapes ATen's CPU flash attention costs far more than its arithmetic (one query over
 // 121 keys: some 50 us a layer, 8 heads' worth of tiny gemm calls, buffers, a cast of q and of the
 // output, a gather of every row in batches), a tenth of the shipped target's one-token forward. Here
-// each (sequence, KV head) reads its K and V rows once, straight from the cache (views or row indices:
-// no gather), for all the queries that share that head (GQA groups x new tokens), and writes the
-// output in the compute dtype. Numerics as ATen's: float32 scores q.k times the scale, masked keys
+// each (sequence, KV head) reads its K and V rows straight from the cache (views or row indices: no
+// gather), once per block of up to 4 of the queries that share that head (GQA group x new tokens), and
+// writes the output in the compute dtype. Numerics as ATen's: float32 scores q.k times the scale, masked keys
 // skipped, exp(score - max), the weighted sum of V times 1 / sum, rounded once to the compute dtype;
 // only the order of the float32 sums (and exp_ against Sleef's exp) differs.
 
@@ -290,10 +290,11 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
-// Rows a few ahead of s into cache, where `on` (the first pass over a head's rows; later ones find them in L2).
+// Row s (a few ahead of the one in use) into cache. Every block asks: asking in the first block only (later ones
+// find the rows in L2) measured the same.
 template <int NV, typename C, typename Row>
-inline void prefetch_row(const C* X, const Row& row, int64_t s, int64_t S, bool on) {
-  if (!on || s >= S) return;
+inline void prefetch_row(const C* X, const Row& row, int64_t s, int64_t S) {
+  if (s >= S) return;
   const char* r = reinterpret_cast<const char*>(X + row(s));
   for (size_t o = 0; o < NV * kLanes * sizeof(C); o += 64) __builtin_prefetch(r + o);
 }
@@ -303,7 +304,7 @@ inline void prefetch_row(const C* X, const Row& row, int64_t s, int64_t S, bool 
 // keys go at a time instead, so that a horizontal sum serves four scores either way (hsum4, AVX-512 builds).
 template <int QB, int NV, typename C, typename Row>
 inline void scores(const float* q, const C* K, const Row& row, int64_t S, const bool* const* mrow, float scale,
-                   bool prefetch, float* p) {
+                   float* p) {
   fvec qv[QB][NV];
   for (int r = 0; r < QB; ++r)
     for (int j = 0; j < NV; ++j) qv[r][j] = vload(q + r * NV * kLanes + j * kLanes);
@@ -312,7 +313,7 @@ inline void scores(const float* q, const C* K, const Row& row, int64_t S, const 
 #if defined(__AVX512F__)
   if constexpr (QB == 4) {
     for (; s < S; ++s) {
-      prefetch_row<NV>(K, row, s + 8, S, prefetch);
+      prefetch_row<NV>(K, row, s + 8, S);
       const C* k = K + row(s);
       fvec a[4] = {};
       for (int j = 0; j < NV; ++j) {
@@ -328,7 +329,7 @@ inline void scores(const float* q, const C* K, const Row& row, int64_t S, const 
     for (; s + 4 <= S; s += 4) {
       fvec a[4] = {};
       for (int u = 0; u < 4; ++u) {
-        prefetch_row<NV>(K, row, s + u + 8, S, prefetch);
+        prefetch_row<NV>(K, row, s + u + 8, S);
         const C* k = K + row(s + u);
         for (int j = 0; j < NV; ++j) a[u] = vfma(qv[0][j], vload(k + j * kLanes), a[u]);
       }
@@ -339,7 +340,7 @@ inline void scores(const float* q, const C* K, const Row& row, int64_t S, const 
   }
 #endif
   for (; s < S; ++s) {
-    prefetch_row<NV>(K, row, s + 8, S, prefetch);
+    prefetch_row<NV>(K, row, s + 8, S);
     const C* k = K + row(s);
     fvec a[QB] = {};
     for (int j = 0; j < NV; ++j) {
@@ -353,10 +354,10 @@ inline void scores(const float* q, const C* K, const Row& row, int64_t S, const 
 // o[r][0..D) = sum_s w[r][s] * V[row(s) ..] for QB queries (weights [QB][S]) and D = NV * kLanes: the sums held
 // in registers across the rows, each value row read once for all of them.
 template <int QB, int NV, typename C, typename Row>
-inline void weighted_sum(const float* w, const C* V, const Row& row, int64_t S, bool prefetch, float* o) {
+inline void weighted_sum(const float* w, const C* V, const Row& row, int64_t S, float* o) {
   fvec acc[QB][NV] = {};
   for (int64_t s = 0; s < S; ++s) {
-    prefetch_row<NV>(V, row, s + 8, S, prefetch);
+    prefetch_row<NV>(V, row, s + 8, S);
     const C* v = V + row(s);
     for (int j = 0; j < NV; ++j) {
       const fvec vv = vload(v + j * kLanes);
@@ -374,7 +375,7 @@ void attend_head(const float* q, int64_t G, const C* Kc, const C* Vc, const Row&
   constexpr int64_t D = NV * kLanes;
   int64_t g0 = 0;
   for (; g0 + QB <= G; g0 += QB) {
-    scores<QB, NV>(q + g0 * D, Kc, row, S, mrow + g0, scale, true, p);
+    scores<QB, NV>(q + g0 * D, Kc, row, S, mrow + g0, scale, p);
     float inv[QB];
     for (int r = 0; r < QB; ++r) {
       float* pr = p + r * S;
@@ -387,7 +388,7 @@ void attend_head(const float* q, int64_t G, const C* Kc, const C* Vc, const Row&
       const float sum = vsum(pr, S);
       inv[r] = sum > 0.f ? 1.f / sum : 0.f;
     }
-    weighted_sum<QB, NV>(p, Vc, row, S, true, o);
+    weighted_sum<QB, NV>(p, Vc, row, S, o);
     for (int r = 0; r < QB; ++r) {
       T* dst = out(g0 + r);
       for (int64_t i = 0; i < D; ++i) dst[i] = st<T>(o[r * D + i] * inv[r]);
@@ -430,8 +431,8 @@ void write_kv(const T* qkv, C* Kc, C* Vc, const int64_t* write_rows, int64_t wri
 // out [B * n, H * D] = softmax(q k^T * scale, masked) v for the queries in qkv [B * n, heads_all, D]; key s of
 // sequence b is cache row read_rows[b * S + s] (or read_start + s); mask [B, n, S] (true: attend) or none.
 // A task is one (sequence, KV head): its queries (GQA group x new tokens) go in blocks held in registers, each
-// block reading the head's key and value rows once; the first block brings them into L2, prefetching ahead (they
-// come from L3 or memory, the weights streaming past them).
+// block reading the head's key and value rows once, prefetched a few rows ahead (the first block's come from L3
+// or memory, the weights streaming past them; later blocks find them in L2).
 template <typename T, typename C>
 void attention(const T* qkv, const C* Kc, const C* Vc, const int64_t* read_rows, int64_t read_start, int64_t S,
                const bool* mask, int64_t B, int64_t n, int64_t heads_all, int64_t H, int64_t KV, int64_t D, float scale,
