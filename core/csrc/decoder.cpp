@@ -741,8 +741,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   // Our attention reads the cache in place where its dtype is one the loops compute (float32 or bf16: the
   // engines' KV dtypes on CPUs) and rows are [rows, KV, D] contiguous, and where it is the faster: always for up to
   // 4 queries per KV head (decoding, drafting), else up to 640 keys. Beyond, ATen's BLAS-backed kernel wins
-  // (shipped target, bf16 on an Intel Xeon, ours / ATen's forward, paired: 0.76-0.85 at one token for 120-900
-  // keys; 5 and 9 tokens 0.85-0.88 at 120 keys, 0.88-1.02 at 550, 1.02-1.24 at 900).
+  // (shipped target, bf16 on an Intel Xeon, ours / ATen's forward, paired: 0.76-0.86 at one token for 120-900
+  // keys; 5 and 9 tokens 0.85-0.89 at 120 keys, 0.88-1.02 at 550, 1.02-1.24 at 900).
   const at::ScalarType kv_dtype = k_cache[0].scalar_type();
   const int64_t S_read = rows_mode ? read_rows.size(1) : S;
   bool own_attention = !aten_attention && (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) &&
