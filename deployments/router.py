@@ -406,11 +406,12 @@ class Router:
                         # so the rest given to one would drop the transit time it absorbed from them)
                         wall = t_got - t_prev
                         rest_j = max((j for j, (_, _, info) in enumerate(group) if info.k), default=len(group) - 1)
-                        walls = [0.0] * len(group)
+                        walls, left = [0.0] * len(group), wall
                         for j, (_, _, info) in enumerate(group):
                             if j != rest_j:
-                                walls[j] = min(info.step_s, wall - sum(walls))
-                        walls[rest_j] = wall - sum(walls)
+                                walls[j] = min(info.step_s, left)
+                                left -= walls[j]
+                        walls[rest_j] = left
                         for j, (ids, lps, info) in enumerate(group):
                             if seq.done:  # a stop string ended it: the rest was decoded past the end
                                 break

@@ -367,6 +367,19 @@ inline void weighted_sum(const float* w, const C* V, const Row& row, int64_t S, 
   std::memcpy(o, acc, sizeof acc);
 }
 
+// Scores p[0..S) -> the softmax's unnormalised weights exp(score - max) in place (masked, -inf, or negligible: 0);
+// returns 1 / their sum.
+inline float softmax_weights(float* p, int64_t S) {
+  float m = vmax(p, S);
+  if (m == -INFINITY) m = 0.f;  // no visible key (never sent): zeros, not NaNs
+  for (int64_t s = 0; s < S; ++s) {
+    const float x = p[s] - m;
+    p[s] = x < kNegligible ? 0.f : exp_(x);
+  }
+  const float sum = vsum(p, S);
+  return sum > 0.f ? 1.f / sum : 0.f;
+}
+
 // One KV head's queries, QB at a time (the rest one by one): scores, softmax, weighted sums.
 // q [G][D], mrow [G]; p: [QB][S] scratch; o: [QB][D] scratch; out(g) -> where query g's D outputs go.
 template <int QB, int NV, typename T, typename C, typename Row, typename Out>
@@ -377,17 +390,7 @@ void attend_head(const float* q, int64_t G, const C* Kc, const C* Vc, const Row&
   for (; g0 + QB <= G; g0 += QB) {
     scores<QB, NV>(q + g0 * D, Kc, row, S, mrow + g0, scale, p);
     float inv[QB];
-    for (int r = 0; r < QB; ++r) {
-      float* pr = p + r * S;
-      float m = vmax(pr, S);
-      if (m == -INFINITY) m = 0.f;  // no visible key (never sent): zeros, not NaNs
-      for (int64_t s = 0; s < S; ++s) {  // unnormalised weights; masked (-inf) or negligible: 0
-        const float x = pr[s] - m;
-        pr[s] = x < kNegligible ? 0.f : exp_(x);
-      }
-      const float sum = vsum(pr, S);
-      inv[r] = sum > 0.f ? 1.f / sum : 0.f;
-    }
+    for (int r = 0; r < QB; ++r) inv[r] = softmax_weights(p + r * S, S);
     weighted_sum<QB, NV>(p, Vc, row, S, o);
     for (int r = 0; r < QB; ++r) {
       T* dst = out(g0 + r);
@@ -466,13 +469,7 @@ void attention(const T* qkv, const C* Kc, const C* Vc, const int64_t* read_rows,
             float* pg = p.data();
             for (int64_t s = 0; s < S; ++s)
               pg[s] = !mrow[g] || mrow[g][s] ? dot(q.data() + g * D, Kc + row(s), D) * scale : -INFINITY;
-            float m = vmax(pg, S);
-            if (m == -INFINITY) m = 0.f;
-            for (int64_t s = 0; s < S; ++s) {
-              const float x = pg[s] - m;
-              pg[s] = x < kNegligible ? 0.f : exp_(x);
-            }
-            const float sum = vsum(pg, S), inv = sum > 0.f ? 1.f / sum : 0.f;
+            const float inv = softmax_weights(pg, S);
             std::fill(o.begin(), o.end(), 0.f);
             for (int64_t s = 0; s < S; ++s) axpy(o.data(), pg[s], Vc + row(s), D);
             T* dst = out_of(g);
