@@ -16,6 +16,7 @@ paged cache. ``make_runner`` chooses and says which.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -34,9 +35,22 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def packed_linear_available(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run this weight pre-packed: bf16 on a CPU build with mkldnn."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN can run this weight pre-packed: bf16 on a CPU build with mkldnn, on a CPU its bf16 path
+    runs on (it refuses CPUs without AVX-512 or AVX-NE-CONVERT, an AMD Zen 3 for one)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packs_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_packs_bf16() -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:  # the CPU check is oneDNN's own: ask it
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 1)
+        return True
+    except RuntimeError as e:
+        log.info("oneDNN does not pre-pack bf16 weights here (%s): bf16 matmuls run through F.linear", e)
+        return False
 
 
 class Linear:
@@ -164,8 +178,10 @@ class NativeLlama(CompactLlama):
             self.weights += [w["ln1"], w["qkv"].weight, _or(w["qkv"].bias, none), w["o"].weight, _or(w["o"].bias, none),
                              _or(w["q_norm"], none), _or(w["k_norm"], none), w["ln2"], w["gate_up"].weight,
                              w["down"].weight]
-        # the model's own weights, row-major, for the native bf16 GEMV at one token (no copy: the module holds them)
-        self.gemv = self.packed and os.environ.get("SPLITSPEC_GEMV", "1") != "0" and bool(ops.gemv_supported())
+        # the model's own weights, row-major, for the engine's own few-row kernels (no copy: the module holds them):
+        # the bf16 GEMV where the CPU has AVX-512 BF16, the float32 FMA kernel in float32 (up to 64 rows)
+        own_rows = ops.gemv_supported() if self.packed else self.embed.dtype == torch.float32 and ops.fma_supported()
+        self.gemv = os.environ.get("SPLITSPEC_GEMV", "1") != "0" and bool(own_rows)
         self.parts = []
         if self.gemv:
             for L in model.model.layers:
@@ -280,7 +296,8 @@ def make_runner(model, max_len: int, forward: str = "auto"):
         if ops is None and forward == "native":
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
     runner = NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
-    kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), ("bf16 GEMV", getattr(runner, "gemv", False)))
+    rows_kernel = "bf16 GEMV" if getattr(runner, "packed", False) else "float32 FMA rows"
+    kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), (rows_kernel, getattr(runner, "gemv", False)))
                if on]
     log.info("decoder forward: %s (%s, %d layers)%s", runner.kind, c.model_type, c.num_hidden_layers,
              f", own matmul kernels: {', '.join(kernels)}" if kernels else "")

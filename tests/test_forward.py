@@ -225,6 +225,67 @@ def test_native_bf16_forward_with_the_gemv_as_without_it():
     assert_same_up_to_a_rounding(with_gemv, without, model, (one_token, FEEDS))
 
 
+def fma_ops():
+    """The native ops where the build has FMA vectors (x86-64-v3 and up); a skip elsewhere."""
+    from core.models import cpu_flags
+
+    ops = native_ops()
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no AVX2 + FMA on this CPU: the float32 FMA kernel does not run here")
+    assert ops.fma_supported(), "the CPU has AVX2 and FMA but the native FMA kernel says it does not"
+    return ops
+
+
+def test_fma_linear_is_the_float32_sum_and_the_same_at_every_width():
+    """The float32 few-row kernel: within a float32 sum's error of the float64 result, weights given in parts
+    landing side by side, the bias added; odd widths exercise the tails, 13 + 5 rows short last blocks, 1-24 input
+    rows every row-chunk shape. And each output row is bit-identical to the same row computed alone: a token's
+    logits do not depend on how many drafts or sequences share its pass."""
+    ops = fma_ops()
+    g = torch.Generator().manual_seed(0)
+    for rows, width in (((8,), 32), ((13, 5), 70), ((512, 128, 128), 512), ((3,), 1), ((100, 28), 1408), ((7,), 23)):
+        parts = [torch.randn(r, width, generator=g) for r in rows]
+        w = torch.cat(parts)
+        for T in (1, 2, 3, 4, 5, 8, 9, 17, 24):
+            x = torch.randn(T, width, generator=g)
+            for bias in (torch.randn(w.shape[0], generator=g), torch.empty(0)):
+                y = ops.fma_linear(x, parts, bias)
+                assert y.shape == (T, w.shape[0]) and y.dtype == torch.float32
+                exact = x.double() @ w.double().T + (bias.double() if bias.numel() else 0)
+                bound = (width + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + bias.double().abs().sum() + 1)
+                assert ((y.double() - exact).abs() <= bound).all()
+                for t in {0, T // 2, T - 1}:
+                    assert torch.equal(ops.fma_linear(x[t:t + 1], parts, bias)[0], y[t])
+    with pytest.raises(RuntimeError, match="bias of 8"):
+        ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 32)], torch.zeros(4))
+    with pytest.raises(RuntimeError, match="float32 contiguous"):
+        ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 16)], torch.empty(0))
+
+
+def test_native_float32_forward_with_the_fma_kernel_as_without_it():
+    """float32: the forward with its matmuls of up to 64 rows on the FMA kernel against the same forward on
+    the library's (at::linear): logits equal to float32 precision, the same greedy token wherever the top
+    two are apart; a prefill past 64 rows goes to the library. The engines pick it by themselves."""
+    ops = fma_ops()
+    model = tiny("qwen2")
+    g = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:  # (biases are zero at initialisation: make the bias path count)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data = torch.randn(proj.bias.shape, generator=g)
+    with_fma, without = NativeLlama(model, 128, ops), NativeLlama(model, 128, ops)
+    without.parts = []
+    assert with_fma.gemv and len(with_fma.parts) == 7 * 3 + 1
+    one_token = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41]], [[42, 43, 44, 45, 46]]]
+    long_prefill = [[[3 + (7 * i) % 90 for i in range(70)]], [[50, 51, 52]]]
+    for feeds in (one_token, FEEDS, long_prefill):
+        for step_a, step_b in zip(run_steps(with_fma, model, feeds), run_steps(without, model, feeds)):
+            for a, b in zip(step_a, step_b):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                top2 = b.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 1e-4
+                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
 def amx_ops():
     """The native ops where this CPU and OS run AMX tiles; a skip elsewhere (Linux grants the tile state on
     request, and a sandbox may refuse it)."""
