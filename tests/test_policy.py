@@ -191,3 +191,89 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2], gaps
     assert max(gaps) <= p.max_recheck_steps + p.run, gaps  # (text changes: a recheck comes at least this often)
+
+
+def _gate_server(tiny_engines):
+    from deployments.verifier import VerifierServer
+
+    _, _, ver, _ = tiny_engines
+    server = VerifierServer({}, engine=ver)
+    now = [0.0]
+    server.clock = lambda: now[0]
+    return server, now
+
+
+def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(tiny_engines):
+    """The replica's choice for batches of GATE_MIN_BATCH sequences or more, driven by its engine steps (fake
+    clock): at batch 8, where 8 speculating sequences emit 3 tokens each in 60 ms and plain ones 1 each in
+    12 ms, steps go plain (but for the runs that re-measure speculation); where speculation emits faster, they
+    speculate; small batches are never gated."""
+    from core.protocol import VerifyResult
+    from deployments.verifier import GATE_MIN_BATCH
+
+    def run(spec_cost, plain_cost, steps=400):
+        server, now = _gate_server(tiny_engines)
+        arms = []
+        for _ in range(steps):
+            spec = server.speculating
+            arms.append(spec)
+            out = [VerifyResult(f"s{i}", num_accepted=2 if spec else 0, num_drafts=4 if spec else 0) for i in range(8)]
+            now[0] += spec_cost if spec else plain_cost
+            server._gate_step(8, out)
+        return server, arms[-200:]
+
+    choice = lambda s: s.gate.choices[next(iter(s.gate.choices))]  # noqa: E731
+    server, arms = run(0.060, 0.012)
+    c = choice(server)
+    assert sum(arms) <= 200 * c.run / c.explore_every + c.run, sum(arms)  # plain, but for re-measuring runs
+    rep = server.gate.report()["8"]
+    assert rep["spec_ms"] > rep["off_ms"] > 0
+    server.speculating = False
+    server._gate_step(GATE_MIN_BATCH - 1, [])
+    assert server.speculating  # a small batch: the requests' own policies decide
+    server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
+    c = choice(server)
+    assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
+
+
+def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_tokens(tiny_engines):
+    """The wiring: with the replica's choice set to plain (measuring off), 5 concurrent adaptive requests on a
+    real verifier and drafter engine take no drafts in a step planned after a batch of GATE_MIN_BATCH or
+    more; with it set to speculate they do; greedy tokens are the target's either way."""
+    import asyncio
+
+    from configs import SamplingParams
+    from deployments.drafter import DrafterServer
+    from deployments.verifier import GATE_MIN_BATCH
+
+    tok, _, ver, drafter = tiny_engines
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\n", "class Foo:", "for i in range(", "x = [")]
+
+    def run(speculating: bool, tag: str):
+        server, _ = _gate_server(tiny_engines)
+        server.local = DrafterServer({}, engine=drafter)
+        server.gate, server.speculating = None, speculating
+
+        async def one(i, p):
+            steps = []
+            async for group in server.speculate(p, params, f"{tag}{i}", k=4, k_policy="adaptive"):
+                steps += group
+            return steps
+
+        async def main():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return asyncio.run(main())
+
+    outs = {}
+    for speculating in (False, True):
+        streams = run(speculating, f"gate{speculating}-")
+        after_large = [info.k for steps in streams for (_, _, prev), (_, _, info) in zip(steps, steps[1:])
+                       if prev.batch_size >= GATE_MIN_BATCH]
+        assert after_large, "no step followed a large batch: the test did not exercise the gate"
+        if speculating:
+            assert any(after_large), after_large
+        else:
+            assert not any(after_large), after_large
+        outs[speculating] = [[t for ids, _, _ in steps for t in ids] for steps in streams]
+    assert outs[False] == outs[True] and all(len(o) == 24 for o in outs[True])
