@@ -545,6 +545,9 @@ class BatchSpeculation:
     where per-sequence policies do not see the batch's cost."""
 
     always: bool = False
+    explore_every: int = 64  # engine steps between runs that re-measure the arm not in use
+    run: int = 12  # steps of such a run; the first `settle` of them are not measured (the switch's lag)
+    settle: int = 6
     choices: dict[int, MeasuredChoice] = field(default_factory=dict)
     _last: tuple | None = None  # (choice, arm, time) of the previous step
 
@@ -556,8 +559,8 @@ class BatchSpeculation:
         if self.always:
             return True
         bucket = StepCosts.bucket(batch)
-        choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=64, run=12, first=6, window=6,
-                                                                margin=1.2, settle=6))
+        choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=self.explore_every, run=self.run, first=6,
+                                                                window=6, margin=1.2, settle=self.settle))
         arm = choice.use()
         self._last = (choice, arm, now)
         return arm
