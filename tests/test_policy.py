@@ -209,7 +209,17 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_MIN_BATCH
+    from deployments.verifier import GATE_MIN_BATCH, ReplicaGatedK
+
+    plans = []  # (streams running on the replica, k) of every step's plan
+    next_k = ReplicaGatedK.next_k
+
+    def recorded(self, batch_size=1):
+        k = next_k(self, batch_size)
+        plans.append((self.server.streams, k))
+        return k
+
+    monkeypatch.setattr(ReplicaGatedK, "next_k", recorded)
 
     def run(spec_cost, plain_cost, steps=400):
         server, now = _gate_server(tiny_engines)
@@ -236,15 +246,25 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
 
 
-def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_tokens(tiny_engines):
+def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_tokens(tiny_engines, monkeypatch):
     """The wiring: with the replica's choice set to plain (measuring off), 5 concurrent adaptive requests on a
-    real verifier and drafter engine take no drafts once they all run (every step but each one's first, planned
-    as it started); with it set to speculate they do; the same greedy tokens either way."""
+    real verifier and drafter engine plan no drafts while GATE_MIN_BATCH or more of them run (their steps'
+    plans recorded as made); with it set to speculate they do; the same greedy tokens either way."""
     import asyncio
 
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
-    from deployments.verifier import GATE_MIN_BATCH
+    from deployments.verifier import GATE_MIN_BATCH, ReplicaGatedK
+
+    plans = []  # (streams running on the replica, k) of every step's plan
+    next_k = ReplicaGatedK.next_k
+
+    def recorded(self, batch_size=1):
+        k = next_k(self, batch_size)
+        plans.append((self.server.streams, k))
+        return k
+
+    monkeypatch.setattr(ReplicaGatedK, "next_k", recorded)
 
     tok, _, ver, drafter = tiny_engines
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -267,10 +287,10 @@ def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_toke
 
     outs = {}
     for speculating in (False, True):
+        plans.clear()
         streams = run(speculating, f"gate{speculating}-")
-        later = [info.k for steps in streams for _, _, info in steps[1:]]
-        after_large = later  # (with the gate closed all 5 advance one token a step together, and end together)
-        assert len(prompts) >= GATE_MIN_BATCH and later
+        after_large = [k for n, k in plans if n >= GATE_MIN_BATCH]
+        assert len(prompts) >= GATE_MIN_BATCH and after_large
         if speculating:
             assert any(after_large), after_large
         else:
