@@ -480,6 +480,22 @@ void attention(const T* qkv, const C* Kc, const C* Vc, const int64_t* read_rows,
   });
 }
 
+// Calls f(w, o, nr) for each block of R weight rows, in parallel: w the block's R row pointers (a short last
+// block repeats its last row, so kernels always read R), o its first output, nr its real rows.
+template <int R, typename W, typename F>
+void row_blocks(const std::vector<const W*>& rows, F&& f) {
+  const int64_t O = static_cast<int64_t>(rows.size());
+  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    const W* w[R];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o = blk * R;
+      const int nr = static_cast<int>(std::min<int64_t>(R, O - o));
+      for (int r = 0; r < R; ++r) w[r] = rows[o + std::min(r, nr - 1)];
+      f(w, o, nr);
+    }
+  });
+}
+
 // ---- bf16 GEMV for a few rows (AVX-512 BF16), over the model's own row-major weights.
 //
 // Why: at one token a linear layer is a matrix-vector product bound by reading its weights, and
@@ -536,21 +552,15 @@ template <int R, int T>
 void gemv_rows(const uint16_t* x, const std::vector<const uint16_t*>& rows, const c10::BFloat16* b, uint16_t* y,
                int64_t I) {
   const int64_t O = static_cast<int64_t>(rows.size());
-  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+  row_blocks<R>(rows, [&](const uint16_t* const* w, int64_t o, int nr) {
     float acc[R * T];
-    const uint16_t* w[R];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t o = blk * R;
-      const int nr = static_cast<int>(std::min<int64_t>(R, O - o));
-      for (int r = 0; r < R; ++r) w[r] = rows[o + std::min(r, nr - 1)];  // a short last block repeats its last row
-      gemv_block<R, T>(x, w, acc, I);
-      for (int t = 0; t < T; ++t)
-        for (int r = 0; r < nr; ++r) {
-          float v = acc[t * R + r];
-          if (b) v += ld(b[o + r]);
-          y[t * O + o + r] = st<c10::BFloat16>(v).x;
-        }
-    }
+    gemv_block<R, T>(x, w, acc, I);
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < nr; ++r) {
+        float v = acc[t * R + r];
+        if (b) v += ld(b[o + r]);
+        y[t * O + o + r] = st<c10::BFloat16>(v).x;
+      }
   });
 }
 
@@ -657,25 +667,19 @@ template <int R, int T>
 template <int R, int TC>
 void fma_rows(const float* x, int64_t T, const std::vector<const float*>& rows, const float* b, float* y, int64_t I) {
   const int64_t O = static_cast<int64_t>(rows.size());
-  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+  row_blocks<R>(rows, [&](const float* const* w, int64_t o, int nr) {
     float acc[R * TC];
-    const float* w[R];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t o = blk * R;
-      const int nr = static_cast<int>(std::min<int64_t>(R, O - o));
-      for (int r = 0; r < R; ++r) w[r] = rows[o + std::min(r, nr - 1)];  // a short last block repeats its last row
-      for (int64_t t0 = 0; t0 < T; t0 += TC) {
-        const int tc = static_cast<int>(std::min<int64_t>(TC, T - t0));
-        const float* xt = x + t0 * I;
-        switch (tc) {  // (cases past TC are never taken; they keep the switch one shape for every TC)
-          case 1: fma_block<R, 1>(xt, w, acc, I); break;
-          case 2: if constexpr (TC >= 2) fma_block<R, 2>(xt, w, acc, I); break;
-          case 3: if constexpr (TC >= 3) fma_block<R, 3>(xt, w, acc, I); break;
-          default: if constexpr (TC >= 4) fma_block<R, 4>(xt, w, acc, I); break;
-        }
-        for (int t = 0; t < tc; ++t)
-          for (int r = 0; r < nr; ++r) y[(t0 + t) * O + o + r] = acc[t * R + r] + (b ? b[o + r] : 0.f);
+    for (int64_t t0 = 0; t0 < T; t0 += TC) {
+      const int tc = static_cast<int>(std::min<int64_t>(TC, T - t0));
+      const float* xt = x + t0 * I;
+      switch (tc) {  // (cases past TC are never taken; they keep the switch one shape for every TC)
+        case 1: fma_block<R, 1>(xt, w, acc, I); break;
+        case 2: if constexpr (TC >= 2) fma_block<R, 2>(xt, w, acc, I); break;
+        case 3: if constexpr (TC >= 3) fma_block<R, 3>(xt, w, acc, I); break;
+        default: if constexpr (TC >= 4) fma_block<R, 4>(xt, w, acc, I); break;
       }
+      for (int t = 0; t < tc; ++t)
+        for (int r = 0; r < nr; ++r) y[(t0 + t) * O + o + r] = acc[t * R + r] + (b ? b[o + r] : 0.f);
     }
   });
 }
