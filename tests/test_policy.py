@@ -209,17 +209,7 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_MIN_BATCH, ReplicaGatedK
-
-    plans = []  # (streams running on the replica, k) of every step's plan
-    next_k = ReplicaGatedK.next_k
-
-    def recorded(self, batch_size=1):
-        k = next_k(self, batch_size)
-        plans.append((self.server.streams, k))
-        return k
-
-    monkeypatch.setattr(ReplicaGatedK, "next_k", recorded)
+    from deployments.verifier import GATE_MIN_BATCH
 
     def run(spec_cost, plain_cost, steps=400):
         server, now = _gate_server(tiny_engines)
