@@ -180,7 +180,7 @@ class NativeLlama(CompactLlama):
                              w["down"].weight]
         # the model's own weights, row-major, for the engine's own few-row kernels (no copy: the module holds them):
         # the bf16 GEMV where the CPU has AVX-512 BF16, the float32 FMA kernel in float32 (up to 64 rows)
-        own_rows = ops.gemv_supported() if self.packed else self.embed.dtype == torch.float32 and ops.fma_supported()
+        own_rows = ops.gemv_supported() if self.packed else (self.embed.dtype == torch.float32 and ops.fma_supported())
         self.gemv = os.environ.get("SPLITSPEC_GEMV", "1") != "0" and bool(own_rows)
         self.parts = []
         if self.gemv:

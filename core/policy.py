@@ -565,6 +565,11 @@ class BatchSpeculation:
         self._last = (choice, arm, now)
         return arm
 
+    def reset(self) -> None:
+        """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were
+        not this choice's)."""
+        self._last = None
+
     def report(self) -> dict:
         """Per batch-size bucket (lowest batch size in it): ms per token of each arm, measured steps."""
         return {str(1 << (b - 1)): {"spec_ms": round(1000 * c.s_per_token.get(True, 0.0), 3),

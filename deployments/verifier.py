@@ -28,12 +28,12 @@ SLOW_S = 5.0  # ... one that did not answer within 90% of drafter_timeout_s at l
 REPLICA_MAX_BACKOFF_S = 300.0  # doubling on each failure after a probe, up to this
 # from this many streams on the replica, its measured choice (``BatchSpeculation``) may turn the adaptive
 # requests' speculation off; below it their own policies decide alone
-GATE_MIN_BATCH = 4
+GATE_MIN_STREAMS = 4
 
 
 class ReplicaGatedK:
     """An adaptive request's policy under its replica's choice: where the replica measured that engine steps
-    at this batch size emit tokens faster without speculation, the step is plain.
+    at its present load (streams running) emit tokens faster without speculation, the step is plain.
 
     Why: each request's policy charges itself a step's whole wall time, but in a batch most of that
     time is the other sequences' rows. A request that stops speculating alone saves almost nothing, so
@@ -45,7 +45,7 @@ class ReplicaGatedK:
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:
-        if self.server.streams >= GATE_MIN_BATCH and not self.server.speculating:
+        if self.server.streams >= GATE_MIN_STREAMS and not self.server.speculating:
             return 0
         return self.policy.next_k(batch_size)
 
@@ -109,7 +109,7 @@ class VerifierServer(EngineServer):
         self.drafter_timeout_s = drafter_timeout_s
         self.stream_interval_s = stream_interval_s
         self.step_costs = StepCosts()  # what a step costs here, measured by every sequence (the adaptive policy)
-        # whether steps of GATE_MIN_BATCH sequences or more speculate (adaptive requests), measured per batch size;
+        # whether adaptive requests speculate while GATE_MIN_STREAMS or more run here, measured per load bucket;
         # None: no measuring, ``speculating`` stays as set
         # (the arm not in use re-measured for 8 engine steps in 128, 6% of them; vLLM's proposer's 12 in 64 spends 19%)
         self.gate: BatchSpeculation | None = BatchSpeculation(explore_every=128, run=8, settle=4)
@@ -150,23 +150,26 @@ class VerifierServer(EngineServer):
         and fill smaller batches than plain ones, so batch-size buckets each saw one arm only (measured at 64
         streams: the two buckets handed the choice back and forth, and speculation ran on at 0.73x the
         throughput of plain decoding). A few streams are the requests' own policies' business."""
-        streams = self.streams if streams is None else streams
         if self.gate is None:
             return
-        if streams < GATE_MIN_BATCH:
-            self.gate._last, self.speculating = None, True  # (the next large load starts a fresh measurement)
+        streams = self.streams if streams is None else streams
+        if streams < GATE_MIN_STREAMS:
+            self.gate.reset()  # (the next large load starts a fresh measurement)
+            self.speculating = True
             return
         # the load the choice is keyed by moves only past a quarter of itself: streams ending and starting
         # around a bucket's edge (63, 64, 63) would hand the choice back and forth between two buckets
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
             self._gate_load = streams
         tokens = sum(r.num_accepted + 1 for r in out if not (r.cache_miss or r.error))
-        before = {b: c._best for b, c in self.gate.choices.items()}
+        bucket = StepCosts.bucket(self._gate_load)  # (only this bucket's choice can change in `use`)
+        c = self.gate.choices.get(bucket)
+        before = c._best if c is not None else None
         self.speculating = self.gate.use(self._gate_load, tokens, self.clock())
-        for b, c in self.gate.choices.items():
-            if c._best is not None and c._best != before.get(b):
-                log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c._best else "off",
-                         1 << (b - 1), 1e3 * c.s_per_token.get(True, 0.0), 1e3 * c.s_per_token.get(False, 0.0))
+        c = self.gate.choices[bucket]
+        if c._best is not None and c._best != before:
+            log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c._best else "off",
+                     1 << (bucket - 1), 1e3 * c.s_per_token.get(True, 0.0), 1e3 * c.s_per_token.get(False, 0.0))
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:

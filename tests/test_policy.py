@@ -204,12 +204,12 @@ def _gate_server(tiny_engines):
 
 
 def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(tiny_engines):
-    """The replica's choice at GATE_MIN_BATCH streams or more, driven by its engine steps (fake clock): with 8
+    """The replica's choice at GATE_MIN_STREAMS streams or more, driven by its engine steps (fake clock): with 8
     streams, where 8 speculating sequences emit 3 tokens each in 60 ms and plain ones 1 each in 12 ms, steps
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_MIN_BATCH
+    from deployments.verifier import GATE_MIN_STREAMS
 
     def run(spec_cost, plain_cost, steps=400):
         server, now = _gate_server(tiny_engines)
@@ -229,7 +229,7 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     rep = server.gate.report()["8"]
     assert rep["spec_ms"] > rep["off_ms"] > 0
     server.speculating = False
-    server._gate_step([], streams=GATE_MIN_BATCH - 1)
+    server._gate_step([], streams=GATE_MIN_STREAMS - 1)
     assert server.speculating  # a few streams: the requests' own policies decide
     server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
     c = choice(server)
@@ -238,13 +238,13 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
 
 def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_tokens(tiny_engines, monkeypatch):
     """The wiring: with the replica's choice set to plain (measuring off), 5 concurrent adaptive requests on a
-    real verifier and drafter engine plan no drafts while GATE_MIN_BATCH or more of them run (their steps'
+    real verifier and drafter engine plan no drafts while GATE_MIN_STREAMS or more of them run (their steps'
     plans recorded as made); with it set to speculate they do; the same greedy tokens either way."""
     import asyncio
 
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
-    from deployments.verifier import GATE_MIN_BATCH, ReplicaGatedK
+    from deployments.verifier import GATE_MIN_STREAMS, ReplicaGatedK
 
     plans = []  # (streams running on the replica, k) of every step's plan
     next_k = ReplicaGatedK.next_k
@@ -279,8 +279,8 @@ def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_toke
     for speculating in (False, True):
         plans.clear()
         streams = run(speculating, f"gate{speculating}-")
-        after_large = [k for n, k in plans if n >= GATE_MIN_BATCH]
-        assert len(prompts) >= GATE_MIN_BATCH and after_large
+        after_large = [k for n, k in plans if n >= GATE_MIN_STREAMS]
+        assert len(prompts) >= GATE_MIN_STREAMS and after_large
         if speculating:
             assert any(after_large), after_large
         else:
