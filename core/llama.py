@@ -189,6 +189,13 @@ class NativeLlama(CompactLlama):
                 self.parts += [m.weight.contiguous() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj,
                                                                p.up_proj, p.down_proj)]
             self.parts.append(model.lm_head.weight.contiguous())
+        # float32 weights that are all bf16 values (a bf16 checkpoint loaded in float32) go to the FMA kernel as
+        # bf16: widened exactly in registers, so the sums are bit for bit the same, from half the bytes (a one-row
+        # step reads every weight once). One more copy of the weights, at half their size.
+        self.bf16_weights = (self.gemv and not self.packed and os.environ.get("SPLITSPEC_BF16_WEIGHTS", "1") != "0"
+                             and all(_bf16_exact(w) for w in self.parts))
+        if self.bf16_weights:
+            self.parts = [w.to(torch.bfloat16) for w in self.parts]
         # AMX tiles of each fused weight (matmuls of up to 16 rows: verification, batches): one more copy of the
         # weights, packed once; a weight whose shape does not tile (N % 16, K % 32) keeps the other paths
         self.amx = self.packed and os.environ.get("SPLITSPEC_AMX", "1") != "0" and bool(ops.amx_supported())
@@ -229,6 +236,11 @@ class NativeLlama(CompactLlama):
 
 def _or(t, default):
     return default if t is None else t
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every element of a float32 tensor is a bf16 value (converting it loses nothing)."""
+    return w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
 
 
 class _HFCacheView:
@@ -296,7 +308,8 @@ def make_runner(model, max_len: int, forward: str = "auto"):
         if ops is None and forward == "native":
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
     runner = NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
-    rows_kernel = "bf16 GEMV" if getattr(runner, "packed", False) else "float32 FMA rows"
+    rows_kernel = ("bf16 GEMV" if getattr(runner, "packed", False) else
+                   "float32 FMA rows" + (" (weights stored as bf16: exact)" if getattr(runner, "bf16_weights", False) else ""))
     kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), (rows_kernel, getattr(runner, "gemv", False)))
                if on]
     log.info("decoder forward: %s (%s, %d layers)%s", runner.kind, c.model_type, c.num_hidden_layers,

@@ -258,8 +258,24 @@ def test_fma_linear_is_the_float32_sum_and_the_same_at_every_width():
                     assert torch.equal(ops.fma_linear(x[t:t + 1], parts, bias)[0], y[t])
     with pytest.raises(RuntimeError, match="bias of 8"):
         ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 32)], torch.zeros(4))
-    with pytest.raises(RuntimeError, match="float32 contiguous"):
+    with pytest.raises(RuntimeError, match="all float32 or all bf16"):
         ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 16)], torch.empty(0))
+    with pytest.raises(RuntimeError, match="all float32 or all bf16"):
+        ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 32), torch.zeros(8, 32, dtype=torch.bfloat16)], torch.empty(0))
+
+
+def test_fma_linear_reads_bf16_weights_as_the_float32_values_they_are():
+    """Weights stored in bf16 (float32 weights that are all bf16 values): the same outputs, bit for bit, as the
+    float32 weights give, at every row count and shape the kernel splits differently."""
+    ops = fma_ops()
+    g = torch.Generator().manual_seed(2)
+    for rows, width in (((8,), 32), ((13, 5), 70), ((512, 128), 512), ((3,), 1), ((100, 28), 1408), ((7,), 23)):
+        parts = [torch.randn(r, width, generator=g).bfloat16().float() for r in rows]
+        halves = [w.bfloat16() for w in parts]
+        for T in (1, 2, 3, 4, 5, 8, 9, 17, 64):
+            x = torch.randn(T, width, generator=g)
+            for bias in (torch.randn(sum(rows), generator=g), torch.empty(0)):
+                assert torch.equal(ops.fma_linear(x, halves, bias), ops.fma_linear(x, parts, bias))
 
 
 def test_native_float32_forward_with_the_fma_kernel_as_without_it():
@@ -284,6 +300,32 @@ def test_native_float32_forward_with_the_fma_kernel_as_without_it():
                 top2 = b.topk(2, dim=-1).values
                 clear = (top2[:, 0] - top2[:, 1]) > 1e-4
                 assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_native_float32_forward_stores_bf16_weights_only_where_that_is_exact(monkeypatch):
+    """A bf16 checkpoint loaded in float32 (every weight a bf16 value): the forward's FMA kernel reads the
+    weights as bf16 (half the bytes) and its logits are bit for bit those of the same forward reading them in
+    float32 (SPLITSPEC_BF16_WEIGHTS=0), prefills past 64 rows included. A model with one weight that is not a
+    bf16 value keeps float32 weights."""
+    ops = fma_ops()
+    model = tiny("llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    halves = NativeLlama(model, 128, ops)
+    monkeypatch.setenv("SPLITSPEC_BF16_WEIGHTS", "0")
+    full = NativeLlama(model, 128, ops)
+    monkeypatch.delenv("SPLITSPEC_BF16_WEIGHTS")
+    assert halves.bf16_weights and {w.dtype for w in halves.parts} == {torch.bfloat16}
+    assert not full.bf16_weights and {w.dtype for w in full.parts} == {torch.float32}
+    long_prefill = [[[3 + (7 * i) % 90 for i in range(70)]], [[50, 51, 52]]]
+    for feeds in (FEEDS, long_prefill):
+        for step_a, step_b in zip(run_steps(halves, model, feeds), run_steps(full, model, feeds)):
+            for a, b in zip(step_a, step_b):
+                assert torch.equal(a, b)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 2.0 ** -20  # not a bf16 value any more
+    assert not NativeLlama(model, 128, ops).bf16_weights
 
 
 def amx_ops():

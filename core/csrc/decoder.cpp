@@ -612,6 +612,11 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // Numerics: products fused into float32 lane sums, then a fixed tree across lanes and the bias: each output's
 // order of summation depends on neither the number of rows nor the block, so a token's logits come out
 // the same whether it is verified alone, with drafts or in a batch (the BLAS's order changes with the shape).
+//
+// The weights may be stored in bf16 (W = c10::BFloat16) where every one of them is a bf16 value (a checkpoint
+// saved in bf16 and loaded in float32, as the shipped pair and most Llamas are): widened in registers, exactly,
+// so the sums are bit for bit the float32 weights' while the weights read from memory halve. At one row the
+// kernel is bound by that read (see README "bf16 weights in a float32 forward").
 #if defined(__FMA__) || defined(__AVX512F__)
 bool fma_supported() { return true; }
 
@@ -620,13 +625,13 @@ constexpr int64_t kFmaAhead = 16;  // prefetch distance in weight rows (4-64 mea
 // R x T sums stay in registers).
 // (Not inlined, a flat array, loops unrolled: inlined into its caller's switch, or as acc[R][T], GCC stored every
 // sum back to the stack each step, and the loop ran at a quarter of its speed.)
-template <int R, int T>
-[[gnu::noinline]] void fma_block(const float* __restrict x, const float* const* __restrict w, float* out, int64_t I) {
+template <int R, int T, typename W>
+[[gnu::noinline]] void fma_block(const float* __restrict x, const W* const* __restrict w, float* out, int64_t I) {
   fvec acc[R * T];
 #pragma GCC unroll 16
   for (int j = 0; j < R * T; ++j) acc[j] = fvec{};
   int64_t i = 0;
-  for (; i + 16 <= I; i += 16) {  // a cache line of each row a step
+  for (; i + 16 <= I; i += 16) {  // a cache line of each row a step (half of one in bf16)
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) __builtin_prefetch(w[r] + kFmaAhead * I + i);
 #pragma GCC unroll 2
@@ -655,16 +660,16 @@ template <int R, int T>
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r * T + t]);
-      for (int64_t j = i; j < I; ++j) s = std::fma(x[t * I + j], w[r][j], s);
+      for (int64_t j = i; j < I; ++j) s = std::fma(x[t * I + j], ld(w[r][j]), s);
       out[t * R + r] = s;
     }
 }
 
 // y [T, rows] = x [T, I] . rows^T + b, R weight rows a block, input rows in chunks of up to TC.
-template <int R, int TC>
-void fma_rows(const float* x, int64_t T, const std::vector<const float*>& rows, const float* b, float* y, int64_t I) {
+template <int R, int TC, typename W>
+void fma_rows(const float* x, int64_t T, const std::vector<const W*>& rows, const float* b, float* y, int64_t I) {
   const int64_t O = static_cast<int64_t>(rows.size());
-  row_blocks<R>(rows, [&](const float* const* w, int64_t o, int nr) {
+  row_blocks<R>(rows, [&](const W* const* w, int64_t o, int nr) {
     float acc[R * TC];
     for (int64_t t0 = 0; t0 < T; t0 += TC) {
       const int tc = static_cast<int>(std::min<int64_t>(TC, T - t0));
@@ -681,25 +686,10 @@ void fma_rows(const float* x, int64_t T, const std::vector<const float*>& rows, 
   });
 }
 
-Tensor fma_linear(const Tensor& x, at::TensorList parts, const Tensor& b) {
-  const int64_t T = x.size(0), I = x.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && T >= 1, "fma_linear: x [T, in] float32, got ", x.sizes());
-  std::vector<const float*> rows;
-  for (const Tensor& w : parts) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 2 && w.size(1) == I,
-                "fma_linear: float32 contiguous [out, ", I, "] weights");
-    const float* p = w.const_data_ptr<float>();
-    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
-  }
-  TORCH_CHECK(!present(b) || (b.numel() == static_cast<int64_t>(rows.size()) && b.scalar_type() == at::kFloat),
-              "fma_linear: a float32 bias of ", rows.size(), " or none");
-  Tensor xc = x.contiguous();
-  Tensor y = at::empty({T, static_cast<int64_t>(rows.size())}, x.options());
-  const float* xp = xc.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const float* bp = present(b) ? b.const_data_ptr<float>() : nullptr;
-  // rows per block: independent sums enough to hide the FMA latency, few enough for the registers (16 of
-  // them on AVX2, 32 on AVX-512)
+// rows per block: independent sums enough to hide the FMA latency, few enough for the registers (16 of them on
+// AVX2, 32 on AVX-512)
+template <typename W>
+void fma_dispatch(const float* xp, int64_t T, const std::vector<const W*>& rows, const float* bp, float* yp, int64_t I) {
   constexpr bool k512 = kLanes == 16;
   switch (T) {
     case 1: fma_rows<8, 1>(xp, T, rows, bp, yp, I); break;
@@ -707,6 +697,41 @@ Tensor fma_linear(const Tensor& x, at::TensorList parts, const Tensor& b) {
     case 3: fma_rows<k512 ? 4 : 3, 3>(xp, T, rows, bp, yp, I); break;
     default: fma_rows<k512 ? 4 : 3, 4>(xp, T, rows, bp, yp, I); break;
   }
+}
+
+template <typename W>
+std::vector<const W*> weight_rows(at::TensorList parts, int64_t I) {
+  std::vector<const W*> rows;
+  for (const Tensor& w : parts) {
+    const W* p = w.const_data_ptr<W>();
+    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
+  }
+  return rows;
+}
+
+Tensor fma_linear(const Tensor& x, at::TensorList parts, const Tensor& b) {
+  const int64_t T = x.size(0), I = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && T >= 1, "fma_linear: x [T, in] float32, got ", x.sizes());
+  TORCH_CHECK(!parts.empty(), "fma_linear: no weights");
+  const at::ScalarType wt = parts[0].scalar_type();
+  int64_t O = 0;
+  for (const Tensor& w : parts) {
+    TORCH_CHECK((wt == at::kFloat || wt == at::kBFloat16) && w.scalar_type() == wt && w.is_contiguous() && w.dim() == 2 &&
+                    w.size(1) == I,
+                "fma_linear: contiguous [out, ", I, "] weights, all float32 or all bf16");
+    O += w.size(0);
+  }
+  TORCH_CHECK(!present(b) || (b.numel() == O && b.scalar_type() == at::kFloat), "fma_linear: a float32 bias of ", O,
+              " or none");
+  Tensor xc = x.contiguous();
+  Tensor y = at::empty({T, O}, x.options());
+  const float* xp = xc.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  const float* bp = present(b) ? b.const_data_ptr<float>() : nullptr;
+  if (wt == at::kBFloat16)
+    fma_dispatch(xp, T, weight_rows<c10::BFloat16>(parts, I), bp, yp, I);
+  else
+    fma_dispatch(xp, T, weight_rows<float>(parts, I), bp, yp, I);
   return y;
 }
 #else
