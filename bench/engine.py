@@ -18,6 +18,8 @@ interleaved round by round (medians over rounds, one torch thread):
   the same cache;
 - ``aten_attention``: where the engine runs the native forward, the same forward with ATen's attention
   (``scaled_dot_product_attention`` over gathered K/V) instead of its own, over the same cache.
+- ``f32_weights``: where the engine's FMA kernel reads float32 weights stored as bf16 (every one a bf16 value),
+  the same forward reading them in float32.
 
 Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / verify(1)`` beside the
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
@@ -106,6 +108,14 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         aten.aten_attention = True
         for r in rows.values():
             r["aten_attention"] = []
+    # and, where the FMA kernel reads the weights as bf16 (all of them bf16 values), the same forward reading them in
+    # float32: the same logits, twice the bytes
+    f32w = None
+    if getattr(engine.runner, "bf16_weights", False):
+        f32w = copy.copy(engine.runner)
+        f32w.parts = [w.float() for w in engine.runner.parts]
+        for r in rows.values():
+            r["f32_weights"] = []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)
     eager_runner = CompactLlama(model, engine.max_len) if engine.runner.kind in ("native", "compact") else engine.runner
     with torch.inference_mode():
@@ -135,6 +145,10 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     slot.cut(context)
                     batched_forward(aten, cache, [slot], [new], [n])
 
+                def f32_weights():
+                    slot.cut(context)
+                    batched_forward(f32w, cache, [slot], [new], [n])
+
                 def eager():
                     slot_c.cut(context)
                     batched_forward(eager_runner, cache, [slot_c], [new], [n])
@@ -156,6 +170,8 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
                     rows[n]["onednn"].append(timer(library_only))
                 if aten:
                     rows[n]["aten_attention"].append(timer(aten_attention))
+                if f32w:
+                    rows[n]["f32_weights"].append(timer(f32_weights))
     table = {n: {k: median(v) for k, v in r.items()} for n, r in rows.items()}
     one = table[ns[0]]
     return {
@@ -171,6 +187,9 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
         "gemv": bool(own), "amx": bool(getattr(engine.runner, "amx", False)),  # "gemv": any own kernel (the key's old name)
         "engine_over_aten_attention": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["aten_attention"])]), 3)
                                        for n in ns} if aten else None,  # paired per round
+        "bf16_weights": f32w is not None,
+        "engine_over_f32_weights": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["f32_weights"])]), 3)
+                                    for n in ns} if f32w else None,  # paired per round
         "engine_over_onednn": {str(n - 1): rnd(median([a / b for a, b in zip(rows[n]["engine"], rows[n]["onednn"])]), 3)
                                for n in ns} if own else None,  # paired per round
         "verify_ratio": {str(n - 1): {"engine": rnd(table[n]["engine"] / one["engine"], 3),
@@ -259,7 +278,9 @@ def table(result: dict) -> str:
                      + (f"; matmuls on AMX tiles / the GEMV, engine / the same forward on oneDNN alone (paired): "
                         f"{r['engine_over_onednn']}" if r.get("gemv") else "")
                      + (f"; own attention, engine / the same forward with ATen's (paired): {r['engine_over_aten_attention']}"
-                        if r.get("engine_over_aten_attention") else ""))
+                        if r.get("engine_over_aten_attention") else "")
+                     + (f"; weights read as bf16, engine / the same forward reading float32 weights (paired): "
+                        f"{r['engine_over_f32_weights']}" if r.get("engine_over_f32_weights") else ""))
         own = r.get("engine_over_linear_engine_1") is not None  # the engine's own matmul kernels, timed alone
         lines.append(f"{'k':>3} {'linear ms':>10} {'packed ms':>10}" + (f" {'own ms':>8}" if own else "")
                      + f" {'hf ms':>8} {'compact ms':>11} {'engine ms':>10} {'engine/compact':>15} {'engine k+1/1':>13} "
