@@ -62,10 +62,11 @@ def _engine_linear_time(runner, n, timer):
 
     none = torch.empty(0, dtype=runner.embed.dtype)
     calls = []
-    for lin, parts, tiles in runner.matmuls():
+    for lin, parts, tiles, parts16 in runner.matmuls():
         width = tiles.shape[1] * 32 if tiles.numel() else parts[0].shape[1] if parts else lin.weight.shape[1]
         x, bias = torch.randn(n, width, dtype=runner.embed.dtype), none if lin.bias is None else lin.bias
-        calls.append(lambda x=x, lin=lin, p=parts, t=tiles, b=bias: runner.ops.linear(x, lin.weight, b, runner.packed, p, t))
+        calls.append(lambda x=x, lin=lin, p=parts, t=tiles, b=bias, p16=parts16:
+                     runner.ops.linear(x, lin.weight, b, runner.packed, p, t, p16))
     return timer(lambda: [c() for c in calls])
 
 
@@ -98,7 +99,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
     onednn = None
     if own:
         onednn = copy.copy(engine.runner)
-        onednn.parts, onednn.tiles = [], []
+        onednn.parts, onednn.tiles, onednn.parts16 = [], [], []
         for r in rows.values():
             r["linear_engine"], r["onednn"] = [], []
     # and the same native forward with ATen's attention instead of its own
@@ -113,7 +114,7 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
     f32w = None
     if getattr(engine.runner, "bf16_weights", False):
         f32w = copy.copy(engine.runner)
-        f32w.parts = [w.float() for w in engine.runner.parts]
+        f32w.parts16 = []
         for r in rows.values():
             r["f32_weights"] = []
     # the eager forward native replaces (for the transformers forward, the engine's own runner again)

@@ -189,13 +189,12 @@ class NativeLlama(CompactLlama):
                 self.parts += [m.weight.contiguous() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, p.gate_proj,
                                                                p.up_proj, p.down_proj)]
             self.parts.append(model.lm_head.weight.contiguous())
-        # float32 weights that are all bf16 values (a bf16 checkpoint loaded in float32) go to the FMA kernel as
-        # bf16: widened exactly in registers, so the sums are bit for bit the same, from half the bytes (a one-row
-        # step reads every weight once). One more copy of the weights, at half their size.
+        # float32 weights that are all bf16 values (a bf16 checkpoint loaded in float32): bf16 copies for the FMA
+        # kernel's matmuls of a few rows, widened exactly in registers, so the sums are bit for bit the same, from
+        # half the bytes (a one-row step reads every weight once). One more copy of the weights, at half their size.
         self.bf16_weights = (self.gemv and not self.packed and os.environ.get("SPLITSPEC_BF16_WEIGHTS", "1") != "0"
                              and all(_bf16_exact(w) for w in self.parts))
-        if self.bf16_weights:
-            self.parts = [w.to(torch.bfloat16) for w in self.parts]
+        self.parts16 = [w.to(torch.bfloat16) for w in self.parts] if self.bf16_weights else []
         # AMX tiles of each fused weight (matmuls of up to 16 rows: verification, batches): one more copy of the
         # weights, packed once; a weight whose shape does not tile (N % 16, K % 32) keeps the other paths
         self.amx = self.packed and os.environ.get("SPLITSPEC_AMX", "1") != "0" and bool(ops.amx_supported())
@@ -214,21 +213,25 @@ class NativeLlama(CompactLlama):
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
-    def matmuls(self) -> list[tuple[Linear, list[torch.Tensor], torch.Tensor]]:
+    def matmuls(self) -> list[tuple[Linear, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]]:
         """Each fused matmul in forward order (per layer q|k|v, o, gate|up, down; then the LM head): its
-        ``Linear``, its GEMV parts and its AMX tiles (empty where off), as ``decoder`` receives them."""
+        ``Linear``, its GEMV parts, its AMX tiles and its parts' bf16 copies (empty where off), as ``decoder``
+        receives them."""
         fused = [w[name] for w in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
         none = torch.empty(0, dtype=self.embed.dtype)
         groups = [(7 * i + a, c) for i in range(len(self.layers)) for a, c in ((0, 3), (3, 1), (4, 2), (6, 1))]
-        parts = [self.parts[a:a + c] for a, c in groups] + [self.parts[-1:]] if self.parts else [[] for _ in fused]
-        return list(zip(fused, parts, self.tiles or [none] * len(fused)))
+
+        def split(ps):
+            return [ps[a:a + c] for a, c in groups] + [ps[-1:]] if ps else [[] for _ in fused]
+
+        return list(zip(fused, split(self.parts), self.tiles or [none] * len(fused), split(self.parts16)))
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
         rows, layers = kv.read_rows is not None, sorted(capture)
         out = self.ops.decoder(
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
-            self.packed, self.parts, self.tiles, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
+            self.packed, self.parts, self.parts16, self.tiles, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
             kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
             layers, self.eps, self.heads, self.kv_heads, self.head_dim, self.aten_attention)
         return out[0], dict(zip(layers, out[1:]))

@@ -1,6 +1,8 @@
 """The engines' decoder forward (core.llama) and paged cache (core.kv_cache) against the models'
 own transformers modules: same logits, same captured hidden states, bf16 greedy up to near-ties."""
 
+import copy
+
 import pytest
 import torch
 
@@ -303,10 +305,10 @@ def test_native_float32_forward_with_the_fma_kernel_as_without_it():
 
 
 def test_native_float32_forward_stores_bf16_weights_only_where_that_is_exact(monkeypatch):
-    """A bf16 checkpoint loaded in float32 (every weight a bf16 value): the forward's FMA kernel reads the
-    weights as bf16 (half the bytes) and its logits are bit for bit those of the same forward reading them in
-    float32 (SPLITSPEC_BF16_WEIGHTS=0), prefills past 64 rows included. A model with one weight that is not a
-    bf16 value keeps float32 weights."""
+    """A bf16 checkpoint loaded in float32 (every weight a bf16 value): the forward's matmuls of up to 8 rows
+    read bf16 copies of the weights (half the bytes), more rows the float32 ones, and the logits are bit for bit
+    those of the same forward without the copies (SPLITSPEC_BF16_WEIGHTS=0), at 1-8 rows, batches and prefills
+    past 64 rows. A model with one weight that is not a bf16 value gets no copies."""
     ops = fma_ops()
     model = tiny("llama")
     with torch.no_grad():
@@ -316,13 +318,21 @@ def test_native_float32_forward_stores_bf16_weights_only_where_that_is_exact(mon
     monkeypatch.setenv("SPLITSPEC_BF16_WEIGHTS", "0")
     full = NativeLlama(model, 128, ops)
     monkeypatch.delenv("SPLITSPEC_BF16_WEIGHTS")
-    assert halves.bf16_weights and {w.dtype for w in halves.parts} == {torch.bfloat16}
-    assert not full.bf16_weights and {w.dtype for w in full.parts} == {torch.float32}
+    assert halves.bf16_weights and {w.dtype for w in halves.parts16} == {torch.bfloat16}
+    assert {w.dtype for w in halves.parts} == {torch.float32} and len(halves.parts16) == len(halves.parts)
+    assert not full.bf16_weights and full.parts16 == []
+    few_rows = [[[5, 6, 7, 8, 9, 10, 11]], [[40]], [[41]], [[42, 43, 44, 45, 46]], [[47, 48, 49, 50, 51, 52, 53, 54]]]
     long_prefill = [[[3 + (7 * i) % 90 for i in range(70)]], [[50, 51, 52]]]
-    for feeds in (FEEDS, long_prefill):
+    for feeds in (few_rows, FEEDS, long_prefill):
         for step_a, step_b in zip(run_steps(halves, model, feeds), run_steps(full, model, feeds)):
             for a, b in zip(step_a, step_b):
                 assert torch.equal(a, b)
+    # which weights a pass reads: zeroed copies change the logits of passes of up to 8 rows only
+    zeroed = copy.copy(halves)
+    zeroed.parts16 = [torch.zeros_like(w) for w in halves.parts16]
+    for feeds, rows in (([[[5, 6, 7, 8, 9, 10, 11, 12]]], 8), ([[[5, 6, 7, 8, 9, 10, 11, 12, 13]]], 9)):
+        (a,), (b,) = run_steps(zeroed, model, feeds), run_steps(full, model, feeds)
+        assert torch.equal(a[0], b[0]) == (rows > 8)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] += 2.0 ** -20  # not a bf16 value any more
     assert not NativeLlama(model, 128, ops).bf16_weights

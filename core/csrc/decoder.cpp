@@ -616,7 +616,8 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // The weights may be stored in bf16 (W = c10::BFloat16) where every one of them is a bf16 value (a checkpoint
 // saved in bf16 and loaded in float32, as the shipped pair and most Llamas are): widened in registers, exactly,
 // so the sums are bit for bit the float32 weights' while the weights read from memory halve. At one row the
-// kernel is bound by that read (see README "bf16 weights in a float32 forward").
+// kernel is bound by that read; from about 9 rows on by the arithmetic, where widening costs (see kBf16WeightRows and
+// README "bf16 weights in a float32 forward").
 #if defined(__FMA__) || defined(__AVX512F__)
 bool fma_supported() { return true; }
 
@@ -858,15 +859,22 @@ inline bool use_gemv(const Tensor& x, at::TensorList parts) {
   return T <= 3 || (T <= 8 && elems <= 65536);
 }
 
+// float32 matmuls of up to this many rows read the bf16 copies of the weights (`parts16`) where there are some:
+// up to here a step is bound by reading the weights, and half the bytes make it 0.6-0.7x; past it the arithmetic
+// bounds it and widening each weight costs (at 65 rows the 33 matmuls took 1.29x as long from bf16 copies).
+constexpr int64_t kBf16WeightRows = 8;
+
 // The layer's matmul: AMX tiles (`tiles`, undefined or empty when off) up to 16 rows, else the bf16 GEMV or the
-// float32 FMA kernel over the model's weights (`parts`, empty when off) for a few rows, else the library's
-// (pre-packed where `packed`).
+// float32 FMA kernel over the model's weights (`parts`, empty when off; their exact bf16 copies `parts16` for up
+// to kBf16WeightRows rows) for a few rows, else the library's (pre-packed where `packed`).
+
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts = {},
-              const Tensor& tiles = Tensor()) {
+              const Tensor& tiles = Tensor(), at::TensorList parts16 = {}) {
   if (present(tiles) && x.size(0) <= 16 && x.scalar_type() == at::kBFloat16 && amx_supported())
     return amx_linear(x, tiles, b);
   if (!use_gemv(x, parts)) return library_linear(x, w, b, packed);
-  return x.scalar_type() == at::kFloat ? fma_linear(x, parts, b) : gemv(x, parts, b);
+  if (x.scalar_type() != at::kFloat) return gemv(x, parts, b);
+  return fma_linear(x, !parts16.empty() && x.size(0) <= kBf16WeightRows ? parts16 : parts, b);
 }
 
 // The forward. input_ids, positions [B, n]; cos/sin tables [max_len, D] in the compute dtype;
@@ -877,7 +885,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at
 // each layer in `capture` [B, n, hidden]].
 std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_t,
                             const Tensor& sin_t, at::TensorList weights, const Tensor& final_norm,
-                            const Tensor& lm_head, bool packed, at::TensorList parts, at::TensorList tiles, at::TensorList k_cache, at::TensorList v_cache,
+                            const Tensor& lm_head, bool packed, at::TensorList parts, at::TensorList parts16, at::TensorList tiles,
+                            at::TensorList k_cache, at::TensorList v_cache,
                             const Tensor& write_rows, const Tensor& read_rows, int64_t write_start, int64_t read_start,
                             int64_t S, const std::optional<Tensor>& mask, int64_t keep, at::IntArrayRef capture,
                             double eps, int64_t H, int64_t KV, int64_t D, bool aten_attention) {
@@ -891,8 +900,12 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   TORCH_CHECK(tiles.empty() || static_cast<int64_t>(tiles.size()) == L * TILES_PER_LAYER + 1, "expected no tiles or ",
               L * TILES_PER_LAYER + 1, ", got ", tiles.size());
   auto tile = [&](int64_t l, int64_t i) { return tiles.empty() ? Tensor() : tiles[l * TILES_PER_LAYER + i]; };
+  TORCH_CHECK(parts16.empty() || parts16.size() == parts.size(), "expected no bf16 parts or as many as parts");
   auto part = [&](int64_t l, int64_t first, int64_t count) {  // at::TensorList of a layer's parts (empty: none)
     return parts.empty() ? at::TensorList() : parts.slice(l * PARTS_PER_LAYER + first, count);
+  };
+  auto part16 = [&](int64_t l, int64_t first, int64_t count) {  // and of their bf16 copies (empty: none)
+    return parts16.empty() ? at::TensorList() : parts16.slice(l * PARTS_PER_LAYER + first, count);
   };
   const int64_t heads_all = H + 2 * KV;
   const bool rows_mode = present(write_rows);
@@ -926,7 +939,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     const Tensor* w = weights.data() + l * PER_LAYER;
     for (int64_t c : capture)
       if (c == l) out.push_back(x.view({B, n, -1}).clone());
-    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed, part(l, P_Q, 3), tile(l, T_QKV)).contiguous();  // [T, heads_all * D]
+    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed, part(l, P_Q, 3), tile(l, T_QKV),
+                        part16(l, P_Q, 3)).contiguous();  // [T, heads_all * D]
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(),
@@ -973,20 +987,22 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
                                            V.transpose(1, 2), mask, 0.0, false, std::nullopt, KV != H);  // [B, H, n, D]
       a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
     }
-    x.add_(linear(a, w[O], w[O_B], packed, part(l, P_O, 1), tile(l, T_O)));
-    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(l, P_GATE, 2), tile(l, T_GATE_UP)).contiguous();  // [T, 2I]
+    x.add_(linear(a, w[O], w[O_B], packed, part(l, P_O, 1), tile(l, T_O), part16(l, P_O, 1)));
+    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(l, P_GATE, 2), tile(l, T_GATE_UP),
+                       part16(l, P_GATE, 2)).contiguous();  // [T, 2I]
     const int64_t I = gu.size(1) / 2;
     Tensor act = at::empty({T, I}, x.options());
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), T, I);
     });
-    x.add_(linear(act, w[DOWN], Tensor(), packed, part(l, P_DOWN, 1), tile(l, T_DOWN)));
+    x.add_(linear(act, w[DOWN], Tensor(), packed, part(l, P_DOWN, 1), tile(l, T_DOWN), part16(l, P_DOWN, 1)));
   }
   for (int64_t c : capture)
     if (c == L) out.push_back(x.view({B, n, -1}).clone());
   Tensor last = x.view({B, n, -1}).narrow(1, n - keep, keep).reshape({B * keep, -1}).contiguous();
-  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed, part(L, 0, 1), tile(L, 0)).view({B, keep, -1});
+  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed, part(L, 0, 1), tile(L, 0),
+                  part16(L, 0, 1)).view({B, keep, -1});
   return out;
 }
 
@@ -997,14 +1013,15 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
 TORCH_LIBRARY(splitspec, m) {
   m.def(
       "decoder(Tensor input_ids, Tensor positions, Tensor embed, Tensor cos, Tensor sin, Tensor[] weights, "
-      "Tensor final_norm, Tensor lm_head, bool packed, Tensor[] parts, Tensor[] tiles, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
+      "Tensor final_norm, Tensor lm_head, bool packed, Tensor[] parts, Tensor[] parts16, Tensor[] tiles, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, "
       "Tensor write_rows, Tensor read_rows, int write_start, int read_start, int S, Tensor? mask, int keep, "
       "int[] capture, float eps, int H, int KV, int D, bool aten_attention) -> Tensor[]",
       &forward);
   // one matmul as the forward dispatches it (benchmarks time the layers alone through it)
-  m.def("linear(Tensor x, Tensor w, Tensor bias, bool packed, Tensor[] parts, Tensor tiles) -> Tensor",
-        [](const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts, const Tensor& tiles) {
-          return linear(x, w, b, packed, parts, tiles);
+  m.def("linear(Tensor x, Tensor w, Tensor bias, bool packed, Tensor[] parts, Tensor tiles, Tensor[] parts16) -> Tensor",
+        [](const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts, const Tensor& tiles,
+           at::TensorList parts16) {
+          return linear(x, w, b, packed, parts, tiles, parts16);
         });
   m.def("gemv(Tensor x, Tensor[] parts, Tensor bias) -> Tensor", &gemv);
   m.def("gemv_supported() -> bool", []() { return gemv_supported(); });
