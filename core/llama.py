@@ -312,7 +312,7 @@ def make_runner(model, max_len: int, forward: str = "auto"):
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
     runner = NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
     rows_kernel = ("bf16 GEMV" if getattr(runner, "packed", False) else
-                   "float32 FMA rows" + (" (weights stored as bf16: exact)" if getattr(runner, "bf16_weights", False) else ""))
+                   "float32 FMA rows" + (" (bf16 copies of the weights up to 8 rows: exact)" if getattr(runner, "bf16_weights", False) else ""))
     kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), (rows_kernel, getattr(runner, "gemv", False)))
                if on]
     log.info("decoder forward: %s (%s, %d layers)%s", runner.kind, c.model_type, c.num_hidden_layers,
