@@ -480,6 +480,17 @@ void attention(const T* qkv, const C* Kc, const C* Vc, const int64_t* read_rows,
   });
 }
 
+// The rows of the weights in `parts` (each [out, I], contiguous, checked by the caller) side by side, as W pointers.
+template <typename W>
+std::vector<const W*> weight_rows(at::TensorList parts, int64_t I) {
+  std::vector<const W*> rows;
+  for (const Tensor& w : parts) {
+    const auto* p = static_cast<const W*>(w.const_data_ptr());
+    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
+  }
+  return rows;
+}
+
 // Calls f(w, o, nr) for each block of R weight rows, in parallel: w the block's R row pointers (a short last
 // block repeats its last row, so kernels always read R), o its first output, nr its real rows.
 template <int R, typename W, typename F>
@@ -567,13 +578,10 @@ void gemv_rows(const uint16_t* x, const std::vector<const uint16_t*>& rows, cons
 Tensor gemv(const Tensor& x, at::TensorList parts, const Tensor& b) {
   const int64_t T = x.size(0), I = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && T >= 1 && T <= 9, "gemv: x [1..9, in] bf16, got ", x.sizes());
-  std::vector<const uint16_t*> rows;
-  for (const Tensor& w : parts) {
+  for (const Tensor& w : parts)
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == I,
                 "gemv: bf16 contiguous [out, ", I, "] weights");
-    const auto* p = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
-    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
-  }
+  const std::vector<const uint16_t*> rows = weight_rows<uint16_t>(parts, I);
   TORCH_CHECK(!present(b) || (b.numel() == static_cast<int64_t>(rows.size()) && b.scalar_type() == at::kBFloat16),
               "gemv: a bf16 bias of ", rows.size(), " or none");
   Tensor xc = x.contiguous();
@@ -704,16 +712,6 @@ void fma_dispatch(const float* xp, int64_t T, const std::vector<const W*>& rows,
     case 6: fma_rows<k512 ? 4 : 2, 6>(xp, T, rows, bp, yp, I); break;
     default: fma_rows<k512 ? 4 : 3, 4>(xp, T, rows, bp, yp, I); break;
   }
-}
-
-template <typename W>
-std::vector<const W*> weight_rows(at::TensorList parts, int64_t I) {
-  std::vector<const W*> rows;
-  for (const Tensor& w : parts) {
-    const W* p = w.const_data_ptr<W>();
-    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(p + o * I);
-  }
-  return rows;
 }
 
 Tensor fma_linear(const Tensor& x, at::TensorList parts, const Tensor& b) {
@@ -867,7 +865,6 @@ constexpr int64_t kBf16WeightRows = 8;
 // The layer's matmul: AMX tiles (`tiles`, undefined or empty when off) up to 16 rows, else the bf16 GEMV or the
 // float32 FMA kernel over the model's weights (`parts`, empty when off; their exact bf16 copies `parts16` for up
 // to kBf16WeightRows rows) for a few rows, else the library's (pre-packed where `packed`).
-
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, bool packed, at::TensorList parts = {},
               const Tensor& tiles = Tensor(), at::TensorList parts16 = {}) {
   if (present(tiles) && x.size(0) <= 16 && x.scalar_type() == at::kBFloat16 && amx_supported())
@@ -901,11 +898,9 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
               L * TILES_PER_LAYER + 1, ", got ", tiles.size());
   auto tile = [&](int64_t l, int64_t i) { return tiles.empty() ? Tensor() : tiles[l * TILES_PER_LAYER + i]; };
   TORCH_CHECK(parts16.empty() || parts16.size() == parts.size(), "expected no bf16 parts or as many as parts");
-  auto part = [&](int64_t l, int64_t first, int64_t count) {  // at::TensorList of a layer's parts (empty: none)
-    return parts.empty() ? at::TensorList() : parts.slice(l * PARTS_PER_LAYER + first, count);
-  };
-  auto part16 = [&](int64_t l, int64_t first, int64_t count) {  // and of their bf16 copies (empty: none)
-    return parts16.empty() ? at::TensorList() : parts16.slice(l * PARTS_PER_LAYER + first, count);
+  // a layer's slice of `parts` or of their bf16 copies `parts16` (empty where the list is)
+  auto part = [&](at::TensorList ps, int64_t l, int64_t first, int64_t count) {
+    return ps.empty() ? at::TensorList() : ps.slice(l * PARTS_PER_LAYER + first, count);
   };
   const int64_t heads_all = H + 2 * KV;
   const bool rows_mode = present(write_rows);
@@ -939,8 +934,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
     const Tensor* w = weights.data() + l * PER_LAYER;
     for (int64_t c : capture)
       if (c == l) out.push_back(x.view({B, n, -1}).clone());
-    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed, part(l, P_Q, 3), tile(l, T_QKV),
-                        part16(l, P_Q, 3)).contiguous();  // [T, heads_all * D]
+    Tensor qkv = linear(rms_norm(x, w[LN1], eps), w[QKV], w[QKV_B], packed, part(parts, l, P_Q, 3), tile(l, T_QKV),
+                        part(parts16, l, P_Q, 3)).contiguous();  // [T, heads_all * D]
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(),
@@ -987,22 +982,22 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
                                            V.transpose(1, 2), mask, 0.0, false, std::nullopt, KV != H);  // [B, H, n, D]
       a = a.transpose(1, 2).reshape({T, H * D}).to(x.scalar_type());
     }
-    x.add_(linear(a, w[O], w[O_B], packed, part(l, P_O, 1), tile(l, T_O), part16(l, P_O, 1)));
-    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(l, P_GATE, 2), tile(l, T_GATE_UP),
-                       part16(l, P_GATE, 2)).contiguous();  // [T, 2I]
+    x.add_(linear(a, w[O], w[O_B], packed, part(parts, l, P_O, 1), tile(l, T_O), part(parts16, l, P_O, 1)));
+    Tensor gu = linear(rms_norm(x, w[LN2], eps), w[GATE_UP], Tensor(), packed, part(parts, l, P_GATE, 2), tile(l, T_GATE_UP),
+                       part(parts16, l, P_GATE, 2)).contiguous();  // [T, 2I]
     const int64_t I = gu.size(1) / 2;
     Tensor act = at::empty({T, I}, x.options());
     on_dtype(x.scalar_type(), [&](auto t) {
       using scalar_t = decltype(t);
       silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), T, I);
     });
-    x.add_(linear(act, w[DOWN], Tensor(), packed, part(l, P_DOWN, 1), tile(l, T_DOWN), part16(l, P_DOWN, 1)));
+    x.add_(linear(act, w[DOWN], Tensor(), packed, part(parts, l, P_DOWN, 1), tile(l, T_DOWN), part(parts16, l, P_DOWN, 1)));
   }
   for (int64_t c : capture)
     if (c == L) out.push_back(x.view({B, n, -1}).clone());
   Tensor last = x.view({B, n, -1}).narrow(1, n - keep, keep).reshape({B * keep, -1}).contiguous();
-  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed, part(L, 0, 1), tile(L, 0),
-                  part16(L, 0, 1)).view({B, keep, -1});
+  out[0] = linear(rms_norm(last, final_norm, eps), lm_head, Tensor(), packed, part(parts, L, 0, 1), tile(L, 0),
+                  part(parts16, L, 0, 1)).view({B, keep, -1});
   return out;
 }
 
