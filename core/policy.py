@@ -407,6 +407,11 @@ class MeasuredChoice:
         self._arms = [self._arms[1], arm]
         return arm
 
+    @property
+    def best(self) -> bool | None:
+        """The arm chosen as the faster by the last ``use`` (None until both arms are measured)."""
+        return self._best
+
     def observe(self, arm: bool, step_s: float, tokens: int):
         if tokens <= 0 or step_s <= 0 or self._arms != [arm, arm] or self._streak <= self.settle:
             return  # not steady state: the previous step used the other arm (or the arm is not settled yet)
@@ -558,12 +563,15 @@ class BatchSpeculation:
             choice.observe(arm, now - t, tokens)
         if self.always:
             return True
-        bucket = StepCosts.bucket(batch)
-        choice = self.choices.setdefault(bucket, MeasuredChoice(explore_every=self.explore_every, run=self.run, first=6,
-                                                                window=6, margin=1.2, settle=self.settle))
+        choice = self.choice(batch)
         arm = choice.use()
         self._last = (choice, arm, now)
         return arm
+
+    def choice(self, batch: int) -> MeasuredChoice:
+        """The choice for this batch size's bucket (made on first use)."""
+        return self.choices.setdefault(StepCosts.bucket(batch), MeasuredChoice(
+            explore_every=self.explore_every, run=self.run, first=6, window=6, margin=1.2, settle=self.settle))
 
     def reset(self) -> None:
         """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were

@@ -162,14 +162,13 @@ class VerifierServer(EngineServer):
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
             self._gate_load = streams
         tokens = sum(r.num_accepted + 1 for r in out if not (r.cache_miss or r.error))
-        bucket = StepCosts.bucket(self._gate_load)  # (only this bucket's choice can change in `use`)
-        c = self.gate.choices.get(bucket)
-        before = c._best if c is not None else None
+        c = self.gate.choice(self._gate_load)  # (the one choice `use` can change)
+        before = c.best
         self.speculating = self.gate.use(self._gate_load, tokens, self.clock())
-        c = self.gate.choices[bucket]
-        if c._best is not None and c._best != before:
-            log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c._best else "off",
-                     1 << (bucket - 1), 1e3 * c.s_per_token.get(True, 0.0), 1e3 * c.s_per_token.get(False, 0.0))
+        if c.best is not None and c.best != before:
+            log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c.best else "off",
+                     1 << (StepCosts.bucket(self._gate_load) - 1), 1e3 * c.s_per_token.get(True, 0.0),
+                     1e3 * c.s_per_token.get(False, 0.0))
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:
