@@ -255,7 +255,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
     """One streaming completion over SSE: arrival time and token count of every chunk."""
     t0 = time.perf_counter()
     chunks: list[tuple[float, int]] = []  # (seconds since send, tokens in the chunk)
-    spec, n_usage = None, None
+    spec, n_usage, ids = None, None, []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -275,9 +275,10 @@ async def stream_completion(client, url: str, body: dict) -> dict:
                 n = len(c.get("token_ids") or [])
                 if n:
                     chunks.append((time.perf_counter() - t0, n))
+                    ids += c["token_ids"]
     total = time.perf_counter() - t0
     return {"chunks": chunks, "latency_s": total, "tokens": n_usage if n_usage is not None else sum(n for _, n in chunks),
-            "speculation": spec}
+            "speculation": spec, "token_ids": ids}
 
 
 def vllm_python() -> str | None:

