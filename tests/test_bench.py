@@ -170,6 +170,28 @@ def test_engine_bench_quick(tmp_path, capsys):
     assert "engine / linear" in capsys.readouterr().out and (tmp_path / "engine.json").exists()
 
 
+def test_corun_times_the_forward_beside_each_corunner_and_gives_the_cores_back(tmp_path):
+    """bench.corun at its smallest: the forward on one core beside each co-runner on the other
+    (the drafter co-runner loads and drafts trees, or the run fails); the caller's cores and
+    threads are restored."""
+    import os
+
+    import torch
+
+    from bench import corun
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    r = corun.main(["--rounds", "1", "--calls", "2", "--tokens", "1,5", "--corunners", "idle,python,drafter",
+                    "--out", str(tmp_path)])
+    assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
+    assert set(r["corunners"]) == {"idle", "python", "drafter"}
+    for row in r["corunners"].values():
+        assert set(row) == {"1", "5"} and all(v["forward_ms"] > 0 and v["over_idle"] > 0 for v in row.values())
+    assert r["corunners"]["idle"]["1"]["over_idle"] == 1.0 and (tmp_path / "corun.json").exists()
+
+
 @pytest.mark.long  # the GPU kit's every phase, on CPU at tiny shapes
 def test_gpu_kit_runs_at_tiny_shapes_without_the_serving_stack(tmp_path):
     """bench.gpu at tiny shapes on the CPU, in a process where ray, pydantic, vllm, fastapi and yaml

@@ -1,0 +1,118 @@
+"""Where a served speculative step loses to the in-process loop (issue #15), variant by variant.
+``python -m bench.served_gap --out bench/results-zen3/served-gap``
+
+Fixed k, greedy, one stream; each (repeat, prompt) runs the in-process reference loop (the
+same engines in this process, no RPC) and then every served variant, so ratios are paired:
+
+- ``pool``: the shipped app (drafter pool, direct channel, pre-draft trees);
+- ``pool_serial``: the same without pre-drafting (``pipeline_drafts: false``): drafting and
+  verification never overlap;
+- ``colocated_serial``: the drafter engine in the verifier replica, no pre-drafting: one process,
+  everything in series, as in process, but behind Serve, the router and HTTP;
+- ``..._chunks1s``: the same with ``stream_interval_ms: 1000``: about one stream item a second
+  instead of one a step, so the router, proxy and client barely run during forwards.
+
+Per variant: ms/token over the in-process loop's (paired, median), and the medians over requests
+of the mean verify forward and the mean drafting on the critical path per step, as the router
+reports them (``speculation.mean_forward_ms``, ``mean_draft_ms``: the first step, which carries
+the prompt's prefill, included); the in-process loop's are computed the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median, rnd,
+                          serving, stream_completion, write_json)
+
+VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s")
+
+
+def variant_args(name: str, k: int, dtype: str) -> dict:
+    a = app_args(1, "fixed", k, dtype=dtype)
+    if "serial" in name:
+        a["pipeline_drafts"] = False
+    if name.startswith("colocated"):
+        a["drafter_placement"] = "verifier"
+        cores = a["drafter"].pop("cpu_affinity", None)  # (the verifier's pinning covers the process)
+        if cores and "cpu_affinity" in a["verifier"]:
+            a["verifier"]["cpu_affinity"] = sorted(set(a["verifier"]["cpu_affinity"]) | set(cores))
+    if name.endswith("chunks1s"):
+        a["stream_interval_ms"] = 1000.0
+    return a
+
+
+def main(argv=None):
+    from transformers import AutoTokenizer
+
+    from bench.inproc import Reference
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", help="float32: every row emits the same greedy text")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if any(v not in VARIANTS for v in names):
+        raise SystemExit(f"--variants: any of {VARIANTS}")
+    t0 = time.perf_counter()
+    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    ref = Reference(1, dtype=args.dtype)
+    ref.run(prompts[0][1], 16, 0.0, 0, args.k)  # warm-up
+    rows: dict[str, list[dict]] = {"in_process": [], **{v: [] for v in names}}
+    same = {v: 0 for v in names}
+
+    async def one(url, ids, n):
+        import httpx
+
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
+
+    with serving({v: variant_args(v, args.k, args.dtype) for v in names}, 1) as urls:
+        for url in urls.values():
+            asyncio.run(one(url, prompts[0][1], 16))
+        for rep in range(args.repeats):
+            for i, (_, ids) in enumerate(prompts):
+                r = ref.run(ids, args.max_tokens, 0.0, 0, args.k)
+                # the statistics the router reports for a served request: means over its steps, the
+                # first (the prompt's prefill on both engines, about 8 decode forwards here) included
+                rows["in_process"].append({"ms_per_token": 1000 * r["wall_s"] / r["tokens"],
+                                           "forward_ms": 1000 * sum(r["forward_s"]) / len(r["forward_s"]),
+                                           "draft_ms": 1000 * sum(r["draft_s"]) / len(r["forward_s"])})
+                for v, url in urls.items():
+                    x = asyncio.run(one(url, ids, args.max_tokens))
+                    s = x["speculation"]
+                    same[v] += x["token_ids"] == r["output_ids"]
+                    rows[v].append({"ms_per_token": 1000 * x["latency_s"] / x["tokens"], "forward_ms": s["mean_forward_ms"],
+                                    "draft_ms": s.get("mean_draft_ms", 0.0), "step_ms": s["mean_step_ms"],
+                                    "chunks": len(x["chunks"]),
+                                    "pre_draft_hit_rate": s["pre_draft_hits"] / max(1, s["pre_draft_hits"] + s["pre_draft_misses"])})
+                log(f"repeat {rep} prompt {i}: " + ", ".join(f"{v} {rows[v][-1]['ms_per_token']:.2f}" for v in rows))
+    base = rows["in_process"]
+    out = {}
+    for v, rs in rows.items():
+        out[v] = {f: rnd(median([r[f] for r in rs])) for f in rs[0]}
+        out[v]["over_in_process"] = rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)]))
+        out[v]["forward_over_in_process"] = rnd(median([r["forward_ms"] / b["forward_ms"] for r, b in zip(rs, base)]))
+        if v in same:
+            out[v]["same_tokens_as_in_process"] = same[v] / len(rs)
+    result = {"scenario": "served_gap", "config": vars(args), "variants": out, "environment": environment(1),
+              "duration_s": round(time.perf_counter() - t0, 1)}
+    write_json(Path(args.out), "served_gap", result)
+    print("| variant | ms/token | / in process (paired) | verify forward ms | / in process | drafting on the path ms | stream chunks |")
+    print("|---|---|---|---|---|---|---|")
+    for v, r in out.items():
+        print(f"| {v} | {r['ms_per_token']:.2f} | {r['over_in_process']:.2f} | {r['forward_ms']:.2f} | "
+              f"{r['forward_over_in_process']:.2f} | {r['draft_ms']:.2f} | {r.get('chunks', '')} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()
