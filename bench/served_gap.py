@@ -10,7 +10,8 @@ same engines in this process, no RPC) and then every served variant, so ratios a
 - ``colocated_serial``: the drafter engine in the verifier replica, no pre-drafting: one process,
   everything in series, as in process, but behind Serve, the router and HTTP;
 - ``..._chunks1s``: the same with ``stream_interval_ms: 1000``: about one stream item a second
-  instead of one a step, so the router, proxy and client barely run during forwards.
+  instead of one a step, so the router, proxy and client barely run during forwards;
+- ``pool_chunks50ms``: the shipped app with ``stream_interval_ms: 50`` (about two steps an item).
 
 Per variant: ms/token over the in-process loop's (paired, median), and the medians over requests
 of the mean verify forward and the mean drafting on the critical path per step, as the router
@@ -28,7 +29,7 @@ from pathlib import Path
 from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median, rnd,
                           serving, stream_completion, write_json)
 
-VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s")
+VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms")
 
 
 def variant_args(name: str, k: int, dtype: str) -> dict:
@@ -42,6 +43,8 @@ def variant_args(name: str, k: int, dtype: str) -> dict:
             a["verifier"]["cpu_affinity"] = sorted(set(a["verifier"]["cpu_affinity"]) | set(cores))
     if name.endswith("chunks1s"):
         a["stream_interval_ms"] = 1000.0
+    if name.endswith("chunks50ms"):
+        a["stream_interval_ms"] = 50.0
     return a
 
 
