@@ -52,6 +52,13 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def paired_ratio(rows: list[dict], base: list[dict], field: str = "ms_per_token"):
+    """The median over runs of rows[i][field] / base[i][field], the runs paired by position (the same
+    (repeat, prompt) in an interleaved benchmark), rounded. A speed-up over ``base`` is
+    ``paired_ratio(base, rows)``."""
+    return rnd(median([r[field] / b[field] for r, b in zip(rows, base)]))
+
+
 def percentile(xs, q: float):
     """Linear-interpolated percentile, q in [0, 100]."""
     xs = sorted(x for x in xs if x is not None)

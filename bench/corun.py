@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import DEFAULT_OUT, DRAFTER, TARGET, environment, rnd, write_json
+from bench.common import DEFAULT_OUT, DRAFTER, ROOT, TARGET, environment, rnd, write_json
 
 CORUNNERS = {
     "idle": None,
@@ -54,8 +54,6 @@ while True:  # a tree of 5 branches of 5 drafts after the cached context, as a p
 
 def _start(name: str, code: str, core: int, dtype: str) -> subprocess.Popen:
     """The co-runner in a process of its own on ``core``; ready once it has run a while."""
-    from bench.common import ROOT
-
     prelude = f"import os; os.sched_setaffinity(0, [{core}]); DTYPE = {dtype!r}\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-c", prelude + code], cwd=ROOT, env=env,

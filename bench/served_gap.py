@@ -26,8 +26,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median, rnd,
-                          serving, stream_completion, write_json)
+from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median,
+                          paired_ratio, rnd, serving, stream_completion, write_json)
 
 VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms")
 
@@ -102,8 +102,8 @@ def main(argv=None):
     out = {}
     for v, rs in rows.items():
         out[v] = {f: rnd(median([r[f] for r in rs])) for f in rs[0]}
-        out[v]["over_in_process"] = rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)]))
-        out[v]["forward_over_in_process"] = rnd(median([r["forward_ms"] / b["forward_ms"] for r, b in zip(rs, base)]))
+        out[v]["over_in_process"] = paired_ratio(rs, base)
+        out[v]["forward_over_in_process"] = paired_ratio(rs, base, "forward_ms")
         if v in same:
             out[v]["same_tokens_as_in_process"] = same[v] / len(rs)
     result = {"scenario": "served_gap", "config": vars(args), "variants": out, "environment": environment(1),

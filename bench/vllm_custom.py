@@ -46,6 +46,7 @@ from bench.common import (
     load_prompts,
     log,
     median,
+    paired_ratio,
     rnd,
     write_json,
 )
@@ -278,8 +279,8 @@ def main(argv=None):
         spec = rs[-1]["spec"] or {}
         result["systems"][name] = {
             "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
-            "vs_vllm_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)])),
-            "speedup_vs_vllm_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, plain)])),
+            "vs_vllm_draft_model": paired_ratio(rs, base),
+            "speedup_vs_vllm_plain": paired_ratio(plain, rs),
             "same_tokens_as_vllm_plain": rnd(sum(r["output_ids"] == p["output_ids"] for r, p in zip(rs, plain)) / len(rs)),
             "spec_counters_last_run": spec,
             "proposer": proposer_stats.get(name),

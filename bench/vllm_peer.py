@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 
-from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, ROOT, TARGET
+from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, ROOT, TARGET, free_port
 
 PREFIX = "@@"
 
@@ -180,8 +180,6 @@ class VllmServer:
     def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
                  dtype: str = BENCH_DTYPE, method: str = "draft_model", drafter: str = DRAFTER,
                  first_cpu: int = 0, start_timeout_s: float = 900):
-        from bench.common import free_port
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--tokenizer", TARGET,

@@ -36,6 +36,7 @@ from bench.common import (
     load_prompts,
     log,
     median,
+    paired_ratio,
     rnd,
     serving,
     stream_completion,
@@ -197,13 +198,13 @@ def main(argv=None):
     for name, rs in rows.items():
         result["systems"][name] = {
             "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
-            "vs_vllm_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, base)])),
-            "speedup_vs_vllm_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, plain)])),
+            "vs_vllm_draft_model": paired_ratio(rs, base),
+            "speedup_vs_vllm_plain": paired_ratio(plain, rs),
         }
         if http_base and "chunks" in rs[0]:  # the HTTP systems, paired per (repeat, prompt) in one interleaved run
             result["systems"][name] |= {
-                "vs_vllm_http_draft_model": rnd(median([r["ms_per_token"] / b["ms_per_token"] for r, b in zip(rs, http_base)])),
-                "speedup_vs_vllm_http_plain": rnd(median([p["ms_per_token"] / r["ms_per_token"] for r, p in zip(rs, http_plain)])),
+                "vs_vllm_http_draft_model": paired_ratio(rs, http_base),
+                "speedup_vs_vllm_http_plain": paired_ratio(http_plain, rs),
                 "chunks_per_request": rnd(median([r["chunks"] for r in rs]))}
         spec = [r["speculation"] for r in rs if r.get("speculation")]
         if spec:
