@@ -117,15 +117,21 @@ class PreDraft:
 
 
 def tree_branches(drafts: list[int], proposal: Proposal, m: int) -> list[tuple[int, int]]:
-    """The outcomes a pre-draft tree covers, (j, c): the first j drafts accepted, then c. For j < k,
-    c is one of the drafter's m most likely tokens at position j other than its draft (the target's
-    correction, guessed); for j = k, its own next token and m - 1 more (the bonus token, guessed).
-    m = 0: the chain only (j = k, the drafter's own next token)."""
+    """The outcomes a pre-draft tree covers, (j, c): the first j drafts accepted, then c, guessed
+    among the drafter's m + 1 most likely tokens at position j, less the one ruled out. For j < k
+    its draft there was rejected, so c is one of the m others (the target's correction); for j = k
+    nothing is ruled out: its own next token and m more (the bonus token). m = 0: the chain only
+    (j = k, the drafter's own next token).
+
+    Why m + 1 guesses at j = k: when a whole block is accepted the drafter agrees with the target,
+    and the bonus token is then its second choice about as often as a correction is (offline,
+    greedy, 5 held-out prompts: the extra branch raised coverage from 0.59 to 0.74 at k = 2 and
+    0.58 to 0.67 at k = 4, the best of any one branch added; 0.65 unchanged at k = 6)."""
     k = len(drafts)
     out = [(k, proposal.tokens[k])]
     if m <= 0 or not proposal.alts or len(proposal.alts) <= k:
         return out
-    out += [(k, c) for c in proposal.alts[k] if c != proposal.tokens[k]][: m - 1]
+    out += [(k, c) for c in proposal.alts[k] if c != proposal.tokens[k]][:m]
     for j in range(k - 1, -1, -1):  # the likelier outcomes (more accepted) first
         out += [(j, c) for c in proposal.alts[j] if c != drafts[j]][:m]
     return out

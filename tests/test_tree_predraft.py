@@ -188,6 +188,26 @@ async def _speculate(seq, drafter, ver, k, m):
     return infos
 
 
+def test_tree_guesses_m_corrections_per_rejected_position_and_m_plus_one_bonus_tokens():
+    """At j < k the draft was rejected: c among the drafter's other m likeliest tokens; at j = k nothing is
+    ruled out: its own next token and m more; m = 0 is the whole-block chain alone; likelier outcomes first."""
+    from core.loop import tree_branches
+    from core.protocol import Proposal
+
+    drafts = [10, 11, 12]
+    # the drafter's tokens (k + 1, the last the bonus guess) and its likeliest at each position (own first)
+    p = Proposal("s", [10, 11, 12, 13], alts=[[10, 20, 30], [21, 11, 31], [12, 22, 32], [13, 23, 33]])
+    assert tree_branches(drafts, p, 0) == [(3, 13)]
+    assert tree_branches(drafts, p, 1) == [(3, 13), (3, 23), (2, 22), (1, 21), (0, 20)]
+    assert tree_branches(drafts, p, 2) == [(3, 13), (3, 23), (3, 33), (2, 22), (2, 32), (1, 21), (1, 31),
+                                           (0, 20), (0, 30)]
+    # a sampled draft need not be the drafter's likeliest token: it is left out wherever it stands
+    q = Proposal("s", [10, 11, 12, 40], alts=[[20, 10, 30], [21, 31, 41], [22, 32, 42], [13, 23, 33]])
+    assert tree_branches(drafts, q, 2) == [(3, 40), (3, 13), (3, 23), (2, 22), (2, 32), (1, 21), (1, 31),
+                                           (0, 20), (0, 30)]
+    assert len(set(tree_branches(drafts, q, 2))) == 9
+
+
 def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_engines, monkeypatch):
     import asyncio
 
@@ -211,7 +231,7 @@ def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_
     # drafts ready for rejected blocks (a guessed correction) as well as for whole ones (a guessed bonus)
     assert sum(h for j, (h, _) in by_outcome.items() if j < K) > 0, by_outcome
     assert sum(h for j, (h, _) in by_outcome.items() if j == K) > 0, by_outcome
-    assert max(branches) == 2 * (K + 1), branches  # m = 2 at each of the k + 1 outcomes
+    assert max(branches) == 2 * K + 3, branches  # m = 2 at each j < k, m + 1 at j = k
 
 
 # ------------------------------------------------------------ distribution (tiny target, exact)
