@@ -107,10 +107,12 @@ def served(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     prompts = load_prompts(args.prompts, tok)
-    rows = {name: [] for name in SERVED}
+    names = [n for n in args.served.split(",") if n]
+    rows = {name: [] for name in names}
     # one app at a time (idle replicas of the others would share the two cores), every app once per repeat
     for rep in range(args.repeats):
-        for name, overrides in SERVED.items():
+        for name in names:
+            overrides = SERVED[name]
             app = {**app_args(args.threads, "fixed", args.k, dtype=args.dtype, pin=not args.no_pin), **overrides}
             with serving({name: app}, args.threads) as urls, httpx.Client(timeout=600) as client:
                 url = urls[name]
@@ -133,7 +135,7 @@ def served(args) -> dict:
                 row = by_j.setdefault(int(j), [0, 0])
                 row[0] += h
                 row[1] += n
-        ratio = [r["ms_per_token"] / o["ms_per_token"] for r, o in zip(rs, rows["off"])]
+        ratio = [r["ms_per_token"] / o["ms_per_token"] for r, o in zip(rs, rows["off"])] if "off" in rows else [0.0]
         out[name] = {"overrides": SERVED[name], "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
                      "vs_off": rnd(median(ratio)), "pre_drafts": hits + misses,
                      "steps": sum(s.get("steps", 0) for s in spec),
@@ -157,8 +159,11 @@ def main(argv=None):
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--no-pin", action="store_true", help="leave the replicas' cores to the OS (no cpu_affinity)")
+    ap.add_argument("--served", default=",".join(SERVED), help=f"the served apps, in order, any of {list(SERVED)}")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
+    if any(n not in SERVED for n in args.served.split(",") if n):
+        raise SystemExit(f"--served: any of {list(SERVED)}")
     set_threads(args.threads)
     t0 = time.perf_counter()
     result = {"scenario": "tree_predraft", "config": vars(args), "coverage": {}}
@@ -172,6 +177,8 @@ def main(argv=None):
         cov = result["coverage"].get(f"T{args.temperature}_k{args.k}")
         if cov:  # the served hit rate against its offline ceiling, same k and temperature
             for name, m in (("always_m0", 0), ("always_m1", 1), ("always_m2", 2)):
+                if name not in result["served"]:
+                    continue
                 hr = result["served"][name]["hit_rate"]
                 result["served"][name]["of_ceiling"] = rnd(hr / cov["coverage"][m]) if hr and cov["coverage"][m] else None
     result["environment"] = environment(args.threads)

@@ -427,11 +427,35 @@ class MeasuredChoice:
         self.s_per_token[arm] = x if old is None else old + self.weight * (x - old)
 
 
+class TrimmedMean:
+    """The mean of the last ``window`` observations with the highest and lowest ``trim`` share of them (at
+    least one each, from 3 observations) left out: steps the host stalled (several times their usual
+    length, on a shared machine) do not move it unless they are more than that share, yet it follows a
+    lasting change within about half a window. From 3 observations it is their median."""
+
+    def __init__(self, window: int = 32, trim: float = 0.25):
+        self.window, self.trim = window, trim
+        self._xs: deque[float] = deque(maxlen=window)
+
+    def add(self, x: float) -> None:
+        self._xs.append(x)
+
+    def __len__(self) -> int:
+        return len(self._xs)
+
+    @property
+    def value(self) -> float:
+        xs = sorted(self._xs)
+        cut = max(1, int(self.trim * len(xs))) if len(xs) >= 3 else 0
+        kept = xs[cut: len(xs) - cut]
+        return sum(kept) / len(kept)
+
+
 @dataclass
 class PreDraftCosts:
     """What pre-drafting costs and saves where the loop runs, measured by every sequence on a verifier
-    replica (a property of its drafter and verifier hardware, not of one request), as exponentially
-    weighted means in seconds:
+    replica (a property of its drafter and verifier hardware, not of one request), each as the trimmed
+    mean (``TrimmedMean``) of its last ``window`` observations, in seconds:
     - ``draft``: drafting on a step's critical path, by how the step's drafts came: "none" (the step
       before did not pre-draft), "hit" (a pre-drafted branch was used), "miss" (the pre-draft was
       discarded, and the drafter may still be busy with it);
@@ -440,41 +464,54 @@ class PreDraftCosts:
       drafter and verifier share cores);
     - ``hit``: the share of pre-drafts that hit (a sequence's own, once it has some, counts more).
     Each is measured as a step's components, not as seconds per token: a step's tokens depend on
-    the text, not on whether it was pre-drafted, and dividing by them made the comparison noise."""
+    the text, not on whether it was pre-drafted, and dividing by them made the comparison noise.
 
-    weight: float = 0.1  # of the newest step in each mean
-    draft: dict[str, float] = field(default_factory=dict)
-    rest: dict[bool, float] = field(default_factory=dict)
+    Why trimmed means: the arm not in use is measured only in short runs, so its figure is a few
+    steps old and few. With exponentially weighted means (weight 0.1), one stalled step in such a run
+    (measured on a 2-vCPU VM, served, fixed k = 4: a step's rest jumped from 10-11 to 15-17 ms)
+    turned pre-drafting off for whole requests (5 of 48 steps pre-drafted) where pre-drafting every
+    step was 14% faster than never."""
+
+    window: int = 32  # observations per term
+    weight: float = 0.1  # of the newest pre-draft outcome in the hit rate
+    min_obs: int = 3  # per term, before a saving is estimated from it
+    draft: dict[str, TrimmedMean] = field(default_factory=dict)
+    rest: dict[bool, TrimmedMean] = field(default_factory=dict)
     hit: float | None = None
 
-    def _mean(self, old: float | None, x: float) -> float:
-        return x if old is None else old + self.weight * (x - old)
-
     def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        key = outcome or "none"
-        self.draft[key] = self._mean(self.draft.get(key), draft_s)
-        self.rest[pre_drafted] = self._mean(self.rest.get(pre_drafted), max(0.0, step_s - draft_s))
+        self.draft.setdefault(outcome or "none", TrimmedMean(self.window)).add(draft_s)
+        self.rest.setdefault(pre_drafted, TrimmedMean(self.window)).add(max(0.0, step_s - draft_s))
         if outcome is not None:
-            self.hit = self._mean(self.hit, float(outcome == "hit"))
+            x = float(outcome == "hit")
+            self.hit = x if self.hit is None else self.hit + self.weight * (x - self.hit)
+
+    def term(self, terms: dict, key) -> float | None:
+        """A term's trimmed mean (``draft`` by outcome, ``rest`` by arm), None while it has fewer than ``min_obs``."""
+        t = terms.get(key)
+        return t.value if t is not None and len(t) >= self.min_obs else None
 
     def report(self) -> dict:
         """In milliseconds: what a replica's ``stats()`` shows of its pre-drafting."""
         saving = self.saving_s()
-        return {"draft_ms": {o: round(1000 * x, 3) for o, x in sorted(self.draft.items())},
-                "rest_ms": {("pre_draft" if a else "no_pre_draft"): round(1000 * x, 3) for a, x in sorted(self.rest.items())},
+        return {"draft_ms": {o: round(1000 * t.value, 3) for o, t in sorted(self.draft.items())},
+                "rest_ms": {("pre_draft" if a else "no_pre_draft"): round(1000 * t.value, 3)
+                            for a, t in sorted(self.rest.items())},
                 "hit_rate": None if self.hit is None else round(self.hit, 3),
                 "saving_ms_per_step": None if saving is None else round(1000 * saving, 3)}
 
     def saving_s(self, hit: float | None = None) -> float | None:
         """Expected seconds a pre-draft saves per step (negative: it costs), at hit rate ``hit`` (default:
-        the replica's); None until every term has been measured."""
+        the replica's); None until every term has been measured ``min_obs`` times."""
         hit = self.hit if hit is None else hit
-        if hit is None or "none" not in self.draft or len(self.rest) < 2:
+        none, rest_pre, rest_plain = (self.term(self.draft, "none"), self.term(self.rest, True),
+                                      self.term(self.rest, False))
+        if hit is None or none is None or rest_pre is None or rest_plain is None:
             return None
         # (a term not seen yet: a hit drafts nothing on the critical path, a miss drafts as if none was made)
-        with_pre = (hit * self.draft.get("hit", 0.0) + (1 - hit) * self.draft.get("miss", self.draft["none"])
-                    + self.rest[True])
-        return self.draft["none"] + self.rest[False] - with_pre
+        d_hit, d_miss = self.term(self.draft, "hit"), self.term(self.draft, "miss")
+        with_pre = hit * (d_hit or 0.0) + (1 - hit) * (none if d_miss is None else d_miss) + rest_pre
+        return none + rest_plain - with_pre
 
 
 @dataclass
@@ -514,14 +551,14 @@ class PreDraftChoice:
         saving = self.costs.saving_s(self.hit_rate())
         if saving is None:  # a term unmeasured: take the arm that measures it
             c = self.costs
-            if False not in c.rest:  # steps without pre-drafting
+            if c.term(c.rest, False) is None:  # steps without pre-drafting
                 arm = False
-            elif True not in c.rest or c.hit is None:  # steps that pre-draft, and the hit rate of their pre-drafts
+            elif c.term(c.rest, True) is None or c.hit is None:  # steps that pre-draft, and their hit rate
                 arm = True
-            else:  # only a step not pre-drafted for is missing
+            else:  # only steps not pre-drafted for are missing
                 arm = False
         else:
-            step = self.costs.draft["none"] + self.costs.rest[False]
+            step = self.costs.term(self.costs.draft, "none") + self.costs.term(self.costs.rest, False)
             if abs(saving) > self.margin * step:
                 self._best = saving > 0
             explore = self.steps % self.explore_every == 0
