@@ -6,8 +6,8 @@ outcome (j drafts accepted, then the target's token c) is checked against the tr
 ``core.loop.tree_branches`` would have pre-drafted with m alternatives, for m = 0 (the
 whole-block branch only) to 8. The fraction covered is the ceiling of a pre-draft's hit rate.
 
-Served (one stream, non-streaming requests, fixed k, one app deployed at a time, each app once per
-repeat; verifier and drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off, with
+Served (one stream, non-streaming requests, fixed k, every app deployed at once and interleaved per
+(repeat, prompt); verifier and drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off, with
 trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default (m = 1,
 pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to pre-drafting
 off, then the median; the served hit rate per outcome beside the offline ceiling.
@@ -96,7 +96,7 @@ SERVED = {  # name: app overrides
     "always_m1": {"pre_draft": "always", "pre_draft_alternatives": 1},
     "always_m2": {"pre_draft": "always", "pre_draft_alternatives": 2},
     "default_m1": {},
-}
+}  # (apps' order: each (repeat, prompt) starts one further along it)
 
 
 def served(args) -> dict:
@@ -109,17 +109,20 @@ def served(args) -> dict:
     prompts = load_prompts(args.prompts, tok)
     names = [n for n in args.served.split(",") if n]
     rows = {name: [] for name in names}
-    # one app at a time (idle replicas of the others would share the two cores), every app once per repeat
-    for rep in range(args.repeats):
+    # every app deployed at once and interleaved per (repeat, prompt), in an order that rotates: the host
+    # drifts within minutes (a verify forward 1.3x as long from one app's run to the next, one app at a
+    # time, in session 20), and an idle replica costs its cores next to nothing
+    apps = {name: {**app_args(args.threads, "fixed", args.k, dtype=args.dtype, pin=not args.no_pin), **SERVED[name]}
+            for name in names}
+    with serving(apps, args.threads) as urls, httpx.Client(timeout=600) as client:
         for name in names:
-            overrides = SERVED[name]
-            app = {**app_args(args.threads, "fixed", args.k, dtype=args.dtype, pin=not args.no_pin), **overrides}
-            with serving({name: app}, args.threads) as urls, httpx.Client(timeout=600) as client:
-                url = urls[name]
-                client.post(f"{url}/v1/completions", json=completion_body(prompts[0][1], 16, 0.0, 1, args.k))  # warm-up
-                for i, (_, ids) in enumerate(prompts):
+            client.post(f"{urls[name]}/v1/completions", json=completion_body(prompts[0][1], 16, 0.0, 1, args.k))  # warm-up
+        for rep in range(args.repeats):
+            for i, (_, ids) in enumerate(prompts):
+                r0 = (rep * len(prompts) + i) % len(names)
+                for name in names[r0:] + names[:r0]:
                     t0 = time.perf_counter()
-                    r = client.post(f"{url}/v1/completions",
+                    r = client.post(f"{urls[name]}/v1/completions",
                                     json=completion_body(ids, args.max_tokens, args.temperature, 500 + i, args.k))
                     r.raise_for_status()
                     data = r.json()
