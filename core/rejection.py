@@ -122,8 +122,13 @@ def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = No
     if r.sampling.processed:
         stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(eos_ids))
         history = History(tokens, r.num_prompt, frozenset(stop))
+    if r.sampling.greedy and history is None:  # greedy_verify's rule on lists: no small tensors per sequence
+        target = target_logits(logits, r.sampling, None).argmax(-1).tolist()  # [k+1] the target's tokens
+        k = len(r.draft_tokens)
+        n = next((i for i in range(k) if r.draft_tokens[i] != target[i]), k)  # drafts accepted
+        return _result(r, logits, target[: n + 1], n)
     draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
-    if r.sampling.greedy:  # argmax of the processed logits (the raw ones when nothing applies)
+    if r.sampling.greedy:  # argmax of the processed logits
         tokens, n_acc = greedy_verify(draft, target_logits(logits, r.sampling, history).argmax(-1).unsqueeze(0))
     else:
         first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
@@ -133,8 +138,13 @@ def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = No
             tokens, n_acc = gumbel_verify(draft, p, noise)
         else:
             tokens, n_acc = _rejection(r, draft, p, first)
-    out = [t for t in tokens[0].tolist() if t != PAD]
-    res = VerifyResult(r.seq_id, tokens=out, num_accepted=int(n_acc[0]), num_drafts=r.k)
+    return _result(r, logits, [t for t in tokens[0].tolist() if t != PAD], int(n_acc[0]))
+
+
+def _result(r: VerifyRequest, logits: torch.Tensor, out: list[int], num_accepted: int) -> VerifyResult:
+    """The step's result: the emitted tokens ``out`` (the accepted drafts, then the recovered or bonus
+    token), with their logprobs (of the raw logits [k+1, V]) when the request asks for them."""
+    res = VerifyResult(r.seq_id, tokens=out, num_accepted=num_accepted, num_drafts=r.k)
     if r.logprobs is not None:
         lp = logits[: len(out)].float().log_softmax(-1)  # [emitted, V]
         top = lp.topk(r.logprobs, -1) if r.logprobs > 0 else None

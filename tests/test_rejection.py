@@ -135,6 +135,33 @@ def test_greedy_path_accepts_prefix_then_argmax():
     assert tokens.tolist() == [[5, 6, 7, 8], [5, 6, PAD, PAD], [4, PAD, PAD, PAD]]
 
 
+def test_decide_greedy_fast_path_is_greedy_verify():
+    """``decide`` compares a greedy request's drafts with the target's argmax as lists; it must emit
+    what ``greedy_verify`` does: every k from 0, drafts right, wrong at each position, tied logits
+    (the first maximal index), bf16 logits, and with logprobs."""
+    from core.protocol import VerifyRequest
+    from core.rejection import decide
+
+    g = torch.Generator().manual_seed(0)
+    for k in range(0, 6):
+        for case in range(12):
+            logits = torch.randn(k + 1, 20, generator=g)
+            if case % 3 == 0:
+                logits[:, 7] = logits[:, 3] = logits.max() + 1  # exact ties: 3 is the argmax
+            if case % 4 == 1:
+                logits = logits.bfloat16()
+            target = logits.float().argmax(-1)
+            draft = target[:k].clone()
+            if case % 2 and k:
+                draft[case % k] = (draft[case % k] + 1) % 20  # wrong from there on
+            r = VerifyRequest("s", 5, "h", [1], draft.tolist(), SamplingParams(temperature=0), 0,
+                              logprobs=2 if case == 5 else None)
+            res = decide(r, logits)
+            tokens, n_acc = greedy_verify(draft.unsqueeze(0), target.unsqueeze(0))
+            assert res.tokens == [t for t in tokens[0].tolist() if t != PAD] and res.num_accepted == int(n_acc[0])
+            assert res.num_drafts == k and (res.logprobs is None) == (case != 5)
+
+
 def test_greedy_equals_stochastic_path_at_temperature_zero():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 3 + 1, 50, generator=g)
