@@ -110,7 +110,10 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             # speculative steps by how their drafts came: a pre-draft "hit", a "miss" (discarded), "none" pre-drafted
             "by_pre_draft": {o: {"steps": c, "mean_draft_ms": round(1000 * d / c, 3), "mean_step_ms": round(1000 * w / c, 3)}
                              for o, (c, d, w) in sorted(timing["by_pre_draft"].items())},
-            "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3)}
+            "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3),
+            # chunks the verifier replica(s) sent the router (stream_interval_ms, collect_interval_ms); the last
+            # one, being handled as this is written, included
+            "replica_chunks": timing["emit_n"] + 1}
 
 
 def _overloaded(e: Exception) -> OpenAIError:
@@ -310,11 +313,14 @@ class Router:
         timeout_s = min(body.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         # predicted output tokens verified and kept / verified and dropped, every choice's (OpenAI's usage details)
         predicted = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0} if prediction else None
+        # a non-streaming request's tokens are needed only at its end: its replica sends them in fewer,
+        # larger chunks (unless the router must find stop strings in them as they come)
+        interval_s = None if body.stream or params.stop else self.config.collect_interval_ms / 1000
         # n choices: each its own speculative sequence; choice i of a seeded request uses seed + i
         choices = [self._generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
                                   params if params.seed is None or i == 0
                                   else params.model_copy(update={"seed": (params.seed + i) % 2**63}), k, logprobs,
-                                  prediction, predicted)
+                                  prediction, predicted, interval_s)
                    for i in range(body.n)]
         steps = self._until_deadline(_merged(choices), timeout_s)
         echo = ""
@@ -369,12 +375,13 @@ class Router:
             await steps.aclose()
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None,
-                        prediction: list[int] = (), predicted: dict | None = None):
+                        prediction: list[int] = (), predicted: dict | None = None, interval_s: float | None = None):
         """The request's steps. Its loop runs on a verifier replica (``VerifierServer.speculate``:
         draft, verify, accept beside the engine, no router round trip per step), which streams
         each step's tokens; the router keeps the text (detokenisation, stop strings), the
         statistics and the failover: if the stream breaks (the replica died), the sequence
-        resumes on another replica from its tokens, no token lost or repeated."""
+        resumes on another replica from its tokens, no token lost or repeated. ``interval_s``: how
+        often the replica sends the steps (None: its ``stream_interval_ms``)."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
         timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
@@ -386,7 +393,7 @@ class Router:
             while not seq.done:
                 stream = self.verifier.options(stream=True).speculate.remote(
                     prompt_ids, params, rid, k, self.max_len, logprobs, seq.output_ids, self.config.k_policy,
-                    list(prediction))
+                    list(prediction), interval_s)
                 ended = False  # the replica's loop finished by itself: nothing to cancel
                 try:
                     t_prev = time.perf_counter()

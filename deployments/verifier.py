@@ -235,12 +235,13 @@ class VerifierServer(EngineServer):
 
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
-                        k_policy: str = "fixed", prediction: list[int] = ()):
+                        k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
-        ``stream_interval_s`` (``coalesced``), the first step and the last at once."""
+        ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
+        the last at once."""
         steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction)
-        async for group in coalesced(steps, self.stream_interval_s):
+        async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
