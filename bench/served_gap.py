@@ -11,7 +11,12 @@ same engines in this process, no RPC) and then every served variant, so ratios a
   everything in series, as in process, but behind Serve, the router and HTTP;
 - ``..._chunks1s``: the same with ``stream_interval_ms: 1000``: about one stream item a second
   instead of one a step, so the router, proxy and client barely run during forwards;
-- ``pool_chunks50ms``: the shipped app with ``stream_interval_ms: 50`` (about two steps an item).
+- ``pool_chunks50ms``: the shipped app with ``stream_interval_ms: 50`` (about two steps an item);
+- ``pool_collect20ms``: the shipped app with ``collect_interval_ms: 20``: non-streaming requests
+  (``--no-stream``) sent as streams are, instead of about one chunk a second.
+
+Requests stream (SSE) unless ``--no-stream``: then the client waits for the whole body, as
+``bench.latency`` does.
 
 Per variant: ms/token over the in-process loop's (paired, median), and the medians over requests
 of the mean verify forward and the mean drafting on the critical path per step, as the router
@@ -29,7 +34,8 @@ from pathlib import Path
 from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median,
                           paired_ratio, rnd, serving, stream_completion, write_json)
 
-VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms")
+VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms",
+            "pool_collect20ms")
 
 
 def variant_args(name: str, k: int, dtype: str) -> dict:
@@ -45,6 +51,8 @@ def variant_args(name: str, k: int, dtype: str) -> dict:
         a["stream_interval_ms"] = 1000.0
     if name.endswith("chunks50ms"):
         a["stream_interval_ms"] = 50.0
+    if name.endswith("collect20ms"):
+        a["collect_interval_ms"] = 20.0
     return a
 
 
@@ -60,6 +68,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--dtype", default="float32", help="float32: every row emits the same greedy text")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-stream", action="store_true", help="non-streaming requests (the whole body at the end)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -76,7 +85,15 @@ def main(argv=None):
         import httpx
 
         async with httpx.AsyncClient(timeout=600) as client:
-            return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
+            if not args.no_stream:
+                return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
+            t0 = time.perf_counter()
+            r = await client.post(f"{url}/v1/completions", json=completion_body(ids, n, 0.0, 0, args.k))
+            r.raise_for_status()
+            data = r.json()
+            return {"latency_s": time.perf_counter() - t0, "tokens": data["usage"]["completion_tokens"],
+                    "speculation": data["speculation"], "token_ids": data["choices"][0]["token_ids"],
+                    "chunks": [None] * data["speculation"]["replica_chunks"]}
 
     with serving({v: variant_args(v, args.k, args.dtype) for v in names}, 1) as urls:
         for url in urls.values():
