@@ -239,7 +239,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         k = seq.step_k(policy.next_k(batch))
         if seq.capture and not seq.has_aux:
             k = 0  # no states yet: this plain step computes them
-        pre_drafting = choice is not None and choice.use()
+        pre_drafting = choice is not None and k > 0 and choice.use(k)
         if k > 0 and breaker.open(time.monotonic()):
             return 0, pre_drafting, True
         return k, pre_drafting, False
@@ -325,7 +325,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             if not predicted_drafts:
                 policy.observe(res.num_drafts, res.num_accepted, info.draft_s, res.forward_s, info.step_s, batch)
             if choice is not None and res.num_drafts and len(seq.output_ids) > len(new) and not predicted_drafts:
-                choice.observe(pre is not None, info.pre_draft, info.draft_s, info.step_s)  # (not the prefill)
+                choice.observe(res.num_drafts, pre is not None, info.pre_draft, info.draft_s, info.step_s)  # (not the prefill)
             if not seq.done:
                 # the next step's drafting starts before this step's tokens go out: whatever the caller
                 # does with them (streaming them to the client, served) overlaps it

@@ -454,17 +454,24 @@ class TrimmedMean:
 @dataclass
 class PreDraftCosts:
     """What pre-drafting costs and saves where the loop runs, measured by every sequence on a verifier
-    replica (a property of its drafter and verifier hardware, not of one request), each as the trimmed
-    mean (``TrimmedMean``) of its last ``window`` observations, in seconds:
+    replica (a property of its drafter and verifier hardware, not of one request), per number of
+    drafts k of the step, each as the trimmed mean (``TrimmedMean``) of its last ``window``
+    observations, in seconds:
     - ``draft``: drafting on a step's critical path, by how the step's drafts came: "none" (the step
       before did not pre-draft), "hit" (a pre-drafted branch was used), "miss" (the pre-draft was
       discarded, and the drafter may still be busy with it);
     - ``rest``: the step's time outside that drafting (the verify forward, the loop, the hand-off),
       by whether the step itself pre-drafted (a pre-draft computed beside the verify slows it where
       drafter and verifier share cores);
-    - ``hit``: the share of pre-drafts that hit (a sequence's own, once it has some, counts more).
+    - ``hit``: the share of pre-drafts that hit, over every k (a sequence's own, once it has some,
+      counts more).
     Each is measured as a step's components, not as seconds per token: a step's tokens depend on
     the text, not on whether it was pre-drafted, and dividing by them made the comparison noise.
+
+    Why per k: a replica's steps differ in k (requests ask for different k, the adaptive policy
+    changes it step by step), and a step's time and its pre-draft's size grow with k. Pooled, the
+    arms compared steps of different sizes: served, one replica taking fixed k = 4 and k = 8
+    requests in turn, k = 4 requests pre-drafted 15 of their 85 steps (session 21).
 
     Why trimmed means: the arm not in use is measured only in short runs, so its figure is a few
     steps old and few. With exponentially weighted means (weight 0.1), one stalled step in such a run
@@ -475,52 +482,57 @@ class PreDraftCosts:
     window: int = 32  # observations per term
     weight: float = 0.1  # of the newest pre-draft outcome in the hit rate
     min_obs: int = 3  # per term, before a saving is estimated from it
-    draft: dict[str, TrimmedMean] = field(default_factory=dict)
-    rest: dict[bool, TrimmedMean] = field(default_factory=dict)
+    draft: dict[tuple[int, str], TrimmedMean] = field(default_factory=dict)  # (k, outcome)
+    rest: dict[tuple[int, bool], TrimmedMean] = field(default_factory=dict)  # (k, pre-drafted)
     hit: float | None = None
 
-    def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        self.draft.setdefault(outcome or "none", TrimmedMean(self.window)).add(draft_s)
-        self.rest.setdefault(pre_drafted, TrimmedMean(self.window)).add(max(0.0, step_s - draft_s))
+    def observe(self, k: int, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
+        self.draft.setdefault((k, outcome or "none"), TrimmedMean(self.window)).add(draft_s)
+        self.rest.setdefault((k, pre_drafted), TrimmedMean(self.window)).add(max(0.0, step_s - draft_s))
         if outcome is not None:
             x = float(outcome == "hit")
             self.hit = x if self.hit is None else self.hit + self.weight * (x - self.hit)
 
     def term(self, terms: dict, key) -> float | None:
-        """A term's trimmed mean (``draft`` by outcome, ``rest`` by arm), None while it has fewer than ``min_obs``."""
+        """A term's trimmed mean (``draft`` by (k, outcome), ``rest`` by (k, arm)), None while it has
+        fewer than ``min_obs``."""
         t = terms.get(key)
         return t.value if t is not None and len(t) >= self.min_obs else None
 
     def report(self) -> dict:
-        """In milliseconds: what a replica's ``stats()`` shows of its pre-drafting."""
-        saving = self.saving_s()
-        return {"draft_ms": {o: round(1000 * t.value, 3) for o, t in sorted(self.draft.items())},
+        """In milliseconds, per k: what a replica's ``stats()`` shows of its pre-drafting."""
+        out = {"hit_rate": None if self.hit is None else round(self.hit, 3), "by_k": {}}
+        for k in sorted({k for k, _ in self.draft} | {k for k, _ in self.rest}):
+            saving = self.saving_s(k)
+            out["by_k"][k] = {
+                "draft_ms": {o: round(1000 * t.value, 3) for (kk, o), t in sorted(self.draft.items()) if kk == k},
                 "rest_ms": {("pre_draft" if a else "no_pre_draft"): round(1000 * t.value, 3)
-                            for a, t in sorted(self.rest.items())},
-                "hit_rate": None if self.hit is None else round(self.hit, 3),
+                            for (kk, a), t in sorted(self.rest.items()) if kk == k},
                 "saving_ms_per_step": None if saving is None else round(1000 * saving, 3)}
+        return out
 
-    def saving_s(self, hit: float | None = None) -> float | None:
-        """Expected seconds a pre-draft saves per step (negative: it costs), at hit rate ``hit`` (default:
-        the replica's); None until every term has been measured ``min_obs`` times."""
+    def saving_s(self, k: int, hit: float | None = None) -> float | None:
+        """Expected seconds a pre-draft saves per step of k drafts (negative: it costs), at hit rate
+        ``hit`` (default: the replica's); None until every term for k has been measured ``min_obs`` times."""
         hit = self.hit if hit is None else hit
-        none, rest_pre, rest_plain = (self.term(self.draft, "none"), self.term(self.rest, True),
-                                      self.term(self.rest, False))
+        none, rest_pre, rest_plain = (self.term(self.draft, (k, "none")), self.term(self.rest, (k, True)),
+                                      self.term(self.rest, (k, False)))
         if hit is None or none is None or rest_pre is None or rest_plain is None:
             return None
         # (a term not seen yet: a hit drafts nothing on the critical path, a miss drafts as if none was made)
-        d_hit, d_miss = self.term(self.draft, "hit"), self.term(self.draft, "miss")
+        d_hit, d_miss = self.term(self.draft, (k, "hit")), self.term(self.draft, (k, "miss"))
         with_pre = hit * (d_hit or 0.0) + (1 - hit) * (none if d_miss is None else d_miss) + rest_pre
         return none + rest_plain - with_pre
 
 
 @dataclass
 class PreDraftChoice:
-    """Whether to pre-draft the next block: where ``PreDraftCosts`` (shared by a replica's sequences)
-    says it saves time at this sequence's hit rate. Until every term is measured it takes the arm
-    that measures a missing one (without pre-drafting first), in runs of ``run`` steps;
-    then it keeps the arm that saves, and tries the other for a run every ``explore_every`` steps so
-    the means stay current. ``margin``: the other arm must save this share of a step to replace the chosen one."""
+    """Whether to pre-draft the next block of a step of k drafts: where ``PreDraftCosts`` (shared by a
+    replica's sequences) says it saves time for that k at this sequence's hit rate. Until every term
+    for k is measured it takes the arm that measures a missing one (without pre-drafting first), in
+    runs of ``run`` steps; then it keeps the arm that saves, and tries the other for a run every
+    ``explore_every`` steps so the means stay current. ``margin``: the other arm must save this share
+    of a step to replace the chosen one."""
 
     always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
     costs: PreDraftCosts = field(default_factory=PreDraftCosts)
@@ -530,7 +542,7 @@ class PreDraftChoice:
     prior: int = 4  # pseudo-observations of the replica's hit rate in this sequence's
     _hits: int = 0
     _pre: int = 0  # this sequence's pre-drafts that were checked (hits + misses)
-    _best: bool = True
+    _best: dict[int, bool] = field(default_factory=dict)  # per k
     _left: int = 0
     steps: int = 0
     _arm: bool = True
@@ -541,41 +553,43 @@ class PreDraftChoice:
             return self._hits / self._pre if self._pre else None
         return (self._hits + self.prior * rep) / (self._pre + self.prior)
 
-    def use(self) -> bool:
+    def use(self, k: int) -> bool:
+        """Whether the next step, of k drafts, pre-drafts the block after it."""
         if self.always:
             return True
         self.steps += 1
         if self._left > 0:
             self._left -= 1
             return self._arm
-        saving = self.costs.saving_s(self.hit_rate())
+        c = self.costs
+        saving = c.saving_s(k, self.hit_rate())
         if saving is None:  # a term unmeasured: take the arm that measures it
-            c = self.costs
-            if c.term(c.rest, False) is None:  # steps without pre-drafting
+            if c.term(c.rest, (k, False)) is None:  # steps without pre-drafting
                 arm = False
-            elif c.term(c.rest, True) is None or c.hit is None:  # steps that pre-draft, and their hit rate
+            elif c.term(c.rest, (k, True)) is None or c.hit is None:  # steps that pre-draft, and their hit rate
                 arm = True
             else:  # only steps not pre-drafted for are missing
                 arm = False
         else:
-            step = self.costs.term(self.costs.draft, "none") + self.costs.term(self.costs.rest, False)
+            step = c.term(c.draft, (k, "none")) + c.term(c.rest, (k, False))
             if abs(saving) > self.margin * step:
-                self._best = saving > 0
+                self._best[k] = saving > 0
+            best = self._best.get(k, True)
             explore = self.steps % self.explore_every == 0
-            arm = (not self._best) if explore else self._best
+            arm = (not best) if explore else best
         if arm != self._arm:
             self._left = self.run - 1
         self._arm = arm
         return arm
 
-    def observe(self, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        """A finished speculative step: whether it pre-drafted, how its own drafts came ("hit", "miss",
-        None), its drafting on the critical path and its wall time."""
+    def observe(self, k: int, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
+        """A finished speculative step of k drafts: whether it pre-drafted, how its own drafts came
+        ("hit", "miss", None), its drafting on the critical path and its wall time."""
         if outcome is not None:
             self._pre += 1
             self._hits += outcome == "hit"
         if not self.always:
-            self.costs.observe(pre_drafted, outcome, draft_s, step_s)
+            self.costs.observe(k, pre_drafted, outcome, draft_s, step_s)
 
 
 @dataclass

@@ -80,17 +80,17 @@ def test_pre_draft_choice_credits_a_pre_draft_with_the_step_it_saves(build, save
     rng = random.Random(0)
     choice, prev_built, used = PreDraftChoice(), False, []
     for i in range(400):
-        arm = choice.use()
+        arm = choice.use(4)
         outcome = ("hit" if rng.random() < 0.5 else "miss") if prev_built else None
         draft = 0.0 if outcome == "hit" else saved
         step = 5.0 + (build if arm else 0.0) + draft + rng.uniform(-0.3, 0.3)
-        choice.observe(arm, outcome, draft, step)
+        choice.observe(4, arm, outcome, draft, step)
         prev_built = arm
         used.append(arm)
     share = sum(used[200:]) / 200
     explore = choice.run / choice.explore_every
     assert share >= 1 - explore - 0.02 if want else share <= explore + 0.02, share
-    saving = choice.costs.saving_s()
+    saving = choice.costs.saving_s(4)
     assert (saving > 0) == want and abs(saving - (1.5 - build)) < 0.3, saving
 
 
@@ -106,17 +106,48 @@ def test_pre_draft_choice_keeps_pre_drafting_through_stalled_steps():
     rng = random.Random(1)
     choice, prev_built, used = PreDraftChoice(), False, []
     for i in range(1200):
-        arm = choice.use()
+        arm = choice.use(4)
         outcome = ("hit" if rng.random() < 0.5 else "miss") if prev_built else None
         draft = 0.0 if outcome == "hit" else 4.0
         step = 4.0 + (1.0 if arm else 0.0) + draft + rng.uniform(-0.3, 0.3)
         if rng.random() < 0.03:
             step += 40.0  # stalled by the host
-        choice.observe(arm, outcome, draft, step)
+        choice.observe(4, arm, outcome, draft, step)
         prev_built = arm
         used.append(arm)
-    assert abs(choice.costs.saving_s(0.5) - 1.0) < 0.3, choice.costs.saving_s(0.5)
+    assert abs(choice.costs.saving_s(4, 0.5) - 1.0) < 0.3, choice.costs.saving_s(4, 0.5)
     assert sum(used[200:]) / 1000 >= 1 - choice.run / choice.explore_every - 0.02, sum(used[200:])
+
+
+def test_pre_draft_choice_is_made_per_k_on_a_replica_shared_by_several_k():
+    """A replica takes requests of k = 4 and k = 8 in turn (or a policy that changes k). At k = 4 a
+    pre-draft adds 0.5 to its step and saves 2 on a hit (7 in 10): it pays 0.9 a step; at k = 8 its
+    tree adds 4 to a step twice as long and saves 3 on a hit: it costs 2.2. Pooled over k, the arms
+    compare steps of different sizes, and one of the two is chosen wrongly."""
+    import random
+
+    from core.policy import PreDraftChoice, PreDraftCosts
+
+    rng = random.Random(2)
+    costs = PreDraftCosts()
+    shape = {4: (8.0, 0.5, 2.0), 8: (16.0, 4.0, 3.0)}  # k: (step, a pre-draft's cost, drafting when none holds)
+    choices = {k: PreDraftChoice(costs=costs) for k in shape}
+    prev = {k: False for k in shape}
+    used = {k: [] for k in shape}
+    for i in range(800):
+        k = 4 if (i // 3) % 2 == 0 else 8  # runs of steps of each k, interleaved
+        base, build, saved = shape[k]
+        arm = choices[k].use(k)
+        outcome = ("hit" if rng.random() < 0.7 else "miss") if prev[k] else None
+        draft = 0.0 if outcome == "hit" else saved
+        choices[k].observe(k, arm, outcome, draft, base + (build if arm else 0.0) + draft + rng.uniform(-0.3, 0.3))
+        prev[k] = arm
+        used[k].append(arm)
+    explore = choices[4].run / choices[4].explore_every
+    assert sum(used[4][100:]) / len(used[4][100:]) >= 1 - explore - 0.03, used[4][100:]
+    assert sum(used[8][100:]) / len(used[8][100:]) <= explore + 0.03, used[8][100:]
+    assert abs(costs.saving_s(4, 0.7) - 0.9) < 0.3 and abs(costs.saving_s(8, 0.7) + 2.2) < 0.5
+    assert set(costs.report()["by_k"]) == {4, 8}
 
 
 def test_pre_draft_choice_learns_from_the_replica():
@@ -129,17 +160,17 @@ def test_pre_draft_choice_learns_from_the_replica():
     # drafting 4 ms on the critical path unless a pre-draft hits (3 in 4 do); pre-drafting adds 1 ms to
     # the step that makes it: it saves 0.75 x 4 - 1 = 2 ms a step, and costs 1 ms at a hit rate of 0
     for _ in range(20):
-        costs.observe(False, None, 0.004, 0.014)
+        costs.observe(4, False, None, 0.004, 0.014)
         for outcome in ("hit", "hit", "hit", "miss"):
-            costs.observe(True, outcome, 0.0 if outcome == "hit" else 0.004, 0.011 if outcome == "hit" else 0.015)
-    assert abs(costs.saving_s() - 0.002) < 0.0005
+            costs.observe(4, True, outcome, 0.0 if outcome == "hit" else 0.004, 0.011 if outcome == "hit" else 0.015)
+    assert abs(costs.saving_s(4) - 0.002) < 0.0005
     new = PreDraftChoice(costs=costs)
-    assert all(new.use() for _ in range(10))
+    assert all(new.use(4) for _ in range(10))
     for _ in range(8):
-        new.observe(True, "miss", 0.004, 0.015)
-    assert new.hit_rate() < 0.3 and costs.saving_s(new.hit_rate()) < 0
-    assert sum(new.use() for _ in range(48)) <= 2 * new.run
-    assert PreDraftChoice(always=True).use()
+        new.observe(4, True, "miss", 0.004, 0.015)
+    assert new.hit_rate() < 0.3 and costs.saving_s(4, new.hit_rate()) < 0
+    assert sum(new.use(4) for _ in range(48)) <= 2 * new.run
+    assert PreDraftChoice(always=True).use(4)
 
 
 def test_batch_speculation_turns_speculation_off_where_it_measures_slower():

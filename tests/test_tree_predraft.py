@@ -169,7 +169,7 @@ def _forced(monkeypatch):
     """Pre-draft at every step (the per-request choice would stop where it does not pay)."""
     from core.policy import PreDraftChoice
 
-    monkeypatch.setattr(PreDraftChoice, "use", lambda self: True)
+    monkeypatch.setattr(PreDraftChoice, "use", lambda self, k: True)
 
 
 async def _speculate(seq, drafter, ver, k, m):
@@ -266,7 +266,7 @@ def test_sampled_outputs_with_trees_are_token_for_token_those_without(verificati
               for s in range(N)]
 
     async def run_all(pre_draft: bool):
-        monkeypatch.setattr(PreDraftChoice, "use", lambda self: pre_draft)
+        monkeypatch.setattr(PreDraftChoice, "use", lambda self, k: pre_draft)
         out, hits = [], 0
         for sp in params:
             seq = Sequence(prompt, sp, 1, None, set(), 64)
