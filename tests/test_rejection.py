@@ -162,6 +162,56 @@ def test_decide_greedy_fast_path_is_greedy_verify():
             assert res.num_drafts == k and (res.logprobs is None) == (case != 5)
 
 
+@pytest.mark.parametrize("verification", ["rejection", "gumbel"])
+def test_decide_sampled_position_by_position_is_the_batched_rule(verification):
+    """``decide`` verifies a sampled request position by position, drawing noise and uniforms only
+    for the positions it reaches; it must emit exactly what the batched rules (``rejection_sample``,
+    ``gumbel_verify``, which the distribution tests check) emit with every position's draws: every k
+    from 0, drafts the target likes and dislikes, sparse q, one-hot q (no probabilities), q equal to p
+    (an empty residual), top-k and top-p zeros in p, and a resent whole sequence (``full``)."""
+    from core.protocol import DraftProbs, VerifyRequest
+    from core.rejection import decide, gumbel_verify
+    from core.sampling import gumbel_noise, uniforms
+
+    g = torch.Generator().manual_seed(3)
+    vocab, checked, accepted = 12, 0, 0
+    for k in range(0, 6):
+        for case in range(40):
+            params = SamplingParams(temperature=[0.7, 1.0, 1.3][case % 3], top_k=6 if case % 5 == 1 else 0,
+                                    top_p=0.8 if case % 5 == 2 else 1.0, verification=verification)
+            logits = torch.randn(k + 1, vocab, generator=g) * 2
+            p = processed_probs(logits, params)  # [k+1, V]
+            # drafts: the target's likeliest token at some positions (so some are accepted), any token at others
+            draft = [int(p[i].argmax()) if torch.rand(1, generator=g) < 0.6 else int(torch.randint(0, vocab, (1,), generator=g))
+                     for i in range(k)]
+            if case % 4 == 0:
+                q = None  # one-hot drafts
+            elif case % 4 == 1:  # q == p at every position: a rejection leaves an empty residual
+                q = DraftProbs([list(range(vocab))] * k, [p[i].tolist() for i in range(k)])
+            else:  # sparse q over a few ids, the draft among them
+                ids = [sorted({draft[i], *torch.randperm(vocab, generator=g)[:3].tolist()}) for i in range(k)]
+                w = [torch.rand(len(row), generator=g) + 0.05 for row in ids]
+                q = DraftProbs(ids, [(x / x.sum()).tolist() for x in w])
+            seed, full = 1000 + case, case % 7 == 3
+            r = VerifyRequest("s", 0 if full else 30, None if full else "h", list(range(33 if full else 3)), draft,
+                              params, seed, draft_probs=q, full=full)
+            first = 33
+            res = decide(r, logits)
+            d = torch.tensor([draft], dtype=torch.long).view(1, k)
+            if verification == "gumbel":
+                tokens, n_acc = gumbel_verify(d, p.unsqueeze(0), gumbel_noise(seed, range(first, first + k + 1), vocab).unsqueeze(0))
+            else:
+                q_dense = q.dense(vocab).unsqueeze(0) if q is not None else None
+                tokens, n_acc = rejection_sample(d, q_dense, p.unsqueeze(0),
+                                                 uniforms(seed, range(first, first + k), Stream.ACCEPT).unsqueeze(0),
+                                                 uniforms(seed, range(first, first + k + 1), Stream.SAMPLE).unsqueeze(0))
+            assert res.tokens == [t for t in tokens[0].tolist() if t != PAD], (k, case)
+            assert res.num_accepted == int(n_acc[0]) and res.num_drafts == k, (k, case)
+            checked += 1
+            accepted += res.num_accepted
+    assert checked == 240 and accepted > 60  # many drafts accepted (of 600), many rejected
+
+
 def test_greedy_equals_stochastic_path_at_temperature_zero():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 3 + 1, 50, generator=g)
