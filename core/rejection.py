@@ -161,6 +161,9 @@ def _rejection_by_position(r: VerifyRequest, p: torch.Tensor, first: int) -> tup
     """rejection_sample for one sequence: p [k+1, V] float32; draft i sits at position first + i, q is
     ``r.draft_probs`` (sparse rows) or one-hot. The accept test is rejection_sample's, in float32."""
     V, q = p.shape[-1], r.draft_probs
+    if q is not None and (len(q.ids) < r.k or any(t < 0 or t >= V for row in q.ids[: r.k] for t in row)):
+        # (checked whole, so a bad q fails whichever position the drafts are rejected at)
+        raise ValueError(f"draft_probs must give q for each of the {r.k} drafts over token ids below {V}")
     for i, x in enumerate(r.draft_tokens):
         q_x = 1.0 if q is None else next((pr for t, pr in zip(q.ids[i], q.probs[i]) if t == x), 0.0)
         u = uniform(r.seed, first + i, Stream.ACCEPT)
