@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -57,6 +59,43 @@ def gumbel_noise(seed: int, positions: range | list[int], vocab_size: int) -> to
         u = torch.rand(vocab_size, generator=gen, dtype=torch.float64).clamp_(min=2.0**-53)
         out[row] = -torch.log(-torch.log(u))
     return out
+
+
+class NoiseCache:
+    """``gumbel_noise`` rows by (seed, position), the least recently used dropped past ``budget_bytes``.
+
+    Why: a drafter draws the same positions again and again. A pre-draft tree's branches overlap
+    (k = 4, m = 1: 30 draws over 9 positions), and the next step drafts positions the tree drew.
+    Measured (V = 4,096, T = 0.8, one thread): a tree of 6 branches x 5 tokens took 11.3 ms against
+    6.3 ms greedy, most of the difference drawing noise (0.07 ms a row; about 2 ms at V = 128k).
+    The rows are the ones ``gumbel_noise`` draws (read-only: callers must not write to them)."""
+
+    def __init__(self, budget_bytes: int = 32 * 2**20):
+        self.budget_bytes = budget_bytes
+        self._rows: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # (an engine's thread uses it; the lock only guards misuse)
+
+    def row(self, seed: int, position: int, vocab_size: int) -> torch.Tensor:
+        """Gumbel noise [1, V] of (seed, position): ``gumbel_noise(seed, [position], vocab_size)``."""
+        key = (seed, position, vocab_size)
+        with self._lock:
+            x = self._rows.get(key)
+            if x is not None:
+                self._rows.move_to_end(key)
+                return x
+        x = gumbel_noise(seed, [position], vocab_size)
+        with self._lock:
+            if key not in self._rows:
+                self._rows[key] = x
+                self._bytes += x.numel() * x.element_size()
+            while self._bytes > self.budget_bytes and len(self._rows) > 1:
+                _, old = self._rows.popitem(last=False)
+                self._bytes -= old.numel() * old.element_size()
+        return x
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

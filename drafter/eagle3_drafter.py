@@ -38,6 +38,7 @@ from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.llama import Linear
 from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, prefix_hash
+from core.sampling import NoiseCache
 from drafter.model_drafter import ModelDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -120,6 +121,7 @@ class Eagle3Drafter(ModelDrafter):
             eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
         self.eos_ids = eos_ids
         self.on_progress = None
+        self.noise = NoiseCache()  # (ModelDrafter._draw's Gumbel noise rows)
         self.narrowed = {}  # (ModelDrafter.narrow: a head drafts chains, never trees, so nothing reads it)
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import eos_token_ids, pin_process
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
+from core.sampling import (History, NoiseCache, Stream, gumbel_argmax, processed_probs, sample_inverse_cdf,
                            target_logits, uniform)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -37,6 +37,7 @@ class ModelDrafter:
         self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
         self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
+        self.noise = NoiseCache()  # Gumbel noise rows its draws reuse (trees overlap, steps redraw)
         # seq_id -> (a pre-draft tree's context length, the one branch (n, c) still wanted, or None: none)
         self.narrowed: dict[str, tuple[int, tuple[int, int] | None]] = {}
 
@@ -260,7 +261,7 @@ class ModelDrafter:
         if r.alternatives:
             prop.alts.append(q.topk(min(r.alternatives, q.shape[0])).indices.tolist())
         if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
-            return int(gumbel_argmax(q.unsqueeze(0), gumbel_noise(r.seed, [position], q.shape[0]))[0])
+            return int(gumbel_argmax(q.unsqueeze(0), self.noise.row(r.seed, position, q.shape[0]))[0])
         K = min(self.config.draft_top_k, q.shape[0])
         vals, ids = q.topk(K)  # [K]
         keep = vals > 0

@@ -124,3 +124,58 @@ def test_gumbel_noise_keyed_by_seed_and_position():
     # standard Gumbel: mean = Euler-Mascheroni constant, variance pi^2/6
     big = gumbel_noise(11, range(200), 1000)
     assert abs(big.mean() - 0.5772) < 0.02 and abs(big.var() - 1.6449) < 0.05
+
+
+def test_noise_cache_returns_gumbel_noise_rows_within_its_byte_budget(monkeypatch):
+    """A drafter's ``NoiseCache`` gives the rows ``gumbel_noise`` draws, draws each (seed, position)
+    once while it is kept, and drops the least recently used past its budget."""
+    import core.sampling as sampling
+    from core.sampling import NoiseCache
+
+    cache = NoiseCache(budget_bytes=3 * 50 * 8)  # three float64 rows of V = 50
+    for seed, pos in ((1, 10), (1, 11), (2, 10)):
+        assert torch.equal(cache.row(seed, pos, 50), gumbel_noise(seed, [pos], 50))
+    calls = []
+    real = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda *a: calls.append(a) or real(*a))
+    cache.row(1, 10, 50)  # kept: no draw (and now the most recently used)
+    assert calls == [] and len(cache) == 3
+    cache.row(3, 0, 50)  # a fourth row: (1, 11), the least recently used, goes
+    assert len(cache) == 3 and len(calls) == 1
+    cache.row(1, 10, 50)
+    assert len(calls) == 1
+    cache.row(1, 11, 50)
+    assert len(calls) == 2 and torch.equal(cache.row(1, 11, 50), real(1, [11], 50))
+
+
+def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
+    """A pre-draft tree's branches overlap at every depth: the drafter draws each position's noise
+    once (k = 3, m = 1: 5 branches of 4 drafts over 7 positions, 3 of them the chain's), and drafts
+    what it drafts without the cache."""
+    import core.sampling as sampling
+    from core.loop import tree_branches
+    from core.sequence import Sequence
+    from core.sampling import NoiseCache
+
+    tok, _, ver, dr = tiny_engines
+    params = SamplingParams(temperature=0.9, seed=5, verification="gumbel", max_tokens=64, ignore_eos=True)
+
+    def tree(seq_id):
+        seq = Sequence(tok.encode("def add(a, b):"), params, 3, tok, ver.eos_ids, ver.max_len, seq_id=seq_id)
+        (p,) = dr.propose([seq.draft_request(4, alternatives=2)])
+        seq.note_proposal(p)
+        branches = tree_branches(p.tokens[:3], p, 1)
+        (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=2,
+                                             branches=[(len(seq.tokens) + j, c) for j, c in branches])])
+        dr.release(seq_id)
+        return [b.tokens for b in t.branches], len(branches)
+
+    calls = []
+    real = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda *a: calls.append(a[1][0]) or real(*a))
+    dr.noise = NoiseCache()
+    cached, n = tree("a")
+    # the chain: positions L..L+3 (L the prompt's length); the tree's branch j draws L+j+1..L+j+4, j = 0..3
+    assert n == 5 and len(calls) == len(set(calls)) == 8, calls
+    dr.noise = NoiseCache(budget_bytes=0)  # keeps one row at most: nearly every draw anew
+    assert tree("b")[0] == cached and len(calls) > 20
