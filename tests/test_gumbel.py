@@ -179,3 +179,32 @@ def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
     assert n == 5 and len(calls) == len(set(calls)) == 8, calls
     dr.noise = NoiseCache(budget_bytes=0)  # keeps one row at most: nearly every draw anew
     assert tree("b")[0] == cached and len(calls) > 20
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k=20),
+                                    dict(temperature=1.0, top_p=0.9)])
+def test_a_trees_rows_drawn_together_are_drawn_as_alone(tiny_engines, monkeypatch, params):
+    """A pass's greedy and Gumbel-coupled rows are drawn in one batched op (``_batched_draws``): every
+    branch's drafts and alternatives are those each row draws alone (``_draw``)."""
+    from core.loop import tree_branches
+    from core.sequence import Sequence
+    from drafter.model_drafter import ModelDrafter
+
+    tok, _, ver, dr = tiny_engines
+    sp = SamplingParams(**params, seed=9, verification="gumbel", max_tokens=64, ignore_eos=True)
+
+    def tree(seq_id):
+        seq = Sequence(tok.encode("class Stack:\n    def push(self, x):"), sp, 3, tok, ver.eos_ids, ver.max_len,
+                       seq_id=seq_id)
+        (p,) = dr.propose([seq.draft_request(4, alternatives=3)])
+        seq.note_proposal(p)
+        branches = tree_branches(p.tokens[:3], p, 2)
+        (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=3,
+                                             branches=[(len(seq.tokens) + j, c) for j, c in branches])])
+        dr.release(seq_id)
+        return p.tokens, p.alts, [(b.tokens, b.alts) for b in t.branches]
+
+    together = tree("together")
+    assert len(together[2]) == 9 and all(len(toks) == 4 for toks, _ in together[2])
+    monkeypatch.setattr(ModelDrafter, "_batched_draws", lambda self, passed: {})
+    assert tree("alone") == together
