@@ -148,37 +148,41 @@ def test_noise_cache_returns_gumbel_noise_rows_within_its_byte_budget(monkeypatc
     assert len(calls) == 2 and torch.equal(cache.row(1, 11, 50), real(1, [11], 50))
 
 
+def _draft_tree(tiny_engines, prompt: str, params, seq_id: str, m: int):
+    """A chain of 4 drafts (k = 3 and the bonus guess), then the pre-draft tree ``tree_branches`` makes
+    of it with m alternatives: (chain drafts, their alternatives, [(branch drafts, alternatives)])."""
+    from core.loop import tree_branches
+    from core.sequence import Sequence
+
+    tok, _, ver, dr = tiny_engines
+    seq = Sequence(tok.encode(prompt), params, 3, tok, ver.eos_ids, ver.max_len, seq_id=seq_id)
+    (p,) = dr.propose([seq.draft_request(4, alternatives=m + 1)])
+    seq.note_proposal(p)
+    branches = tree_branches(p.tokens[:3], p, m)
+    (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=m + 1,
+                                         branches=[(len(seq.tokens) + j, c) for j, c in branches])])
+    dr.release(seq_id)
+    return p.tokens, p.alts, [(b.tokens, b.alts) for b in t.branches]
+
+
 def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
     """A pre-draft tree's branches overlap at every depth: the drafter draws each position's noise
     once (k = 3, m = 1: 5 branches of 4 drafts over 7 positions, 3 of them the chain's), and drafts
     what it drafts without the cache."""
     import core.sampling as sampling
-    from core.loop import tree_branches
-    from core.sequence import Sequence
     from core.sampling import NoiseCache
 
-    tok, _, ver, dr = tiny_engines
+    dr = tiny_engines[3]
     params = SamplingParams(temperature=0.9, seed=5, verification="gumbel", max_tokens=64, ignore_eos=True)
-
-    def tree(seq_id):
-        seq = Sequence(tok.encode("def add(a, b):"), params, 3, tok, ver.eos_ids, ver.max_len, seq_id=seq_id)
-        (p,) = dr.propose([seq.draft_request(4, alternatives=2)])
-        seq.note_proposal(p)
-        branches = tree_branches(p.tokens[:3], p, 1)
-        (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=2,
-                                             branches=[(len(seq.tokens) + j, c) for j, c in branches])])
-        dr.release(seq_id)
-        return [b.tokens for b in t.branches], len(branches)
-
     calls = []
     real = sampling.gumbel_noise
     monkeypatch.setattr(sampling, "gumbel_noise", lambda *a: calls.append(a[1][0]) or real(*a))
     dr.noise = NoiseCache()
-    cached, n = tree("a")
+    cached = _draft_tree(tiny_engines, "def add(a, b):", params, "a", 1)
     # the chain: positions L..L+3 (L the prompt's length); the tree's branch j draws L+j+1..L+j+4, j = 0..3
-    assert n == 5 and len(calls) == len(set(calls)) == 8, calls
+    assert len(cached[2]) == 5 and len(calls) == len(set(calls)) == 8, calls
     dr.noise = NoiseCache(budget_bytes=0)  # keeps one row at most: nearly every draw anew
-    assert tree("b")[0] == cached and len(calls) > 20
+    assert _draft_tree(tiny_engines, "def add(a, b):", params, "b", 1) == cached and len(calls) > 20
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k=20),
@@ -186,25 +190,11 @@ def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
 def test_a_trees_rows_drawn_together_are_drawn_as_alone(tiny_engines, monkeypatch, params):
     """A pass's greedy and Gumbel-coupled rows are drawn in one batched op (``_batched_draws``): every
     branch's drafts and alternatives are those each row draws alone (``_draw``)."""
-    from core.loop import tree_branches
-    from core.sequence import Sequence
     from drafter.model_drafter import ModelDrafter
 
-    tok, _, ver, dr = tiny_engines
     sp = SamplingParams(**params, seed=9, verification="gumbel", max_tokens=64, ignore_eos=True)
-
-    def tree(seq_id):
-        seq = Sequence(tok.encode("class Stack:\n    def push(self, x):"), sp, 3, tok, ver.eos_ids, ver.max_len,
-                       seq_id=seq_id)
-        (p,) = dr.propose([seq.draft_request(4, alternatives=3)])
-        seq.note_proposal(p)
-        branches = tree_branches(p.tokens[:3], p, 2)
-        (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=3,
-                                             branches=[(len(seq.tokens) + j, c) for j, c in branches])])
-        dr.release(seq_id)
-        return p.tokens, p.alts, [(b.tokens, b.alts) for b in t.branches]
-
-    together = tree("together")
+    prompt = "class Stack:\n    def push(self, x):"
+    together = _draft_tree(tiny_engines, prompt, sp, "together", 2)
     assert len(together[2]) == 9 and all(len(toks) == 4 for toks, _ in together[2])
     monkeypatch.setattr(ModelDrafter, "_batched_draws", lambda self, passed: {})
-    assert tree("alone") == together
+    assert _draft_tree(tiny_engines, prompt, sp, "alone", 2) == together
