@@ -31,8 +31,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from bench.common import (DEFAULT_OUT, TARGET, app_args, completion_body, environment, load_prompts, log, median,
-                          paired_ratio, rnd, serving, stream_completion, write_json)
+from bench.common import (DEFAULT_OUT, TARGET, app_args, complete, completion_body, environment, load_prompts, log,
+                          median, paired_ratio, rnd, serving, stream_completion, write_json)
 
 VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms",
             "pool_collect20ms")
@@ -84,16 +84,13 @@ def main(argv=None):
     async def one(url, ids, n):
         import httpx
 
+        if args.no_stream:
+            with httpx.Client(timeout=600) as client:
+                wall, tokens, spec, token_ids = complete(client, url, completion_body(ids, n, 0.0, 0, args.k))
+            return {"latency_s": wall, "tokens": tokens, "speculation": spec, "token_ids": token_ids,
+                    "chunks": [None] * spec["replica_chunks"]}
         async with httpx.AsyncClient(timeout=600) as client:
-            if not args.no_stream:
-                return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
-            t0 = time.perf_counter()
-            r = await client.post(f"{url}/v1/completions", json=completion_body(ids, n, 0.0, 0, args.k))
-            r.raise_for_status()
-            data = r.json()
-            return {"latency_s": time.perf_counter() - t0, "tokens": data["usage"]["completion_tokens"],
-                    "speculation": data["speculation"], "token_ids": data["choices"][0]["token_ids"],
-                    "chunks": [None] * data["speculation"]["replica_chunks"]}
+            return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
 
     with serving({v: variant_args(v, args.k, args.dtype) for v in names}, 1) as urls:
         for url in urls.values():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.protocol import VerifyRequest, VerifyResult
+from core.protocol import DraftProbs, VerifyRequest, VerifyResult
 from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
                            target_logits, uniform)
 
@@ -169,11 +169,11 @@ def _rejection_by_position(r: VerifyRequest, p: torch.Tensor, first: int) -> tup
         u = uniform(r.seed, first + i, Stream.ACCEPT)
         if np.float32(u) * np.float32(q_x) < p[i, x].item():  # u < p(x) / q(x), in p's float32
             continue
-        q_row = torch.zeros(V)  # [V] as DraftProbs.dense (or one-hot) builds row i
         if q is None:
+            q_row = torch.zeros(V)  # [V] one-hot, as rejection_sample's q
             q_row[x] = 1.0
         else:
-            q_row[q.ids[i]] = torch.tensor(q.probs[i], dtype=torch.float32)
+            q_row = DraftProbs(q.ids[i: i + 1], q.probs[i: i + 1]).dense(V)[0]  # [V] row i of q.dense(V)
         final = (p[i] - q_row).clamp_min(0.0)  # [V] the residual norm(max(0, p - q)), unnormalised
         if final.sum() <= 0:  # empty residual (p == q): p itself, as rejection_sample falls back
             final = p[i]
