@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from core.protocol import CacheMiss, common_prefix_len, cut_chain, prefix_hash
 
@@ -49,6 +50,9 @@ class Slot:
     # the head's output at the last row with the slot's length then (kept here: evicted with the slot)
     real: int = 0
     tail: tuple | None = None
+    # the rows of every block in the table, kept while the table is unchanged: a batched pass asks for
+    # every row's rows, and a pre-draft tree's passes for the same slot's rows m (k + 1) times a pass
+    _rows: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def cut(self, n: int) -> None:
         """Keep the first n tokens (rejected drafts, a rollback); the rows past them are stale."""
@@ -56,9 +60,14 @@ class Slot:
         cut_chain(self.chain, n)
 
     def rows(self, n: int, block_size: int) -> torch.Tensor:
-        """The pool rows of positions 0..n-1: [n]."""
-        b = torch.tensor(self.blocks[: -(-n // block_size)], dtype=torch.long)
-        return (b.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:n]
+        """The pool rows of positions 0..n-1: [n] (a view: not to be written)."""
+        key = tuple(self.blocks)
+        if self._rows is None or self._rows[0] != key or self._rows[1].numel() != len(key) * block_size:
+            b = torch.tensor(key, dtype=torch.long)
+            self._rows = key, (b.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()  # [blocks * bs]
+        if n > self._rows[1].numel():
+            raise ValueError(f"{n} positions need more than the slot's {len(key)} blocks")
+        return self._rows[1][:n]
 
     def first_row_if_contiguous(self, n: int, block_size: int) -> int | None:
         """The first row when positions 0..n-1 lie in consecutive blocks (read as a view), else None."""
@@ -77,11 +86,14 @@ class BranchSlot:
     def __init__(self, parent: Slot, n: int, own_rows: torch.Tensor):
         self.parent, self.n, self.own_rows = parent, n, own_rows  # own_rows: [capacity]
         self.tokens = parent.tokens[:n]
+        self._rows = None  # [n + capacity]: the parent's first n rows, then its own (made at the first pass)
 
     def rows(self, n: int, block_size: int) -> torch.Tensor:
         if n - self.n > self.own_rows.numel():
             raise ValueError(f"branch of {n} positions outgrew its {self.own_rows.numel()} rows")
-        return torch.cat([self.parent.rows(self.n, block_size), self.own_rows[: n - self.n]])  # [n]
+        if self._rows is None:
+            self._rows = torch.cat([self.parent.rows(self.n, block_size), self.own_rows])
+        return self._rows[:n]  # [n]
 
     def first_row_if_contiguous(self, n: int, block_size: int) -> None:
         return None  # always gathered
@@ -265,18 +277,15 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
     else:
         # Right-align the new tokens (pad on the left) so every row's last positions line up
         # and the LM head runs on the last max(keep_last) columns only.
-        starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
+        # (each tensor in one op from Python lists: per-row tensor ops were most of a tree pass's own time)
+        input_ids = torch.tensor([[0] * (n - len(t)) + t for t in new_tokens])  # [B, n]
+        starts_t, lengths_t = torch.tensor([starts, lengths])  # [B] each
         col = torch.arange(n).unsqueeze(0)  # [1, n]
         pad = (n - lengths_t).unsqueeze(1)  # [B, 1]
         valid = col >= pad  # [B, n]
         positions = torch.where(valid, starts_t.unsqueeze(1) + col - pad, 0)  # [B, n]
-        input_ids = torch.zeros(B, n, dtype=torch.long)
-        for i, toks in enumerate(new_tokens):
-            input_ids[i, n - len(toks):] = torch.tensor(toks)
-        rows = [s.rows(a + b, bs) for s, a, b in zip(slots, starts, lengths)]
-        read = torch.full((B, S), TRASH_ROW, dtype=torch.long)
-        for i, r in enumerate(rows):
-            read[i, : r.numel()] = r
+        rows = [s.rows(a + b, bs) for s, a, b in zip(slots, starts, lengths)]  # [start + length] each
+        read = pad_sequence(rows, batch_first=True, padding_value=TRASH_ROW)  # [B, S]: the longest row is S
         write = torch.where(valid, read.gather(1, positions), TRASH_ROW)  # [B, n]
         kv = KVAccess(cache, write_rows=write.flatten().to(device), read_rows=read.to(device))
     # key t is visible to a query at position pos when t <= pos; a pad query (position 0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from core.kv_cache import PagedKVCache, batched_forward
+from core.protocol import prefix_hash
 from core.llama import CompactLlama, HFRunner, NativeLlama, compact_unsupported, make_runner
 from core.models import cpu_has_fast_bf16, resolve_dtype, resolve_kv_dtype
 from core.native import load as load_native, why_unavailable
@@ -519,3 +520,29 @@ def test_fragmented_block_tables_are_gathered_not_viewed(runner_kind):
         want = model(input_ids=torch.tensor([toks])).logits[0]
     torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
     assert torch.equal(cache.k[0][4 * bs:5 * bs], y_rows)
+
+
+def test_a_slots_rows_follow_its_block_table_as_it_changes():
+    """``Slot.rows`` keeps the rows of its block table between passes; every change to the table
+    (growing, trimming on a rollback, blocks handed back and taken by another sequence, then taken
+    again) must show in the rows it returns."""
+    cache = PagedKVCache(tiny("llama").config, 128, 8 * 2**20, torch.float32)
+    bs = cache.block_size
+
+    def want(slot, n):
+        return [slot.blocks[p // bs] * bs + p % bs for p in range(n)]
+
+    a = cache.claim("A", 0, None, [5] * (bs + 1), set())
+    cache.reserve("A", 2 * bs, {"A"})
+    assert a.rows(2 * bs, bs).tolist() == want(a, 2 * bs)
+    cache.claim("B", 0, None, [5] * 3, set()), cache.reserve("B", bs, {"B"})  # takes the block after A's
+    cache.reserve("A", 3 * bs, {"A"})  # so A's third block is not consecutive
+    assert a.rows(3 * bs, bs).tolist() == want(a, 3 * bs) and a.rows(5, bs).tolist() == want(a, 5)
+    a.tokens[:] = [5] * (bs + 1)
+    cache.claim("A", 3, prefix_hash(a.tokens, 3), None, set())  # a rollback to 3 tokens trims to 2 blocks
+    assert len(a.blocks) == 2 and a.rows(2 * bs, bs).tolist() == want(a, 2 * bs)
+    cache.release("B")
+    cache.reserve("A", 3 * bs, {"A"})  # the freed block after A's second is taken again
+    assert a.rows(3 * bs, bs).tolist() == want(a, 3 * bs)
+    with pytest.raises(ValueError):
+        a.rows(3 * bs + 1, bs)
