@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from core.kv_cache import PagedKVCache, batched_forward
-from core.protocol import prefix_hash
 from core.llama import CompactLlama, HFRunner, NativeLlama, compact_unsupported, make_runner
 from core.models import cpu_has_fast_bf16, resolve_dtype, resolve_kv_dtype
 from core.native import load as load_native, why_unavailable
+from core.protocol import prefix_hash
 
 
 def native_ops():
@@ -535,7 +535,8 @@ def test_a_slots_rows_follow_its_block_table_as_it_changes():
     a = cache.claim("A", 0, None, [5] * (bs + 1), set())
     cache.reserve("A", 2 * bs, {"A"})
     assert a.rows(2 * bs, bs).tolist() == want(a, 2 * bs)
-    cache.claim("B", 0, None, [5] * 3, set()), cache.reserve("B", bs, {"B"})  # takes the block after A's
+    cache.claim("B", 0, None, [5] * 3, set())
+    cache.reserve("B", bs, {"B"})  # takes the block after A's
     cache.reserve("A", 3 * bs, {"A"})  # so A's third block is not consecutive
     assert a.rows(3 * bs, bs).tolist() == want(a, 3 * bs) and a.rows(5, bs).tolist() == want(a, 5)
     a.tokens[:] = [5] * (bs + 1)
