@@ -125,27 +125,35 @@ class StepCosts:
         batch adds a drafting pass or a forward), and a k measured on a few bad ones must not be
         written off for good; an unmeasured k is read off the line. With one k measured, the line
         is its mean scaled by ``model(k)``, the engine model."""
+        return self.step_all(batch_size, [k], model)[0]
+
+    def step_all(self, batch_size: int, ks, model) -> list[float | None]:
+        """``step_s`` for each of ``ks``, the means and the line computed once (the policy asks for
+        every k each step, on the verifier's critical path)."""
         row = self._near(self.table, batch_size) or {}
         mean = {m: sum(v) / len(v) for m, v in row.items() if v}
-        if k == 0:
-            return mean.get(0)
         spec = {m: t for m, t in mean.items() if m > 0}
-        if not spec:
-            return None
-        w = {m: len(row[m]) for m in spec}
-        n = sum(w.values())
-        mk = sum(w[m] * m for m in spec) / n
-        mt = sum(w[m] * spec[m] for m in spec) / n
-        var = sum(w[m] * (m - mk) ** 2 for m in spec)
-        if var <= 0:
-            base = model(mk)
-            line = mt * model(k) / base if base > 0 else mt
-        else:
-            slope = max(0.0, sum(w[m] * (m - mk) * (spec[m] - mt) for m in spec) / var)
-            line = max(1e-6, mt + slope * (k - mk))
-        if k not in spec:
-            return line
-        return (w[k] * spec[k] + self.shrink * line) / (w[k] + self.shrink)
+        if spec:
+            w = {m: len(row[m]) for m in spec}
+            n = sum(w.values())
+            mk = sum(w[m] * m for m in spec) / n
+            mt = sum(w[m] * spec[m] for m in spec) / n
+            var = sum(w[m] * (m - mk) ** 2 for m in spec)
+            if var <= 0:
+                base = model(mk)
+            else:
+                slope = max(0.0, sum(w[m] * (m - mk) * (spec[m] - mt) for m in spec) / var)
+        out = []
+        for k in ks:
+            if k == 0 or not spec:
+                out.append(mean.get(0) if k == 0 else None)
+                continue
+            if var <= 0:
+                line = mt * model(k) / base if base > 0 else mt
+            else:
+                line = max(1e-6, mt + slope * (k - mk))
+            out.append(line if k not in spec else (w[k] * spec[k] + self.shrink * line) / (w[k] + self.shrink))
+        return out
 
 
 @dataclass
@@ -218,24 +226,29 @@ class AdaptiveK:
         request has steps of its own at k, their mean shrunk towards that. An
         unmeasured plain step is the model's (the verify forward alone), so speculation must beat
         plain decoding as measured (once chosen, plain steps are measured too)."""
+        return self.costs_all([k], batch_size)[0]
+
+    def costs_all(self, ks, batch_size: int = 1) -> list[float]:
+        """``cost_s`` for each of ``ks``, each table read once."""
         if self.costs.measured(batch_size) < self.min_steps:
-            replica = self.model_s(k)
+            replica = [self.model_s(k) for k in ks]
         else:
-            replica = self.costs.step_s(batch_size, k, self.model_s)
-            replica = replica if replica is not None else self.model_s(k)
-        mine = self.own.recent(batch_size, k)
-        if not mine:
-            return replica
-        # this request's own steps, shrunk towards the replica's: what a step costs depends on the
-        # request too (its pre-drafts hit as often as its drafts are accepted)
-        return (sum(mine) + self.costs.shrink * replica) / (len(mine) + self.costs.shrink)
+            replica = [r if r is not None else self.model_s(k)
+                       for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_s))]
+        own = self.own._near(self.own.table, batch_size) or {}
+        out = []
+        for k, r in zip(ks, replica):
+            mine = own.get(k)
+            # this request's own steps, shrunk towards the replica's: what a step costs depends on the
+            # request too (its pre-drafts hit as often as its drafts are accepted)
+            out.append((sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r)
+        return out
 
     def values(self, batch_size: int = 1) -> list[float]:
         extra_load = max(0.0, batch_size / self.saturation_batch - 1)
         tokens = self.expected_tokens(self.bound)
         out = []
-        for k in range(self.bound + 1):
-            cost = self.cost_s(k, batch_size)
+        for k, cost in enumerate(self.costs_all(range(self.bound + 1), batch_size)):
             if cost <= 0:  # nothing measured at all yet
                 cost = 1 + self.c_verify * k
             out.append(tokens[k] / cost / (1 + self.c_verify * k * extra_load))
@@ -436,19 +449,23 @@ class TrimmedMean:
     def __init__(self, window: int = 32, trim: float = 0.25):
         self.window, self.trim = window, trim
         self._xs: deque[float] = deque(maxlen=window)
+        self._value: float | None = None  # kept until the next observation (read every step, added to less)
 
     def add(self, x: float) -> None:
         self._xs.append(x)
+        self._value = None
 
     def __len__(self) -> int:
         return len(self._xs)
 
     @property
     def value(self) -> float:
-        xs = sorted(self._xs)
-        cut = max(1, int(self.trim * len(xs))) if len(xs) >= 3 else 0
-        kept = xs[cut: len(xs) - cut]
-        return sum(kept) / len(kept)
+        if self._value is None:
+            xs = sorted(self._xs)
+            cut = max(1, int(self.trim * len(xs))) if len(xs) >= 3 else 0
+            kept = xs[cut: len(xs) - cut]
+            self._value = sum(kept) / len(kept)
+        return self._value
 
 
 @dataclass

@@ -51,6 +51,32 @@ def metrics():
     }
 
 
+class Tally:
+    """Counter increments summed here and sent by ``flush``, one Ray call per counter and tag set.
+
+    Why: a Serve metric call costs about 10 µs (it looks up its replica's context tags each time). A
+    router applying a chunk of about a second's steps (a non-streaming request) made 7 of them per
+    step: 6-12 of the 8-16 ms it took per chunk, measured on the AMD Zen 3, and the last chunk's on
+    the request's critical path. Not thread-safe: one event loop's."""
+
+    def __init__(self):
+        self._n: dict[tuple, float] = {}
+        self.flushed_at = 0.0  # (time.monotonic) for callers that flush at most so often
+
+    def inc(self, name: str, value: float = 1, tags: dict | None = None):
+        key = (name, tuple(tags.items()) if tags else ())
+        self._n[key] = self._n.get(key, 0) + value
+
+    def flush(self, now: float = 0.0):
+        self.flushed_at = now
+        if not self._n:
+            return
+        m = metrics()
+        for (name, tags), value in self._n.items():
+            m[name].inc(value, tags=dict(tags) if tags else None)
+        self._n.clear()
+
+
 def where() -> dict:
     """This replica's node and id, for placement checks (empty outside a Ray actor)."""
     try:

@@ -28,7 +28,7 @@ from core.protocol import StepInfo, VerifyResult
 from core.sequence import Sequence
 from deployments.batcher import Overloaded
 from deployments.edge import EdgeMiddleware, configure_edge, count_status
-from deployments.metrics import metrics
+from deployments.metrics import Tally, metrics
 from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults,
                                     to_sampling_params)
 
@@ -419,18 +419,20 @@ class Router:
                                 walls[j] = min(info.step_s, left)
                                 left -= walls[j]
                         walls[rest_j] = left
+                        tally = Tally()  # the group's counters, one call each
                         for j, (ids, lps, info) in enumerate(group):
                             if seq.done:  # a stop string ended it: the rest was decoded past the end
                                 break
                             new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
                                                                 num_drafts=info.k,
                                                                 logprobs=lps if logprobs is not None else None))
-                            self._record(seq, info, timing, walls[j])
+                            self._record(seq, info, timing, walls[j], tally)
                             if predicted is not None and info.predicted:
                                 predicted["accepted_prediction_tokens"] += info.accepted
                                 predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
                             out_ids += new
                             text += delta
+                        tally.flush()
                         stats = _spec_stats(seq, timing) if seq.done else None
                         yield StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], stats)
                         t_prev = time.perf_counter()
@@ -472,18 +474,18 @@ class Router:
         finally:
             self._release(rid)
 
-    def _record(self, seq: Sequence, info: StepInfo, timing: dict, wall_s: float):
+    def _record(self, seq: Sequence, info: StepInfo, timing: dict, wall_s: float, tally: Tally):
         """One step's statistics and metrics; ``wall_s``: the step as the router saw it (between
-        two stream items), so exposed time is measured from outside the verifier."""
-        m = metrics()
+        two stream items), so exposed time is measured from outside the verifier; counters go to
+        ``tally``, sent once per stream item."""
         for pool, n in info.recomputes.items():
             seq.cache_misses[pool] += n
         if info.degraded:
             timing["degraded_steps"] += 1
-            m["degraded"].inc()
+            tally.inc("degraded")
         if info.pre_draft is not None:
             timing["pre_draft_hits" if info.pre_draft == "hit" else "pre_draft_misses"] += 1
-            m["pre_draft"].inc(tags={"outcome": info.pre_draft})
+            tally.inc("pre_draft", tags={"outcome": info.pre_draft})
             timing["pre_branches"] += info.pre_branches
             if info.pre_outcome is not None:  # per outcome j of the block it was drafted for: [hits, pre-drafts]
                 row = timing["pre_draft_by_outcome"].setdefault(str(info.pre_outcome), [0, 0])
@@ -496,15 +498,15 @@ class Router:
             if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:
                 timing["plain_from_token"] = len(seq.output_ids) - 1  # the policy chose plain decoding
             return
-        m["num_drafts"].inc()
-        m["num_draft_tokens"].inc(info.k)
+        tally.inc("num_drafts")
+        tally.inc("num_draft_tokens", info.k)
         if info.accepted:
-            m["num_accepted_tokens"].inc(info.accepted)
+            tally.inc("num_accepted_tokens", info.accepted)
         for pos in range(info.accepted):
-            m["num_accepted_tokens_per_pos"].inc(tags={"position": str(pos)})
+            tally.inc("num_accepted_tokens_per_pos", tags={"position": str(pos)})
         # critical-path time outside the engines' compute: network, queueing, (de)serialisation
         exposed = max(0.0, wall_s - info.forward_s - info.draft_s)
-        m["exposed_rpc"].observe(exposed)
+        metrics()["exposed_rpc"].observe(exposed)
         timing["exposed_s"] += exposed
         timing["step_s"] += wall_s
         timing["spec_steps"] += 1

@@ -18,6 +18,7 @@ from core.policy import AdaptiveK, BatchSpeculation, Breaker, FixedK, PreDraftCo
 from core.prediction import PredictedOutput
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
+from deployments.metrics import Tally
 from deployments.server import EngineServer
 from verifier.engine import VerifierEngine
 
@@ -103,6 +104,7 @@ class VerifierServer(EngineServer):
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0, "local": 0}  # this replica's, for stats()
+        self.tally = Tally()  # drafter call counters, sent at most once a second and as each stream ends
         self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
         self.pipeline_drafts = pipeline_drafts
         self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
@@ -297,6 +299,7 @@ class VerifierServer(EngineServer):
                 yield new, lps, info
         finally:
             self.streams -= 1
+            self.tally.flush(time.monotonic())
             self._bound.pop(seq_id, None)
             if self.local is not None and k > 0:
                 await self.local.release([seq_id])
@@ -417,16 +420,12 @@ class VerifierServer(EngineServer):
         verifier``), else to the pool. The first goes through Serve's handle (its router places the
         sequence); with ``drafter_transport: direct`` the later ones go down a connection to the
         replica that answered (``core.channel``), back to the handle if it breaks."""
-        from deployments.metrics import metrics
-
-        count = metrics()["drafter_calls"]
+        count = self._count_call
         if self.local is not None:  # drafter_placement verifier: the engine beside this one, no hop
-            self.drafter_calls["local"] += 1
-            count.inc(tags={"transport": "local", "outcome": "ok"})
+            count("local")
             return await self.local.propose(requests)
         if self.drafter_transport != "direct":
-            self.drafter_calls["serve"] += 1
-            count.inc(tags={"transport": "serve", "outcome": "ok"})
+            count("serve")
             return await self.drafter.propose.remote(requests)
         seq_id = requests[0].seq_id
         ep = self._bound.get(seq_id)
@@ -438,20 +437,25 @@ class VerifierServer(EngineServer):
                 log.warning("drafter channel to %s:%d failed (%r): back to Serve's router", ep.host, ep.port, e)
                 # a silent replica may only be overloaded: Serve's router, which sees queues, decides for a while
                 self._avoid(ep, SLOW_S if isinstance(e, TimeoutError) else CHANNEL_DOWN_S)
-                self.drafter_calls["fallback"] += 1
-                count.inc(tags={"transport": "direct", "outcome": "fallback"})
+                count("direct", "fallback")
             else:
-                self.drafter_calls["direct"] += 1
-                count.inc(tags={"transport": "direct", "outcome": "ok"})
+                count("direct")
                 if ep in self._breakers:
                     self._breakers[ep].succeeded()
                 return out
-        self.drafter_calls["serve"] += 1
-        count.inc(tags={"transport": "serve", "outcome": "ok"})
+        count("serve")
         proposals, ep = await self.drafter.propose_bound.remote(requests)
         if ep is not None and not (ep in self._breakers and self._breakers[ep].open(time.monotonic())):
             self._bound[seq_id] = ep  # (an expired breaker: this binding probes the replica again)
         return proposals
+
+    def _count_call(self, transport: str, outcome: str = "ok"):
+        """A drafter call, in ``stats()`` and in the ``drafter_calls`` metric (sent at most once a second)."""
+        self.drafter_calls[transport if outcome == "ok" else outcome] += 1
+        self.tally.inc("drafter_calls", tags={"transport": transport, "outcome": outcome})
+        now = time.monotonic()
+        if now - self.tally.flushed_at >= 1.0:
+            self.tally.flush(now)
 
     def _narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:
         """Tell the drafter a pre-draft tree's outcome (``ModelDrafter.narrow``), without waiting: to the

@@ -343,3 +343,22 @@ def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_toke
             assert not any(after_large), after_large
         outs[speculating] = [[t for ids, _, _ in steps for t in ids] for steps in streams]
     assert outs[False] == outs[True] and all(len(o) == 24 for o in outs[True])
+
+
+def test_every_ks_cost_read_in_one_pass_is_each_ones_own():
+    """The policy reads every k's step cost at once each step (one pass over the tables, on the
+    verifier's critical path): each must be what that k alone reads, measured or off the line."""
+    from core.policy import StepCosts
+
+    costs = StepCosts()
+    p = AdaptiveK(8, costs=costs)
+    for i in range(60):  # k = 2, 3, 5 and plain measured (runs of 3), skewed steps; 1, 4, 6-8 off the line
+        for k in (2, 3, 5, 0):
+            for _ in range(3):
+                p.observe(k, k - 1 if k else 0, draft_s=0.0004 * k, verify_s=0.006,
+                          step_s=0.008 + 0.0011 * k + (0.004 if i % 7 == 0 else 0.0))
+    ks = list(range(9))
+    together = costs.step_all(1, ks, p.model_s)
+    assert together == [costs.step_all(1, [k], p.model_s)[0] for k in ks]
+    assert together[0] is not None and len(set(together)) == 9  # measured plain, and a line with a slope
+    assert p.costs_all(ks) == [p.costs_all([k])[0] for k in ks]
