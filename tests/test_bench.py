@@ -41,6 +41,23 @@ def _png_ok(path):
     assert 2_000 < len(data) < 300_000, (path, len(data))
 
 
+def test_the_replay_charges_a_step_by_whether_its_pre_draft_covered_the_outcome():
+    """``bench.policy_replay`` with ``miss_ms``: a whole block accepted with the drafter's next token
+    right is covered (the next step costs a hit's time); a correction is covered with probability
+    ``p_correction``; the first step of a sequence is always a miss."""
+    from bench.policy_replay import replay
+    from core.policy import FixedK
+
+    hit, miss = [5.0] * 9, [9.0] * 9
+    always = replay(lambda c: FixedK(4), [[8] * 40], hit, 0, 0.0, 0.0, miss, p_correction=0.0)
+    # 8 steps of 5 tokens: the first a miss, the rest hits
+    assert always == [pytest.approx((9.0 + 7 * 5.0) / 40)]
+    never = replay(lambda c: FixedK(4), [[0] * 10], hit, 0, 0.0, 0.0, miss, p_correction=0.0)
+    assert never == [pytest.approx(9.0)]  # every draft rejected, no correction guessed: all misses
+    guessed = replay(lambda c: FixedK(4), [[0] * 10], hit, 0, 0.0, 0.0, miss, p_correction=1.0)
+    assert guessed == [pytest.approx((9.0 + 9 * 5.0) / 10)]
+
+
 @pytest.mark.long  # a served app and every benchmark script end to end
 def test_bench_smoke(bench_urls, tmp_path):
     from bench import breakdown, cost, latency, load, report
