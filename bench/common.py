@@ -186,10 +186,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(apps: dict[str, dict], threads: int):
+def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | None = None):
     """Deploy each ``{name: args}`` app at route ``/name`` on Ray Serve, in process, and yield
     ``{name: base_url}``. Starts Ray and Serve (on a free port) unless they already run (the
-    test suite's cluster); deletes the apps afterwards and stops what it started."""
+    test suite's cluster); deletes the apps afterwards and stops what it started. ``overrides``:
+    an app's deployment options instead of ``BENCH_OVERRIDES``."""
     import ray
     from ray import serve
 
@@ -208,7 +209,8 @@ def serving(apps: dict[str, dict], threads: int):
             started_serve = True
         log(f"deploying apps {list(apps)}")
         # all at once: their replicas start in parallel
-        serve.run_many([serve.RunTarget(build_app_with(args, overrides=BENCH_OVERRIDES), name=f"bench-{name}",
+        serve.run_many([serve.RunTarget(build_app_with(args, overrides=(overrides or {}).get(name, BENCH_OVERRIDES)),
+                                        name=f"bench-{name}",
                                         route_prefix=f"/bench-{name}") for name, args in apps.items()])
         log("apps ready")
         yield {name: f"http://127.0.0.1:{port}/bench-{name}" for name in apps}

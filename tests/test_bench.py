@@ -5,6 +5,7 @@ The full-size runs are `make bench`, not tests."""
 import argparse
 import json
 import math
+import os
 import struct
 
 import pytest
@@ -143,6 +144,24 @@ def test_bench_smoke(bench_urls, tmp_path):
     goal_names = " ".join(g["goal"] for g in merged["goals"])
     assert "speed-up" in goal_names and "zero-overhead bound" in goal_names and "exposed overhead" in goal_names
     assert all(g["met"] in (True, False, None) for g in merged["goals"])
+
+
+@pytest.mark.long  # four apps deployed
+def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, tmp_path):
+    """``bench.ab`` against this very checkout: both sides run the same code, so greedy tokens match
+    and every run is paired; the working directory is given back."""
+    from bench import ab
+    from bench.common import ROOT
+
+    cwd = os.getcwd()
+    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,default", "--prompts", "1", "--repeats", "2",
+                           "--max-tokens", str(TOKENS), "--dtype", "float32", "--out", str(tmp_path)]))
+    assert os.getcwd() == cwd
+    assert set(res["summary"]) == {"k2", "default"} and res["commits"]["old"] == res["commits"]["new"]
+    for s, e in res["summary"].items():
+        assert e["runs"] == 2 and e["same_tokens"] is True, s
+        assert e["new_over_old_paired"] > 0 and e["old_ms_per_token"] > 0, s
+    assert [r["pair"] for r in res["runs"]["k2-old"]] == [[0, 0], [1, 0]]
 
 
 @pytest.mark.slow

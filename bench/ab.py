@@ -1,0 +1,136 @@
+"""Two versions of splitspec served side by side in one Ray cluster, requests interleaved.
+
+This machine's speed drifts by a third within an hour (other tenants), so two versions measured
+in separate runs cannot be told apart at 5%; here each (prompt, repeat) runs on both, alternating
+which goes first, and the ratios are paired. The other version is a checkout of another commit
+(``git worktree add /tmp/old <commit>``): its apps' replicas import its code (``PYTHONPATH`` in
+their runtime environment), this checkout's apps this one's. Ray puts its driver's working
+directory first on its workers' path, so the driver runs from a temporary directory.
+
+    python -m bench.ab --old /tmp/old --out bench/results/ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import (BENCH_DTYPE, BENCH_OVERRIDES, DEFAULT_K, DEFAULT_OUT, ROOT, TARGET, app_args, complete, completion_body,
+                          environment, load_prompts, log, median, rnd, serving, set_threads, write_json)
+
+SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="a checkout of the other version (its repository root)")
+    ap.add_argument("--systems", default="default,k4", help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    args.systems = args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}")
+    if not (Path(args.old) / "deployments").is_dir():
+        ap.error(f"--old {args.old}: not a splitspec checkout")
+    return args
+
+
+def _commit(tree: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _with_path(tree: Path) -> dict:
+    """BENCH_OVERRIDES with the replicas importing from ``tree``."""
+    env = {"runtime_env": {"env_vars": {"PYTHONPATH": str(tree)}}}
+    return {name: {**o, "ray_actor_options": {**o["ray_actor_options"], **env}} for name, o in BENCH_OVERRIDES.items()}
+
+
+def run(args) -> dict:
+    set_threads(args.threads)
+    trees = {"old": Path(args.old).resolve(), "new": ROOT}
+    cwd, path = os.getcwd(), list(sys.path)
+    # the modules this process still imports lazily come from this checkout, whatever the working directory
+    sys.path[:] = [str(ROOT) if p in ("", ".") else p for p in sys.path]
+    os.chdir(tempfile.mkdtemp(prefix="splitspec-ab-"))
+    try:
+        return _measure(args, trees)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+
+
+def _measure(args, trees: dict) -> dict:
+    import httpx
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    prompts = load_prompts(args.prompts, tok)
+    policies = sorted({SYSTEMS[s][0] for s in args.systems})
+    apps, overrides = {}, {}
+    for ver, tree in trees.items():
+        for policy in policies:
+            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, dtype=args.dtype)
+            overrides[f"{ver}-{policy}"] = _with_path(tree)
+    t0 = time.perf_counter()
+    runs = {f"{s}-{v}": [] for s in args.systems for v in trees}
+    with serving(apps, args.threads, overrides) as urls, httpx.Client(timeout=600) as client:
+        for name, url in urls.items():  # warm-up: first-call costs
+            complete(client, url, completion_body(prompts[0][1], 16, args.temperature, 7, None))
+        for rep in range(args.repeats):
+            for i, (_, ids) in enumerate(prompts):
+                seed = 1000 + 100 * rep + i
+                versions = ("old", "new") if (rep + i) % 2 == 0 else ("new", "old")
+                for s in args.systems:
+                    policy, k = SYSTEMS[s]
+                    for ver in versions:
+                        wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
+                                                      completion_body(ids, args.max_tokens, args.temperature, seed, k))
+                        runs[f"{s}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
+                                                   "tokens": n, "output_ids": out})
+                log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
+                                                                   for key, r in runs.items()))
+    summary = {}
+    for s in args.systems:
+        old, new = runs[f"{s}-old"], runs[f"{s}-new"]
+        ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
+        summary[s] = {"old_ms_per_token": rnd(median([r["ms_per_token"] for r in old])),
+                      "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
+                      "new_over_old_paired": rnd(median(ratios)), "new_faster_runs": sum(x < 1 for x in ratios),
+                      "runs": len(ratios),
+                      # greedy: both versions must emit the same tokens
+                      "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
+                      if args.temperature == 0 else None}
+        log(f"{s}: new / old {summary[s]['new_over_old_paired']} (faster in {summary[s]['new_faster_runs']} of "
+            f"{len(ratios)}), same tokens {summary[s]['same_tokens']}")
+    for r in runs.values():
+        for x in r:
+            x.pop("output_ids")
+    return {"scenario": "ab", "config": {k: v for k, v in vars(args).items()},
+            "commits": {v: _commit(t) for v, t in trees.items()}, "environment": environment(args.threads),
+            "summary": summary, "runs": runs, "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None):
+    args = parse(argv)
+    out = Path(args.out).resolve()
+    write_json(out, "ab", run(args))
+
+
+if __name__ == "__main__":
+    main()
