@@ -110,9 +110,9 @@ class StepCosts:
         if k > 0:
             self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
 
-    def recent(self, batch_size: int, k: int) -> deque | None:
-        """The recent wall seconds of steps with k drafts at (or nearest) this batch size."""
-        return (self._near(self.table, batch_size) or {}).get(k)
+    def row(self, batch_size: int) -> dict[int, deque]:
+        """The recent wall seconds of steps, per k, at (or nearest) this batch size."""
+        return self._near(self.table, batch_size) or {}
 
     def measured(self, batch_size: int) -> int:
         """Speculative steps measured in (or nearest) this batch size's bucket."""
@@ -130,7 +130,7 @@ class StepCosts:
     def step_all(self, batch_size: int, ks, model) -> list[float | None]:
         """``step_s`` for each of ``ks``, the means and the line computed once (the policy asks for
         every k each step, on the verifier's critical path)."""
-        row = self._near(self.table, batch_size) or {}
+        row = self.row(batch_size)
         mean = {m: sum(v) / len(v) for m, v in row.items() if v}
         spec = {m: t for m, t in mean.items() if m > 0}
         if spec:
@@ -220,22 +220,18 @@ class AdaptiveK:
         """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
         return self.costs.plain_est_s * (1 + self.c_verify * k) + k * self.costs.draft_per_token_s
 
-    def cost_s(self, k: int, batch_size: int = 1) -> float:
-        """Wall time of a step with k drafts at this batch size: measured on this replica
-        (``StepCosts``) once ``min_steps`` speculative steps are, else the engine model; where this
-        request has steps of its own at k, their mean shrunk towards that. An
-        unmeasured plain step is the model's (the verify forward alone), so speculation must beat
-        plain decoding as measured (once chosen, plain steps are measured too)."""
-        return self.costs_all([k], batch_size)[0]
-
     def costs_all(self, ks, batch_size: int = 1) -> list[float]:
-        """``cost_s`` for each of ``ks``, each table read once."""
+        """Wall time of a step with each of ``ks`` drafts at this batch size (each table read once):
+        measured on this replica (``StepCosts``) once ``min_steps`` speculative steps are, else the
+        engine model; where this request has steps of its own at k, their mean shrunk towards that.
+        An unmeasured plain step is the model's (the verify forward alone), so speculation must beat
+        plain decoding as measured (once chosen, plain steps are measured too)."""
         if self.costs.measured(batch_size) < self.min_steps:
             replica = [self.model_s(k) for k in ks]
         else:
             replica = [r if r is not None else self.model_s(k)
                        for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_s))]
-        own = self.own._near(self.own.table, batch_size) or {}
+        own = self.own.row(batch_size)
         out = []
         for k, r in zip(ks, replica):
             mine = own.get(k)

@@ -420,12 +420,11 @@ class VerifierServer(EngineServer):
         verifier``), else to the pool. The first goes through Serve's handle (its router places the
         sequence); with ``drafter_transport: direct`` the later ones go down a connection to the
         replica that answered (``core.channel``), back to the handle if it breaks."""
-        count = self._count_call
         if self.local is not None:  # drafter_placement verifier: the engine beside this one, no hop
-            count("local")
+            self._count_call("local")
             return await self.local.propose(requests)
         if self.drafter_transport != "direct":
-            count("serve")
+            self._count_call("serve")
             return await self.drafter.propose.remote(requests)
         seq_id = requests[0].seq_id
         ep = self._bound.get(seq_id)
@@ -437,13 +436,13 @@ class VerifierServer(EngineServer):
                 log.warning("drafter channel to %s:%d failed (%r): back to Serve's router", ep.host, ep.port, e)
                 # a silent replica may only be overloaded: Serve's router, which sees queues, decides for a while
                 self._avoid(ep, SLOW_S if isinstance(e, TimeoutError) else CHANNEL_DOWN_S)
-                count("direct", "fallback")
+                self._count_call("direct", "fallback")
             else:
-                count("direct")
+                self._count_call("direct")
                 if ep in self._breakers:
                     self._breakers[ep].succeeded()
                 return out
-        count("serve")
+        self._count_call("serve")
         proposals, ep = await self.drafter.propose_bound.remote(requests)
         if ep is not None and not (ep in self._breakers and self._breakers[ep].open(time.monotonic())):
             self._bound[seq_id] = ep  # (an expired breaker: this binding probes the replica again)
