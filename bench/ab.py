@@ -26,6 +26,20 @@ from bench.common import (BENCH_DTYPE, BENCH_OVERRIDES, DEFAULT_K, DEFAULT_OUT, 
 SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
 
 
+# the router's per-request means over speculative steps (``speculation`` in a response), kept per run
+STEP_FIELDS = ("mean_step_ms", "mean_forward_ms", "mean_draft_ms", "mean_exposed_ms", "mean_handoff_ms", "mean_loop_ms")
+
+
+def _step_stats(spec: dict | None) -> dict:
+    """A response's per-step means and step counts (none for a request that never speculated)."""
+    spec = spec or {}
+    out = {f: spec[f] for f in STEP_FIELDS if spec.get(f) is not None}
+    for f in ("num_drafts", "pre_draft_hits", "pre_draft_misses"):
+        if f in spec:
+            out[f] = spec[f]
+    return out
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="a checkout of the other version (its repository root)")
@@ -102,7 +116,7 @@ def _measure(args, trees: dict) -> dict:
                         wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
                                                       completion_body(ids, args.max_tokens, args.temperature, seed, k))
                         runs[f"{s}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
-                                                   "tokens": n, "output_ids": out})
+                                                   "tokens": n, "output_ids": out, **_step_stats(spec)})
                 log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
                                                                    for key, r in runs.items()))
     summary = {}
@@ -113,6 +127,9 @@ def _measure(args, trees: dict) -> dict:
                       "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
                       "new_over_old_paired": rnd(median(ratios)), "new_faster_runs": sum(x < 1 for x in ratios),
                       "runs": len(ratios),
+                      # what moved: the router's per-step means (speculative steps), paired the same way
+                      **{f"{f}_new_over_old_paired": rnd(median([b[f] / a[f] for a, b in zip(old, new) if a.get(f) and b.get(f)]))
+                         for f in STEP_FIELDS if any(a.get(f) and b.get(f) for a, b in zip(old, new))},
                       # greedy: both versions must emit the same tokens
                       "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
                       if args.temperature == 0 else None}

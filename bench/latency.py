@@ -31,7 +31,8 @@ from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, PEER_K, app_args,
                           load_prompts, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
                           write_json)
 
-SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
+SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", "mean_handoff_ms", "mean_loop_ms",
+                      "mean_transit_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
                       "pre_draft_hits", "pre_draft_misses", "acceptance_rate", "mean_acceptance_length", "steps",
                       "drafter_recomputes", "verifier_recomputes", "state_recomputes", "aux_bytes_per_token")
 

@@ -189,6 +189,8 @@ class VerifyResult:
     retryable: bool = False  # the error was the engine's (another replica may succeed), not the request's
     num_drafts: int = 0  # k of this step
     forward_s: float = 0.0  # time in the batched forward pass this step was part of
+    # time in the engine's call for that batch: the pass, the decisions, the cache's bookkeeping
+    engine_s: float = 0.0
     batch_size: int = 1  # sequences in the batch this step was verified with
     # per emitted token: (its log-probability, [(token, log-probability)] of the top alternatives),
     # from the target's raw distribution (before temperature/top-k/top-p), as OpenAI and vLLM report them
@@ -220,6 +222,10 @@ class StepInfo:
     draft_engine_s: float = 0.0  # of which inside the drafter engine (the rest: transport, queueing)
     aux_bytes: int = 0  # target hidden states sent to the drafter with this step's draft request
     step_s: float = 0.0  # wall time of the step
+    # from the verify call to its result: the engine's call (``engine_s``), plus the hand-offs to its thread and
+    # back (and, when the step pre-drafts, sending the pre-draft request, which goes first)
+    verify_s: float = 0.0
+    engine_s: float = 0.0
     batch_size: int = 1  # sequences in the verify batch
     done: bool = False  # the sequence is complete after this step
     recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}

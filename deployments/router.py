@@ -107,6 +107,11 @@ def _spec_stats(seq: Sequence, timing: dict) -> dict:
             "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
             "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
             "mean_draft_engine_ms": round(1000 * timing["draft_engine_s"] / n, 3),  # of which in the drafter engine
+            # the exposed time of a speculative step, part by part: the verifier engine's call outside its forward
+            # pass, the hand-offs to its thread and back, the replica loop's own work, and the way from the
+            # replica to the router (their sum is mean_exposed_ms; absent where the replica's loop is vLLM's)
+            **({f"mean_{part}_ms": round(1000 * timing[f"{part}_s"] / timing["split_steps"], 3)
+                for part in ("verify_rest", "handoff", "loop", "transit")} if timing["split_steps"] else {}),
             # speculative steps by how their drafts came: a pre-draft "hit", a "miss" (discarded), "none" pre-drafted
             "by_pre_draft": {o: {"steps": c, "mean_draft_ms": round(1000 * d / c, 3), "mean_step_ms": round(1000 * w / c, 3)}
                              for o, (c, d, w) in sorted(timing["by_pre_draft"].items())},
@@ -386,6 +391,7 @@ class Router:
                        logprobs=logprobs)
         timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
                   "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
+                  "verify_rest_s": 0.0, "handoff_s": 0.0, "loop_s": 0.0, "transit_s": 0.0, "split_steps": 0,
                   "plain_from_token": None}
         deadline = time.monotonic() + self.config.verifier_retry_s
         attempt = 0
@@ -508,6 +514,12 @@ class Router:
         exposed = max(0.0, wall_s - info.forward_s - info.draft_s)
         metrics()["exposed_rpc"].observe(exposed)
         timing["exposed_s"] += exposed
+        if info.verify_s:  # where it went (a replica that reports its verify call: this loop's)
+            timing["verify_rest_s"] += max(0.0, info.engine_s - info.forward_s)
+            timing["handoff_s"] += max(0.0, info.verify_s - info.engine_s)
+            timing["loop_s"] += max(0.0, info.step_s - info.draft_s - info.verify_s)
+            timing["transit_s"] += max(0.0, wall_s - info.step_s)
+            timing["split_steps"] += 1
         timing["step_s"] += wall_s
         timing["spec_steps"] += 1
         timing["forward_s"] += info.forward_s

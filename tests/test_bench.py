@@ -161,7 +161,10 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
     for s, e in res["summary"].items():
         assert e["runs"] == 2 and e["same_tokens"] is True, s
         assert e["new_over_old_paired"] > 0 and e["old_ms_per_token"] > 0, s
+        # the per-step means, paired like ms/token (fixed k = 2 speculates every step)
+        assert s != "k2" or e["mean_forward_ms_new_over_old_paired"] > 0, e
     assert [r["pair"] for r in res["runs"]["k2-old"]] == [[0, 0], [1, 0]]
+    assert all(r["num_drafts"] > 0 and r["mean_step_ms"] >= r["mean_forward_ms"] > 0 for r in res["runs"]["k2-new"])
 
 
 @pytest.mark.slow

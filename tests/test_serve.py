@@ -48,6 +48,12 @@ def test_greedy_completions_match_target_generate(serve_app, k):
         if k:
             pre_drafts.append((spec["pre_draft_hits"], spec["pre_draft_misses"]))
             assert 0 <= spec["mean_exposed_ms"] <= spec["mean_step_ms"]
+            # the exposed time part by part: each step hands its verify to the engine's thread and back, and the
+            # replica's loop does work of its own; the parts add up to it (up to the router's split of a chunk's
+            # wall time over its steps)
+            parts = [spec[f"mean_{p}_ms"] for p in ("verify_rest", "handoff", "loop", "transit")]
+            assert min(parts) >= 0 and spec["mean_handoff_ms"] > 0 and spec["mean_loop_ms"] > 0, spec
+            assert abs(sum(parts) - spec["mean_exposed_ms"]) <= 0.1 * spec["mean_step_ms"], spec
             # every speculative step, by how its drafts came (fixed k: no plain steps)
             by = spec["by_pre_draft"]
             assert sum(v["steps"] for v in by.values()) == spec["num_drafts"]

@@ -70,6 +70,7 @@ class VerifierEngine:
 
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         """Verify the drafts of many sequences in (normally) one batched forward pass."""
+        t0 = time.perf_counter()
         results: dict[str, VerifyResult] = {}
         live: list[tuple[VerifyRequest, object]] = []
         pinned = {r.seq_id for r in requests}
@@ -98,7 +99,11 @@ class VerifierEngine:
 
         for group in self._groups(live):
             self._verify_group(group, results)
-        return [results[r.seq_id] for r in requests]
+        out = [results[r.seq_id] for r in requests]
+        dt = time.perf_counter() - t0
+        for res in out:
+            res.engine_s = dt
+        return out
 
     def _verify_group(self, group, results: dict) -> None:
         """One forward pass for the group, then each sequence's decision. A sequence that makes either
