@@ -7,6 +7,12 @@ last token), time to first token, inter-token latency (the gap between consecuti
 streamed chunks, as vLLM's benchmark measures it; a speculative chunk carries several
 tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99. The two
 modes alternate per concurrency level, so both see the same machine.
+
+``--rounds R`` runs each level's two modes R times, alternating which goes first. Why: one
+64-stream level is a single wave of requests (30 s here), and on a shared 2-vCPU VM one wave's
+throughput moved by 10% between runs of the same code (speculation on over off, session 23:
+0.91 in one run, 1.02 in the next). Then a mode's figures pool its rounds, and the ratio is the
+median of the rounds' ratios, each measured minutes apart at most.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ def parse(argv=None):
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=1, help="on/off pairs per concurrency level (ratio: their median)")
     ap.add_argument("--default-k", type=int, default=DEFAULT_K)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
@@ -38,7 +45,8 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-async def _level(client, url, prompts, n: int, per_client: int, k, args) -> dict:
+async def _level(client, url, prompts, n: int, per_client: int, k, args) -> tuple[list[dict], float]:
+    """One round of a level in one mode: (every request's result, the round's wall seconds)."""
     results = []
 
     async def one_client(c: int):
@@ -52,7 +60,11 @@ async def _level(client, url, prompts, n: int, per_client: int, k, args) -> dict
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client(c) for c in range(n)))
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def _summary(n: int, results: list[dict], wall: float) -> dict:
+    """A mode's figures over its rounds' requests; throughput: their tokens over the rounds' summed wall time."""
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
     itl = [b[0] - a[0] for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
@@ -88,13 +100,20 @@ async def _measure(url, prompts, args) -> list[dict]:
             modes = list(MODES.items())
             if i % 2:
                 modes.reverse()  # alternate which mode goes first
-            row = {"concurrency": n}
-            for mode, k in modes:
-                row[mode] = await _level(client, url, prompts, n, per_client, k, args)
-                log(f"N={n} {mode}: {row[mode]['throughput_tok_s']} tok/s, TTFT p50 {row[mode]['ttft_ms_p50']} ms, "
-                    f"ITL p50 {row[mode]['itl_ms_p50']} ms, mean k {row[mode]['mean_k']}")
-            row["throughput_ratio_on_vs_off"] = rnd(row["spec_on"]["throughput_tok_s"] /
-                                                    row["spec_off"]["throughput_tok_s"], 4)
+            runs = {mode: [] for mode in MODES}  # per round: (results, wall)
+            ratios = []
+            for r in range(args.rounds):
+                for mode, k in (modes if r % 2 == 0 else modes[::-1]):
+                    runs[mode].append(await _level(client, url, prompts, n, per_client, k, args))
+                    s = _summary(n, *runs[mode][-1])
+                    log(f"N={n} round {r + 1} {mode}: {s['throughput_tok_s']} tok/s, TTFT p50 {s['ttft_ms_p50']} ms, "
+                        f"ITL p50 {s['itl_ms_p50']} ms, mean k {s['mean_k']}")
+                on, off = (sum(x["tokens"] for x in runs[m][-1][0]) / runs[m][-1][1] for m in ("spec_on", "spec_off"))
+                ratios.append(on / off)
+            row = {"concurrency": n, **{mode: _summary(n, [x for res, _ in rs for x in res], sum(w for _, w in rs))
+                                        for mode, rs in runs.items()}}
+            row["throughput_ratio_on_vs_off"] = rnd(median(ratios), 4)
+            row["round_ratios_on_vs_off"] = [rnd(x, 4) for x in ratios]
             out.append(row)
     return out
 
@@ -116,7 +135,8 @@ def run(args, url: str | None = None) -> dict:
                 args.threads))["load"]
         levels = asyncio.run(_measure(url, prompts, args))
     return {"scenario": "load",
-            "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "prompts": args.prompts,
+            "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
+                       "prompts": args.prompts,
                        "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
                        "threads": args.threads, "dtype": args.dtype, "verifier_replicas": 1, "drafter_replicas": 1},
             "environment": environment(args.threads), "levels": levels,

@@ -108,15 +108,18 @@ def test_bench_smoke(bench_urls, tmp_path):
         assert 0 <= e["exposed_fraction"] < 1 and e["ms_per_token"] > 0, name
 
     # --- load: two concurrency levels, speculation on and off
+    # (two rounds: each mode's figures pool both, the ratio is the median of the rounds')
     ld = load.run(load.parse(["--dtype", "float32", "--concurrency", "1,2", "--min-requests", "2", "--prompts", "2",
-                              "--max-tokens", str(TOKENS), "--default-k", "2", "--out", str(out)]),
+                              "--max-tokens", str(TOKENS), "--default-k", "2", "--rounds", "2", "--out", str(out)]),
                   url=bench_urls["adaptive"])
     (out / "load.json").write_text(json.dumps(ld))
     assert [lv["concurrency"] for lv in ld["levels"]] == [1, 2]
     for lv in ld["levels"]:
+        assert len(lv["round_ratios_on_vs_off"]) == 2
+        assert lv["throughput_ratio_on_vs_off"] == pytest.approx(sum(lv["round_ratios_on_vs_off"]) / 2, abs=1e-3)
         for mode in ("spec_on", "spec_off"):
             e = lv[mode]
-            assert e["requests"] == 2 and e["output_tokens"] == 2 * TOKENS, (lv["concurrency"], mode)
+            assert e["requests"] == 4 and e["output_tokens"] == 4 * TOKENS, (lv["concurrency"], mode)
             assert e["throughput_tok_s"] > 0
             assert 0 < e["ttft_ms_p50"] <= e["ttft_ms_p99"]
             assert 0 <= e["itl_ms_p50"] <= e["itl_ms_p99"]
