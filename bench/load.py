@@ -42,7 +42,10 @@ def parse(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
+    return args
 
 
 async def _level(client, url, prompts, n: int, per_client: int, k, args) -> tuple[list[dict], float]:
