@@ -514,7 +514,7 @@ class Router:
         exposed = max(0.0, wall_s - info.forward_s - info.draft_s)
         metrics()["exposed_rpc"].observe(exposed)
         timing["exposed_s"] += exposed
-        if info.verify_s:  # where it went (a replica that reports its verify call: this loop's)
+        if info.verify_s and info.engine_s:  # where it went (a loop that timed its verify call, an engine its own)
             timing["verify_rest_s"] += max(0.0, info.engine_s - info.forward_s)
             timing["handoff_s"] += max(0.0, info.verify_s - info.engine_s)
             timing["loop_s"] += max(0.0, info.step_s - info.draft_s - info.verify_s)

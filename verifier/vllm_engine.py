@@ -186,6 +186,7 @@ class VllmVerifierEngine:
             self.inflight -= len(requests)
 
     async def _verify_one(self, r: VerifyRequest) -> VerifyResult:
+        t_call = time.perf_counter()
         room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
         if room < 0:
             return VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
@@ -214,6 +215,7 @@ class VllmVerifierEngine:
         if r.seq_id in self.seqs:  # not released meanwhile
             self.seqs[r.seq_id] = kept
         res.cached = len(kept)
+        res.engine_s = time.perf_counter() - t_call  # the sequence's whole call: claim, vLLM's pass, decision
         return res
 
     def _params(self, **kw):

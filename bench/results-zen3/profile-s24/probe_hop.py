@@ -1,12 +1,14 @@
-"""Served fixed k = 4 without pre-drafting: drafting on the critical path against the drafter engine's own time,
-and the channel's round trip for a no-op call (narrow) from this process."""
+"""Served fixed k = 4, without pre-drafting (``--pre-draft``: with it, the shipped app): drafting on the critical
+path against the drafter engine's own time, and the channel's round trip for a no-op call (narrow) from this
+process. ``--prompts N`` (default 3)."""
 import asyncio, sys, time, httpx
 from bench.common import app_args, serving, load_prompts, completion_body, complete, set_threads, TARGET, median
 from transformers import AutoTokenizer
 set_threads(1)
 tok = AutoTokenizer.from_pretrained(TARGET)
-prompts = load_prompts(3, tok)
-a = app_args(1, "fixed", 4, dtype="float32"); a["pipeline_drafts"] = False
+n_prompts = int(sys.argv[sys.argv.index("--prompts") + 1]) if "--prompts" in sys.argv else 3
+prompts = load_prompts(n_prompts, tok)
+a = app_args(1, "fixed", 4, dtype="float32"); a["pipeline_drafts"] = "--pre-draft" in sys.argv
 with serving({"serial": a}, 1) as urls, httpx.Client(timeout=600) as c:
     u = urls["serial"]
     complete(c, u, completion_body(prompts[0][1], 16, 0.0, 7, 4))
