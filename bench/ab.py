@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.common import (BENCH_DTYPE, BENCH_OVERRIDES, DEFAULT_K, DEFAULT_OUT, ROOT, TARGET, app_args, complete, completion_body,
-                          environment, load_prompts, log, median, rnd, serving, set_threads, write_json)
+                          environment, load_prompts, log, median, paired_ratio, rnd, serving, set_threads, write_json)
 
 SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
 
@@ -123,13 +123,15 @@ def _measure(args, trees: dict) -> dict:
     for s in args.systems:
         old, new = runs[f"{s}-old"], runs[f"{s}-new"]
         ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
+        # the pairs where both runs report a per-step mean (a run that never speculated has none)
+        both = {f: [(a, b) for a, b in zip(old, new) if a.get(f) and b.get(f)] for f in STEP_FIELDS}
         summary[s] = {"old_ms_per_token": rnd(median([r["ms_per_token"] for r in old])),
                       "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
-                      "new_over_old_paired": rnd(median(ratios)), "new_faster_runs": sum(x < 1 for x in ratios),
+                      "new_over_old_paired": paired_ratio(new, old), "new_faster_runs": sum(x < 1 for x in ratios),
                       "runs": len(ratios),
                       # what moved: the router's per-step means (speculative steps), paired the same way
-                      **{f"{f}_new_over_old_paired": rnd(median([b[f] / a[f] for a, b in zip(old, new) if a.get(f) and b.get(f)]))
-                         for f in STEP_FIELDS if any(a.get(f) and b.get(f) for a, b in zip(old, new))},
+                      **{f"{f}_new_over_old_paired": paired_ratio([b for _, b in pairs], [a for a, _ in pairs], f)
+                         for f, pairs in both.items() if pairs},
                       # greedy: both versions must emit the same tokens
                       "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
                       if args.temperature == 0 else None}

@@ -106,13 +106,13 @@ async def _measure(url, prompts, args) -> list[dict]:
             runs = {mode: [] for mode in MODES}  # per round: (results, wall)
             ratios = []
             for r in range(args.rounds):
+                this = {}  # the round's figures per mode
                 for mode, k in (modes if r % 2 == 0 else modes[::-1]):
                     runs[mode].append(await _level(client, url, prompts, n, per_client, k, args))
-                    s = _summary(n, *runs[mode][-1])
+                    s = this[mode] = _summary(n, *runs[mode][-1])
                     log(f"N={n} round {r + 1} {mode}: {s['throughput_tok_s']} tok/s, TTFT p50 {s['ttft_ms_p50']} ms, "
                         f"ITL p50 {s['itl_ms_p50']} ms, mean k {s['mean_k']}")
-                on, off = (sum(x["tokens"] for x in runs[m][-1][0]) / runs[m][-1][1] for m in ("spec_on", "spec_off"))
-                ratios.append(on / off)
+                ratios.append(this["spec_on"]["throughput_tok_s"] / this["spec_off"]["throughput_tok_s"])
             row = {"concurrency": n, **{mode: _summary(n, [x for res, _ in rs for x in res], sum(w for _, w in rs))
                                         for mode, rs in runs.items()}}
             row["throughput_ratio_on_vs_off"] = rnd(median(ratios), 4)
