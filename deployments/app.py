@@ -64,7 +64,8 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
         pre_draft_always=config.pre_draft == "always",
         drafter_timeout_s=config.drafter_timeout_s,
         stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport,
-        drafter_aux_layers=aux_layers, stream_interval_s=config.stream_interval_ms / 1000)
+        drafter_aux_layers=aux_layers, stream_interval_s=config.stream_interval_ms / 1000,
+        verify_inline=config.verify_inline)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 

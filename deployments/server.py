@@ -3,7 +3,6 @@ cache metrics, release, stats and health."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -79,9 +78,7 @@ class EngineServer:
 
     async def release(self, seq_ids: list[str]) -> int:
         # on the engine thread: a running batch never sees its cache change under it
-        loop = asyncio.get_running_loop()
-        released = await loop.run_in_executor(self.batcher.executor,
-                                              lambda: sum(self.engine.release(s) for s in seq_ids))
+        released = await self.batcher.call(lambda: sum(self.engine.release(s) for s in seq_ids))
         self._report_cache()
         return released
 

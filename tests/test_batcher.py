@@ -190,3 +190,92 @@ def test_a_long_batch_that_makes_progress_is_healthy():
         await call
 
     asyncio.run(main())
+
+
+def test_run_inline_runs_on_the_callers_thread_only_while_the_engine_is_idle():
+    """``run_inline`` runs a batch on the calling thread with ``submit``'s bookkeeping, and declines
+    (None) while a batch runs, a call is on the engine's thread, or items wait: the engine never
+    runs two things at once."""
+    async def main():
+        threads, sizes = [], []
+
+        def run(items):
+            threads.append(threading.get_ident())
+            gate.wait(5)
+            if items[0].name == "bad":
+                raise RuntimeError("engine")
+            return [f"done-{i.name}" for i in items]
+
+        gate = threading.Event()
+        gate.set()
+        b = ContinuousBatcher(run, 8, 100, on_batch=lambda n, s: sizes.append(n), key=lambda i: i.seq_id)
+        assert b.run_inline([item("a"), item("b")]) == ["done-a", "done-b"]
+        assert threads == [threading.get_ident()] and sizes == [2]
+        assert (b.inline_batches, b.max_seen, b.running_since, b.jobs) == (1, 2, None, 0) and b.busy_s > 0
+        with pytest.raises(RuntimeError, match="engine"):  # the caller gets the batch's error, the state is reset
+            b.run_inline([item("bad")])
+        assert (b.running_since, b.inline_batches) == (None, 2)
+
+        gate.clear()  # a batch on the engine's thread: declined until it ends
+        running = asyncio.ensure_future(b.submit([item("c")]))
+        await asyncio.sleep(0.05)
+        assert b.run_inline([item("d")]) is None
+        queued = asyncio.ensure_future(b.submit([item("e")]))
+        await asyncio.sleep(0)
+        assert b.pending and b.run_inline([item("d")]) is None  # (and "e" waits its turn)
+        gate.set()
+        assert await running == ["done-c"] and await queued == ["done-e"]
+        assert threads[-1] != threading.get_ident()
+
+        gate.clear()  # a call on the engine's thread (a release): declined too
+        call = asyncio.ensure_future(b.call(gate.wait, 5))
+        await asyncio.sleep(0.05)
+        assert b.jobs == 1 and b.run_inline([item("d")]) is None
+        gate.set()
+        assert await call is True and b.jobs == 0
+        assert b.run_inline([item("d")]) == ["done-d"] and b.inline_batches == 3
+
+    asyncio.run(main())
+
+
+def test_a_lone_stream_verifies_on_the_event_loop_and_streams_share_passes(tiny_engines):
+    """A verifier replica with one stream runs its verify passes inline (``run_inline``), with the
+    tokens of the batcher's thread path; two streams go through the batcher, sharing passes."""
+    from configs import SamplingParams
+    from deployments.drafter import DrafterServer
+    from deployments.verifier import VerifierServer
+
+    tok, _, ver, drafter = tiny_engines
+    drafter_server = DrafterServer({}, engine=drafter)
+
+    class Handle:  # Serve's drafter handle, answered by the drafter server in this process
+        def __init__(self, method):
+            self.method = method
+
+        async def remote(self, *args):
+            return await getattr(drafter_server, self.method)(*args)
+
+    class Drafter:
+        propose, release = Handle("propose"), Handle("release")
+
+    prompt = tok.encode("def add(a, b):")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run(server, seq_ids):
+        async def one(seq_id):
+            return [t for g in [g async for g in server.speculate(prompt, params, seq_id, k=3)]
+                    for ids, _, _ in g for t in ids]
+        return await asyncio.gather(*map(one, seq_ids))
+
+    def server(inline):
+        return VerifierServer({}, engine=ver, drafter=Drafter(), drafter_transport="serve", verify_inline=inline)
+
+    lone, threaded, pair = server(True), server(False), server(True)
+    (a,) = asyncio.run(run(lone, ["a"]))
+    (b,) = asyncio.run(run(threaded, ["b"]))
+    c, d = asyncio.run(run(pair, ["c", "d"]))
+    assert len(a) == 24 and a == b == c == d
+    assert lone.batcher.inline_batches > 1 and lone.batcher.max_seen == 1
+    assert threaded.batcher.inline_batches == 0
+    assert pair.batcher.inline_batches == 0 and pair.batcher.max_seen == 2  # (both streams started before a step)
+    assert ver.num_cached() == 0  # every stream released its cache
