@@ -13,7 +13,9 @@ same engines in this process, no RPC) and then every served variant, so ratios a
   instead of one a step, so the router, proxy and client barely run during forwards;
 - ``pool_chunks50ms``: the shipped app with ``stream_interval_ms: 50`` (about two steps an item);
 - ``pool_collect20ms``: the shipped app with ``collect_interval_ms: 20``: non-streaming requests
-  (``--no-stream``) sent as streams are, instead of about one chunk a second.
+  (``--no-stream``) sent as streams are, instead of about one chunk a second;
+- ``pool_threaded``: the shipped app with ``verify_inline: false``: the lone stream's verify passes
+  handed to the engine's thread and back, as every stream's were before session 25.
 
 Requests stream (SSE) unless ``--no-stream``: then the client waits for the whole body, as
 ``bench.latency`` does.
@@ -35,7 +37,7 @@ from bench.common import (DEFAULT_OUT, TARGET, app_args, complete, completion_bo
                           median, paired_ratio, rnd, serving, stream_completion, write_json)
 
 VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms",
-            "pool_collect20ms")
+            "pool_collect20ms", "pool_threaded")
 
 
 def variant_args(name: str, k: int, dtype: str) -> dict:
@@ -53,6 +55,8 @@ def variant_args(name: str, k: int, dtype: str) -> dict:
         a["stream_interval_ms"] = 50.0
     if name.endswith("collect20ms"):
         a["collect_interval_ms"] = 20.0
+    if name.endswith("threaded"):
+        a["verify_inline"] = False
     return a
 
 
@@ -109,7 +113,11 @@ def main(argv=None):
                     same[v] += x["token_ids"] == r["output_ids"]
                     rows[v].append({"ms_per_token": 1000 * x["latency_s"] / x["tokens"], "forward_ms": s["mean_forward_ms"],
                                     "draft_ms": s.get("mean_draft_ms", 0.0), "step_ms": s["mean_step_ms"],
-                                    "chunks": len(x["chunks"]),
+                                    "exposed_ms": s["mean_exposed_ms"], "chunks": len(x["chunks"]),
+                                    # streaming: the first chunk's arrival, and the median gap between chunks
+                                    **({"ttft_ms": 1000 * x["chunks"][0][0],
+                                        "chunk_gap_ms": 1000 * median([b[0] - a[0] for a, b in zip(x["chunks"], x["chunks"][1:])])}
+                                       if not args.no_stream and len(x["chunks"]) > 1 else {}),
                                     "pre_draft_hit_rate": s["pre_draft_hits"] / max(1, s["pre_draft_hits"] + s["pre_draft_misses"])})
                 log(f"repeat {rep} prompt {i}: " + ", ".join(f"{v} {rows[v][-1]['ms_per_token']:.2f}" for v in rows))
     base = rows["in_process"]
@@ -123,11 +131,13 @@ def main(argv=None):
     result = {"scenario": "served_gap", "config": vars(args), "variants": out, "environment": environment(1),
               "duration_s": round(time.perf_counter() - t0, 1)}
     write_json(Path(args.out), "served_gap", result)
-    print("| variant | ms/token | / in process (paired) | verify forward ms | / in process | drafting on the path ms | stream chunks |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | ms/token | / in process (paired) | verify forward ms | / in process | drafting on the path ms "
+          "| exposed ms | stream chunks | first chunk ms | median gap between chunks ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for v, r in out.items():
         print(f"| {v} | {r['ms_per_token']:.2f} | {r['over_in_process']:.2f} | {r['forward_ms']:.2f} | "
-              f"{r['forward_over_in_process']:.2f} | {r['draft_ms']:.2f} | {r.get('chunks', '')} |")
+              f"{r['forward_over_in_process']:.2f} | {r['draft_ms']:.2f} | {r.get('exposed_ms', '')} | {r.get('chunks', '')} | "
+              f"{r.get('ttft_ms', '')} | {r.get('chunk_gap_ms', '')} |")
     return result
 
 
