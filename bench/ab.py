@@ -3,8 +3,9 @@
 This machine's speed drifts by a third within an hour (other tenants), so two versions measured
 in separate runs cannot be told apart at 5%; here each (prompt, repeat) runs on both, alternating
 which goes first, and the ratios are paired. The other version is a checkout of another commit
-(``git worktree add /tmp/old <commit>``): its apps' replicas import its code (``PYTHONPATH`` in
-their runtime environment), this checkout's apps this one's. Ray puts its driver's working
+(``git worktree add /tmp/old <commit>``): its apps are built by its own app builder (in a process
+of its own: a constructor argument added since would break its replicas) and their replicas import
+its code (``PYTHONPATH`` in their runtime environment), this checkout's apps this one's. Ray puts its driver's working
 directory first on its workers' path, so the driver runs from a temporary directory.
 
     python -m bench.ab --old /tmp/old --out bench/results/ab
@@ -103,7 +104,9 @@ def _measure(args, trees: dict) -> dict:
             overrides[f"{ver}-{policy}"] = _with_path(tree)
     t0 = time.perf_counter()
     runs = {f"{s}-{v}": [] for s in args.systems for v in trees}
-    with serving(apps, args.threads, overrides) as urls, httpx.Client(timeout=600) as client:
+    # the old version's apps built by its own app builder: its config and constructors may differ from this one's
+    builders = {name: trees["old"] for name in apps if name.startswith("old-")}
+    with serving(apps, args.threads, overrides, builders) as urls, httpx.Client(timeout=600) as client:
         for name, url in urls.items():  # warm-up: first-call costs
             complete(client, url, completion_body(prompts[0][1], 16, args.temperature, 7, None))
         for rep in range(args.repeats):

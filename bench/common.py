@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -185,12 +186,39 @@ def free_port() -> int:
     raise OSError("no free TCP port found")
 
 
+# deploys apps with the app builder of the checkout it runs in (``serving``'s ``builders``): [name, args, overrides] on stdin
+_DEPLOY_SCRIPT = """import json, sys
+import ray
+from ray import serve
+from deployments.app import build_app_with
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+serve.run_many([serve.RunTarget(build_app_with(a, overrides=o), name=n, route_prefix="/" + n)
+                for n, a, o in json.load(sys.stdin)])
+"""
+
+
+def _deploy_with(tree: Path, targets: list) -> subprocess.Popen:
+    """Start deploying ``targets`` ([name, args, overrides]) with ``tree``'s own app builder, in a process of
+    its own joined to this Ray cluster: how a version's config becomes its deployments is its code's (a
+    constructor argument added since would break a replica of the older code)."""
+    import ray
+
+    proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_SCRIPT, ray.get_runtime_context().gcs_address],
+                            stdin=subprocess.PIPE, text=True, cwd=tempfile.mkdtemp(prefix="splitspec-deploy-"),
+                            env={**os.environ, "PYTHONPATH": str(tree)})
+    proc.stdin.write(json.dumps(targets))
+    proc.stdin.close()
+    return proc
+
+
 @contextlib.contextmanager
-def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | None = None):
+def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | None = None,
+            builders: dict[str, Path] | None = None):
     """Deploy each ``{name: args}`` app at route ``/name`` on Ray Serve, in process, and yield
     ``{name: base_url}``. Starts Ray and Serve (on a free port) unless they already run (the
     test suite's cluster); deletes the apps afterwards and stops what it started. ``overrides``:
-    an app's deployment options instead of ``BENCH_OVERRIDES``."""
+    an app's deployment options instead of ``BENCH_OVERRIDES``; ``builders``: an app built by another
+    checkout's app builder (``{name: its root}``), in a process of its own."""
     import ray
     from ray import serve
 
@@ -208,10 +236,16 @@ def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | No
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             started_serve = True
         log(f"deploying apps {list(apps)}")
+        builders = builders or {}
+        options = {name: (overrides or {}).get(name, BENCH_OVERRIDES) for name in apps}
         # all at once: their replicas start in parallel
-        serve.run_many([serve.RunTarget(build_app_with(args, overrides=(overrides or {}).get(name, BENCH_OVERRIDES)),
-                                        name=f"bench-{name}",
-                                        route_prefix=f"/bench-{name}") for name, args in apps.items()])
+        others = [_deploy_with(tree, [[f"bench-{n}", apps[n], options[n]] for n in apps if builders.get(n) == tree])
+                  for tree in sorted(set(builders.values()))]
+        serve.run_many([serve.RunTarget(build_app_with(args, overrides=options[name]), name=f"bench-{name}",
+                                        route_prefix=f"/bench-{name}") for name, args in apps.items() if name not in builders])
+        for proc in others:
+            if proc.wait() != 0:
+                raise RuntimeError(f"deploying with another checkout's app builder failed (exit {proc.returncode})")
         log("apps ready")
         yield {name: f"http://127.0.0.1:{port}/bench-{name}" for name in apps}
     finally:

@@ -2,7 +2,7 @@
 
 Built with torch's C++ extension builder (a C++ compiler and ninja; 13-16 s on a 2-core CPU) into
 a cache that outlives the process (``SPLITSPEC_KERNEL_DIR``, default
-``~/.cache/splitspec/kernels/<torch>-<python>-<instruction set>``), so a replica that starts on a machine where it
+``~/.cache/splitspec/kernels/<torch>-<python>-<instruction set>-<checkout>``), so a replica that starts on a machine where it
 was built before loads it in well under a second. ``make install`` builds it ahead of time.
 Where it cannot be built (no compiler, another platform) or ``SPLITSPEC_NATIVE=0`` is set,
 ``load()`` returns None with the reason logged once, and engines run the eager compact forward.
@@ -11,6 +11,7 @@ Where it cannot be built (no compiler, another platform) or ``SPLITSPEC_NATIVE=0
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -39,10 +40,33 @@ def _arch_flags() -> tuple[str, list[str]]:
 
 
 def kernel_dir() -> Path:
-    """One build per torch version, Python version and instruction set (a home shared by other machines or
-    environments keeps theirs apart)."""
-    tag = f"{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{_arch_flags()[0]}"
+    """One build per torch version, Python version, instruction set and checkout (a home shared by other
+    machines or environments keeps theirs apart; torch's builder rebuilds whenever the source's path
+    changes, so two checkouts sharing a directory rebuilt it in turn as their replicas started)."""
+    where = hashlib.blake2b(str(SOURCE.resolve()).encode(), digest_size=4).hexdigest()
+    tag = f"{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{_arch_flags()[0]}-{where}"
     return Path(os.environ.get("SPLITSPEC_KERNEL_DIR") or Path.home() / ".cache" / "splitspec" / "kernels" / tag)
+
+
+# torch's builder holds a lock file in the build directory while it builds and waits, without end, for a
+# lock it finds: one left by a process killed mid-build (a replica stopped as it started) hung every
+# replica after it. A build takes 13-33 s on 2 cores; a lock older than this is taken to be such a leftover.
+STALE_LOCK_S = 300.0
+
+
+def _wait_for_lock(out: Path, poll_s: float = 0.2) -> None:
+    """Wait while another process builds in ``out``; remove its lock once it is ``STALE_LOCK_S`` old."""
+    lock = out / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            log.warning("removing %s, %.0f s old: a process building the native forward died", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll_s)
 
 
 def why_unavailable() -> str | None:
@@ -68,6 +92,7 @@ def load():
         out = kernel_dir()
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        _wait_for_lock(out)
         # torch rebuilds only when the source or flags changed, under a lock (replicas starting together wait)
         build(name="splitspec_kernels", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(out),
               is_python_module=False, verbose=False)

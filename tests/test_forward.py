@@ -2,6 +2,7 @@
 own transformers modules: same logits, same captured hidden states, bf16 greedy up to near-ties."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -411,6 +412,38 @@ def test_native_forward_falls_back_and_refuses_clearly(monkeypatch):
     model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="native does not support"):
         make_runner(model, 128, "native")
+
+
+def test_a_build_lock_left_by_a_dead_builder_is_removed_a_live_ones_waited_for(tmp_path):
+    """The native forward's build lock: a lock older than STALE_LOCK_S (a process killed mid-build) is
+    removed; a fresh one is waited for until its builder removes it; each checkout builds in its own
+    directory (torch's builder rebuilds when the source's path changes)."""
+    import os
+    import threading
+    import time
+
+    import core.native
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - core.native.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    core.native._wait_for_lock(tmp_path)
+    assert not lock.exists()
+    lock.touch()  # a live build: its builder removes the lock after 0.3 s
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.monotonic()
+    core.native._wait_for_lock(tmp_path, poll_s=0.02)
+    assert 0.25 < time.monotonic() - t0 < 5 and not lock.exists()
+    core.native._wait_for_lock(tmp_path)  # no lock: returns at once
+    here = core.native.kernel_dir().name
+    assert here.startswith(torch.__version__.replace("+", "-")) and here != core.native.kernel_dir().parent.name
+    try:
+        core.native.SOURCE = tmp_path / "other" / "decoder.cpp"  # the same source in another checkout
+        assert core.native.kernel_dir().name != here
+    finally:
+        core.native.SOURCE = Path(core.native.__file__).parent / "csrc" / "decoder.cpp"
+    assert core.native.kernel_dir().name == here
 
 
 def test_captured_hidden_states_are_the_residual_stream_entering_each_layer():
