@@ -53,3 +53,21 @@ def noisy_copy(model, noise: float, seed: int = 1):
         for p in draft.parameters():
             p.add_(noise * p.std() * torch.randn_like(p))
     return draft
+
+
+class LocalHandle:
+    """A Serve deployment handle, in process: ``handle.<method>.remote(*args)`` awaits that method of
+    ``server`` (a ``DrafterServer``), as Serve would call it on a replica."""
+
+    class _Method:
+        def __init__(self, server, name: str):
+            self.server, self.name = server, name
+
+        async def remote(self, *args):
+            return await getattr(self.server, self.name)(*args)
+
+    def __init__(self, server):
+        self.server = server
+
+    def __getattr__(self, name: str):
+        return self._Method(self.server, name)

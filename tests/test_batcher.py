@@ -244,20 +244,10 @@ def test_a_lone_stream_verifies_on_the_event_loop_and_streams_share_passes(tiny_
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
     from deployments.verifier import VerifierServer
+    from tests.helpers import LocalHandle
 
     tok, _, ver, drafter = tiny_engines
-    drafter_server = DrafterServer({}, engine=drafter)
-
-    class Handle:  # Serve's drafter handle, answered by the drafter server in this process
-        def __init__(self, method):
-            self.method = method
-
-        async def remote(self, *args):
-            return await getattr(drafter_server, self.method)(*args)
-
-    class Drafter:
-        propose, release = Handle("propose"), Handle("release")
-
+    drafter_pool = LocalHandle(DrafterServer({}, engine=drafter))  # Serve's drafter handle, in this process
     prompt = tok.encode("def add(a, b):")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -268,7 +258,7 @@ def test_a_lone_stream_verifies_on_the_event_loop_and_streams_share_passes(tiny_
         return await asyncio.gather(*map(one, seq_ids))
 
     def server(inline):
-        return VerifierServer({}, engine=ver, drafter=Drafter(), drafter_transport="serve", verify_inline=inline)
+        return VerifierServer({}, engine=ver, drafter=drafter_pool, drafter_transport="serve", verify_inline=inline)
 
     lone, threaded, pair = server(True), server(False), server(True)
     (a,) = asyncio.run(run(lone, ["a"]))

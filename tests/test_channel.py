@@ -132,18 +132,10 @@ def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server,
 
     _, _, ver, _ = tiny_engines
 
-    class Handle:  # Serve's drafter handle: every call answered by the drafter server, with its endpoint
-        def __init__(self, method):
-            self.method = method
+    from tests.helpers import LocalHandle
 
-        async def remote(self, *args):
-            return await getattr(drafter_server, self.method)(*args)
-
-    class Drafter:
-        propose_bound, release = Handle("propose_bound"), Handle("release")
-
-    async def main():
-        server = VerifierServer({}, engine=ver, drafter=Drafter())
+    async def main():  # (Serve's drafter handle: every call answered by the drafter server, with its endpoint)
+        server = VerifierServer({}, engine=ver, drafter=LocalHandle(drafter_server))
         req = _requests([5, 6, 7, 8])
         await server._propose(req)  # through Serve: binds the sequence to the replica
         ep = server._bound["s0"]
