@@ -11,7 +11,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -204,7 +203,7 @@ def _deploy_with(tree: Path, targets: list) -> subprocess.Popen:
     import ray
 
     proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_SCRIPT, ray.get_runtime_context().gcs_address],
-                            stdin=subprocess.PIPE, text=True, cwd=tempfile.mkdtemp(prefix="splitspec-deploy-"),
+                            stdin=subprocess.PIPE, text=True, cwd=tree,
                             env={**os.environ, "PYTHONPATH": str(tree)})
     proc.stdin.write(json.dumps(targets))
     proc.stdin.close()

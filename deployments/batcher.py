@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from typing import Callable, Generic, TypeVar
 
@@ -88,18 +89,27 @@ class ContinuousBatcher(Generic[T, R]):
         what ``submit`` gives them: results, or the batch's exception raised."""
         if self.pending or self.jobs or self.running_since is not None:
             return None
-        self.max_seen = max(self.max_seen, len(items))
         self.inline_batches += 1
+        with self._running(len(items)):
+            return self.run(items)
+
+    @contextlib.contextmanager
+    def _running(self, size: int):
+        """A batch of ``size`` in the engine (on its thread or inline): the stall clock, the engine's
+        busy time, the largest batch and ``on_batch``, kept alike on both paths."""
+        self.max_seen = max(self.max_seen, size)
         t0 = time.perf_counter()
         self.running_since = time.monotonic()
+        self.jobs += 1
         try:
-            return self.run(items)
+            yield
         finally:
+            self.jobs -= 1
             self.running_since = None
             dt = time.perf_counter() - t0
             self.busy_s += dt
             if self.on_batch:
-                self.on_batch(len(items), dt)
+                self.on_batch(size, dt)
 
     async def _loop(self):
         live: list = []
@@ -133,24 +143,14 @@ class ContinuousBatcher(Generic[T, R]):
                 self.pending = rest
                 if not live:
                     continue
-                self.max_seen = max(self.max_seen, len(live))
-                t0 = time.perf_counter()
-                self.running_since = time.monotonic()
-                self.jobs += 1
                 try:
-                    results = await loop.run_in_executor(self.executor, self.run, [i for i, _ in live])
+                    with self._running(len(live)):
+                        results = await loop.run_in_executor(self.executor, self.run, [i for i, _ in live])
                 except Exception as e:  # noqa: BLE001 - every caller in the batch gets the error
                     for _, fut in live:
                         if not fut.done():
                             fut.set_exception(e)
                     continue
-                finally:
-                    self.jobs -= 1
-                    self.running_since = None
-                    dt = time.perf_counter() - t0
-                    self.busy_s += dt
-                    if self.on_batch:
-                        self.on_batch(len(live), dt)
                 for (_, fut), res in zip(live, results):
                     if not fut.done():
                         fut.set_result(res)

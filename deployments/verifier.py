@@ -176,8 +176,8 @@ class VerifierServer(EngineServer):
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:
             return await self._verify_async(requests)
-        # a lone stream verifies on the event loop: nothing could share its pass, and the hops to the
-        # engine's thread and back cost a step 0.25 ms (a drafter in this process is left its loop turns)
+        # a lone stream verifies on the event loop (``ContinuousBatcher.run_inline``: why); a drafter in
+        # this process is left the loop's turns it needs to start a pre-draft
         if self.verify_inline and self.streams <= 1 and self.local is None:
             out = self.batcher.run_inline(requests)
             if out is not None:
