@@ -483,14 +483,13 @@ class PreDraftCosts:
 
     Why per k: a replica's steps differ in k (requests ask for different k, the adaptive policy
     changes it step by step), and a step's time and its pre-draft's size grow with k. Pooled, the
-    arms compared steps of different sizes: served, one replica taking fixed k = 4 and k = 8
-    requests in turn, k = 4 requests pre-drafted 15 of their 85 steps (session 21).
+    arms compare steps of different sizes: on a replica serving k = 4 and k = 8 requests in turn,
+    the k = 8 steps' costs decide for the k = 4 requests, which then rarely pre-draft.
 
     Why trimmed means: the arm not in use is measured only in short runs, so its figure is a few
-    steps old and few. With exponentially weighted means (weight 0.1), one stalled step in such a run
-    (measured on a 2-vCPU VM, served, fixed k = 4: a step's rest jumped from 10-11 to 15-17 ms)
-    turned pre-drafting off for whole requests (5 of 48 steps pre-drafted) where pre-drafting every
-    step was 14% faster than never."""
+    steps old and few. With exponentially weighted means, one stalled step in such a run (a
+    scheduling hiccup on a busy machine) is enough to turn pre-drafting off for whole requests
+    where pre-drafting every step is faster than never. See docs/decisions/0004-pre-drafting.md."""
 
     window: int = 32  # observations per term
     weight: float = 0.1  # of the newest pre-draft outcome in the hit rate

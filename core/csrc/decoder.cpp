@@ -2,11 +2,11 @@
 //
 // Why: at decode shapes a layer's matmuls take tens of microseconds, and the ~30 small PyTorch ops
 // around them (norms, rotary, casts, residual adds, the SiLU gate), each a Python call and a dispatch,
-// cost about half as much again (measured: the eager forward 1.5-1.7x its pre-packed linear layers,
-// this one 1.06-1.2x). Here the whole forward is one op: the matmuls are the engine's own kernels where
-// the CPU has them (AMX tiles, a bf16 GEMV) or the library's (oneDNN pre-packed bf16, else at::linear),
-// attention reads and writes the paged cache in place (ATen's kernel where it is the faster, see
-// `attention`), and the elementwise work runs as plain loops the compiler vectorises.
+// cost about half as much again as the matmuls (docs/decisions/0001-native-forward.md). Here the whole
+// forward is one op: the matmuls are the engine's own kernels where the CPU has them (AMX tiles, a bf16
+// GEMV) or the library's (oneDNN pre-packed bf16, else at::linear), attention reads and writes the paged
+// cache in place (ATen's kernel where it is the faster, see `attention`), and the elementwise work runs as
+// plain loops the compiler vectorises.
 //
 // Numerics: every elementwise step rounds to the compute dtype where the eager forward's op would
 // (bf16: each multiply and add rounded, as ATen's bf16 kernels compute in float and store bf16), and
@@ -189,7 +189,8 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 
 // Keys whose weight exp(score - max) is below 2^-64 get 0: all of them together move the output by under
 // S x 2^-64 of the largest weight's (1), far below float32's resolution, while their products with V would be
-// denormal floats, each a microcode assist (measured: attention 20x slower at some positions).
+// denormal floats, each a microcode assist (which slows attention by an order of magnitude at the positions
+// that have many of them).
 constexpr float kNegligible = -44.3614195558365f;  // ln(2^-64)
 
 // The attention loops in GCC's vector extension, as wide as the build's registers: 16 floats where it targets
@@ -291,7 +292,7 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 #endif
 
 // Row s (a few ahead of the one in use) into cache. Every block asks: asking in the first block only (later ones
-// find the rows in L2) measured the same.
+// find the rows in L2) is no faster, and this is simpler.
 template <int NV, typename C, typename Row>
 inline void prefetch_row(const C* X, const Row& row, int64_t s, int64_t S) {
   if (s >= S) return;
@@ -510,8 +511,8 @@ void row_blocks(const std::vector<const W*>& rows, F&& f) {
 // ---- bf16 GEMV for a few rows (AVX-512 BF16), over the model's own row-major weights.
 //
 // Why: at one token a linear layer is a matrix-vector product bound by reading its weights, and
-// oneDNN's pre-packed path costs 25-30 us a call even for a 128 x 128 weight (this loop: 2-4 us;
-// per shape, weights in cache, it was 1.3-13x faster at one row). From a few rows on oneDNN's AMX
+// oneDNN's pre-packed path has a fixed cost per call that is several times this loop's whole run on a
+// small weight (docs/decisions/0001-native-forward.md). From a few rows on oneDNN's AMX
 // kernels win (`use_gemv` below); where the CPU has AMX, the tile kernel further down beats both and
 // this one serves the weights that have no tiles, and CPUs with AVX-512 BF16 but no AMX (AMD's). The
 // weights are the model's own tensors (no copy: its modules hold them), read in place.
@@ -522,9 +523,9 @@ void row_blocks(const std::vector<const W*>& rows, F&& f) {
 #define GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // Prefetch distance, in weight rows (16 KB ahead at 512 wide; past a tensor's end it is a hint that never
-// faults). At one token the forward streams its weights from memory once (55 MB for the shipped target):
-// without it this loop ran the target's forward 1.21x slower than oneDNN's kernels, with it 0.62-0.80x
-// (paired A/B of the whole forward; 8 and 32 rows measured within the noise of 16).
+// faults). At one token the forward streams its weights from memory once, so the loads must be in flight
+// early: without the prefetch this loop loses to oneDNN's kernels over the whole forward, with it it wins;
+// 8 to 32 rows do alike (docs/decisions/0001-native-forward.md).
 constexpr int64_t PF = 16;
 
 // out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T input rows (both compile-time, so the
@@ -611,12 +612,12 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // ---- float32 matmuls of a few rows in FMA vectors, over the model's own row-major weights.
 //
 // Why: in float32 (the engines' dtype on CPUs without bf16 instructions) every matmul went to at::linear,
-// whose BLAS kernels handle a few rows badly: on an AMD EPYC (Zen 3, AVX2), one thread, the shipped target's
-// 33 matmuls took 11.4 ms at one row (10 GB/s of weights, where the core reads 14 GB/s) and 22.9-26.4 ms at
-// five, so verifying 4 drafts cost twice a plain step and speculation barely paid. Here each weight row is
-// read once per call: blocks of R rows stream through (prefetched kFmaAhead rows ahead), each multiplied into
-// up to TC input rows at a time, the R x TC sums in registers; further input rows reuse the block from L1.
-// Measured there: 9.9 / 12.6 / 13.9 ms at 1 / 5 / 9 rows (MKL's 11.4 / 26.4 / 30.9, paired).
+// whose BLAS kernels handle a few rows badly: at one row they read the weights below the memory bandwidth, and at
+// five rows they take about twice as long as at one, so verifying 4 drafts cost twice a plain step and
+// speculation barely paid. Here each weight row is read once per call: blocks of R rows stream through
+// (prefetched kFmaAhead rows ahead), each multiplied into up to TC input rows at a time, the R x TC sums in
+// registers; further input rows reuse the block from L1. A verification of a few rows then costs far less than
+// twice a one-row pass (docs/decisions/0001-native-forward.md).
 // Numerics: products fused into float32 lane sums, then a fixed tree across lanes and the bias: each output's
 // order of summation depends on neither the number of rows nor the block, so a token's logits come out
 // the same whether it is verified alone, with drafts or in a batch (the BLAS's order changes with the shape).
@@ -625,11 +626,11 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // saved in bf16 and loaded in float32, as the shipped pair and most Llamas are): widened in registers, exactly,
 // so the sums are bit for bit the float32 weights' while the weights read from memory halve. At one row the
 // kernel is bound by that read; from about 9 rows on by the arithmetic, where widening costs (see kBf16WeightRows and
-// README "bf16 weights in a float32 forward").
+// docs/decisions/0001-native-forward.md).
 #if defined(__FMA__) || defined(__AVX512F__)
 bool fma_supported() { return true; }
 
-constexpr int64_t kFmaAhead = 16;  // prefetch distance in weight rows (4-64 measured alike on Zen 3)
+constexpr int64_t kFmaAhead = 16;  // prefetch distance in weight rows (anywhere from 4 to 64 does alike)
 // out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T input rows (both compile-time, so the
 // R x T sums stay in registers).
 // (Not inlined, a flat array, loops unrolled: inlined into its caller's switch, or as acc[R][T], GCC stored every
@@ -699,8 +700,8 @@ void fma_rows(const float* x, int64_t T, const std::vector<const W*>& rows, cons
 
 // Rows per block: independent sums enough to hide the FMA latency, few enough for the registers (16 of them on
 // AVX2, 32 on AVX-512). 5 and 6 input rows go in one pass of fewer weight rows (2 x 5 sums on AVX2): split as
-// 4 + 1, the 1-row pass had 3 sums in flight, latency-bound, and cost about as much as the 4-row pass (the
-// shipped target's forward at 5 tokens, bf16-stored weights, Zen 3: 0.83-0.91x of 4 + 1's in three paired runs).
+// 4 + 1, the 1-row pass has 3 sums in flight, latency-bound, and costs about as much as the 4-row pass, so one
+// pass is faster (docs/decisions/0001-native-forward.md).
 template <typename W>
 void fma_dispatch(const float* xp, int64_t T, const std::vector<const W*>& rows, const float* bp, float* yp, int64_t I) {
   constexpr bool k512 = kLanes == 16;
@@ -747,13 +748,13 @@ Tensor fma_linear(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(fa
 // ---- bf16 matmuls of up to 16 rows on AMX tiles, over weights packed once into tiles.
 //
 // Why: verifying k drafts is a matmul of k + 1 rows, and it should cost what one row costs (both read
-// every weight once; at 9 rows the shipped target's tile work is about a tenth of its weight reading
-// here). oneDNN's AMX kernels have the arithmetic but not the streaming: measured over the target's 33
-// matmuls, weights from memory, 5.9-14 ms at 1-9 rows against 3.1-4.7 ms for this loop (and 4.6-13 ms
-// for the GEMV above). Each weight is packed once into 1 KB tiles, [N/16][K/32][16 k-pairs][16 n][2]
-// (`amx_pack`), read in order with a software prefetch 4 tiles ahead; one C tile accumulates a block of
-// 16 outputs for all rows. Numerics: products and sums in float32 (TDPBF16PS), the bias added, one
-// rounding to bf16, as the GEMV.
+// every weight once; at 9 rows the shipped target's tile work is about a tenth of its weight reading).
+// oneDNN's AMX kernels have the arithmetic but not the streaming: over the target's matmuls, weights from
+// memory, they take two to three times this loop's time at 1 to 9 rows, and the GEMV above, growing with the
+// rows, more than this loop too (docs/decisions/0001-native-forward.md). Each weight is packed once into 1 KB
+// tiles, [N/16][K/32][16 k-pairs][16 n][2] (`amx_pack`), read in order with a software prefetch 4 tiles
+// ahead; one C tile accumulates a block of 16 outputs for all rows. Numerics: products and sums in float32
+// (TDPBF16PS), the bias added, one rounding to bf16, as the GEMV.
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -841,13 +842,12 @@ Tensor amx_pack(const Tensor& w) {
 
 // Which matmuls go through the GEMV: up to 3 rows for any weight, up to 8 for small ones (a drafter's). Its
 // cost grows by about a fifth of a one-row pass per row (VDPBF16PS per row and weight chunk), while oneDNN's
-// AMX kernels barely grow, so they win from 4 rows on. Measured in the shipped target's forward, paired
-// against oneDNN for every matmul: 0.62 / 0.80 / 0.89x at 1 / 2 / 3 rows, 1.00 at 4, 1.06-1.69 at 5-9; the
-// drafter's, its LM head included: 0.65 / 0.75 / 0.86x, then 0.93 and 1.03-1.38.
+// AMX kernels barely grow, so they win from 4 rows on (they tie at 4 in the shipped target's forward); on a
+// small weight oneDNN's fixed cost per call keeps the GEMV ahead up to 8 rows
+// (docs/decisions/0001-native-forward.md).
 //
-// float32: the FMA kernel up to 64 rows, past which the library's blocked GEMM is the faster (the shipped target's
-// 33 matmuls, weights from memory, on an AMD EPYC (Zen 3), one thread, paired: 0.86 / 0.48 / 0.45 / 0.61 / 0.72 /
-// 0.78 / 0.91x at 1 / 5 / 9 / 16 / 24 / 32 / 64 rows, then 1.18 at 96 and 1.36 at 128).
+// float32: the FMA kernel up to 64 rows, past which the library's blocked GEMM is the faster: the FMA kernel's
+// lead is largest at 5 to 9 rows and shrinks as the rows grow (docs/decisions/0001-native-forward.md).
 inline bool use_gemv(const Tensor& x, at::TensorList parts) {
   if (!parts.empty() && x.scalar_type() == at::kFloat) return fma_supported() && x.size(0) <= 64;
   if (parts.empty() || !gemv_supported() || x.scalar_type() != at::kBFloat16) return false;
@@ -858,8 +858,9 @@ inline bool use_gemv(const Tensor& x, at::TensorList parts) {
 }
 
 // float32 matmuls of up to this many rows read the bf16 copies of the weights (`parts16`) where there are some:
-// up to here a step is bound by reading the weights, and half the bytes make it 0.6-0.7x; past it the arithmetic
-// bounds it and widening each weight costs (at 65 rows the 33 matmuls took 1.29x as long from bf16 copies).
+// up to here a step is bound by reading the weights, and half the bytes make it markedly faster; past it the
+// arithmetic bounds it and widening each weight costs more than the bytes save
+// (docs/decisions/0001-native-forward.md).
 constexpr int64_t kBf16WeightRows = 8;
 
 // The layer's matmul: AMX tiles (`tiles`, undefined or empty when off) up to 16 rows, else the bf16 GEMV or the
@@ -908,8 +909,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   // Our attention reads the cache in place where its dtype is one the loops compute (float32 or bf16: the
   // engines' KV dtypes on CPUs) and rows are [rows, KV, D] contiguous, and where it is the faster: always for up to
   // 4 queries per KV head (decoding, drafting), else up to 640 keys. Beyond, ATen's BLAS-backed kernel wins
-  // (shipped target, bf16 on an Intel Xeon, ours / ATen's forward, paired: 0.76-0.86 at one token for 120-900
-  // keys; 5 and 9 tokens 0.85-0.89 at 120 keys, 0.88-1.02 at 550, 1.02-1.24 at 900).
+  // (with 5 to 9 tokens ours is the faster at a hundred keys, level at about 600 and the slower at 900;
+  // docs/decisions/0001-native-forward.md).
   const at::ScalarType kv_dtype = k_cache[0].scalar_type();
   const int64_t S_read = rows_mode ? read_rows.size(1) : S;
   bool own_attention = !aten_attention && (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) &&
