@@ -2,13 +2,18 @@
 
 Memory is a pool of fixed-size blocks (``block_size`` tokens of K and V for every layer),
 one [rows, kv_heads, head_dim] buffer per layer and per K/V, where rows = blocks x block_size.
+Each layer has its own shape (``kv_layout``): a model whose global layers have another head size
+and KV head count than its sliding ones (Gemma 4) gets both, and a layer that reads another
+layer's K/V (KV sharing) holds none.
 A sequence holds a list of blocks (its block table); position p lives in row
 ``blocks[p // block_size] * block_size + p % block_size``. So the number of sequences held
 at once is bounded by the tokens they actually hold, not by ``max_model_len`` per sequence,
 and the budget stays in bytes.
 
 Rolling back rejected drafts moves a sequence's length and nothing else; the stale rows past
-it are overwritten by the next forward pass. Block 0 is never handed out: padded tokens of a
+it are overwritten by the next forward pass. Every layer keeps every row of a sequence, sliding
+layers included (their mask hides what is past the window), so a rollback never loses a row that
+a sliding layer still needs; memory bounded by the window is not done here. Block 0 is never handed out: padded tokens of a
 batched pass write there, and padded key positions read from it (they are masked).
 
 Reading K/V for attention gathers each sequence's rows into one [B, S, kv_heads, head_dim]
@@ -35,6 +40,27 @@ from torch.nn.utils.rnn import pad_sequence
 from core.protocol import CacheMiss, common_prefix_len, cut_chain, prefix_hash
 
 TRASH_ROW = 0  # in block 0, which no sequence owns
+
+
+def kv_layout(text_config) -> list[tuple[int, int] | None]:
+    """Per layer, the (kv_heads, head_dim) of the K/V it caches; None for a layer that reads an earlier
+    layer's K/V instead of caching its own (``num_kv_shared_layers``: the last layers of Gemma 3n and 4).
+
+    Configs with per-layer attributes (transformers' ``per_layer_config``: Gemma 4's global layers
+    have another head size and KV head count) are read layer by layer; the rest have one shape."""
+    n = text_config.num_hidden_layers
+    per_layer = getattr(text_config, "per_layer_config", None)
+    if per_layer is not None:
+        shapes = [(L.num_key_value_heads or L.num_attention_heads,
+                   getattr(L, "head_dim", None) or L.hidden_size // L.num_attention_heads)
+                  for L in (per_layer[i] for i in range(n))]
+    else:
+        c = text_config
+        shape = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                 getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        shapes = [shape] * n
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    return [None if i >= n - shared else s for i, s in enumerate(shapes)]
 
 
 class CacheFull(RuntimeError):
@@ -106,12 +132,11 @@ class PagedKVCache:
                  block_size: int = 16):
         text_config = getattr(model_config, "get_text_config", lambda: model_config)()
         self.num_layers = text_config.num_hidden_layers
-        self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.layout = kv_layout(text_config)
         self.max_len = max_len
         self.block_size = block_size
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.token_bytes = 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
+        self.token_bytes = 2 * sum(h * d for h, d in filter(None, self.layout)) * itemsize
         self.block_bytes = self.token_bytes * block_size
         self.num_blocks = budget_bytes // self.block_bytes
         per_sequence = -(-max_len // block_size)
@@ -119,10 +144,11 @@ class PagedKVCache:
             raise ValueError(
                 f"KV cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one sequence of {max_len} tokens: "
                 f"that needs {(per_sequence + 1) * self.block_bytes / 2**20:.1f} MiB")
-        shape = (self.num_blocks * block_size, self.kv_heads, self.head_dim)
-        # zeros, not empty: masked positions still enter the attention matmul, and NaN * 0 is NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        rows = self.num_blocks * block_size
+        # zeros, not empty: masked positions still enter the attention matmul, and NaN * 0 is NaN;
+        # a layer without K/V of its own (KV sharing) gets an empty tensor, never read
+        self.k = [torch.zeros((rows, *s) if s else (0,), dtype=dtype, device=device) for s in self.layout]
+        self.v = [torch.zeros((rows, *s) if s else (0,), dtype=dtype, device=device) for s in self.layout]
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
         self._free = set(range(1, self.num_blocks))
         self._heap = list(range(1, self.num_blocks))  # smallest free block first (lazy deletion)

@@ -10,8 +10,15 @@ also return the residual stream entering chosen layers (EAGLE-3's auxiliary hidd
 the same pass.
 
 Architectures with anything else (another norm, sliding windows in use, a rotary embedding
-that depends on the length) run through ``HFRunner``: the model's own modules over the same
-paged cache. ``make_runner`` chooses and says which.
+that depends on the length, mixture-of-experts layers, attention sinks, per-layer head sizes:
+Mistral with its window, Qwen3 MoE, Gemma 4, gpt-oss) run through ``HFRunner``: the model's own
+modules over the same paged cache, with each layer type's mask (``layer_windows``).
+``make_runner`` chooses by the config and says which.
+
+The state of layer i (what EAGLE-3 heads read) is the same in both runners and in vLLM (its
+``_maybe_add_hidden_state``: hidden + residual before layer i): the residual stream entering
+decoder layer i, so 0 is the embeddings (scaled where the model scales them) and
+``num_hidden_layers`` is the last layer's output before the final norm.
 """
 
 from __future__ import annotations
@@ -27,6 +34,25 @@ log = logging.getLogger(__name__)
 
 COMPACT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the position only
+
+
+def layer_windows(text_config) -> list[int | None]:
+    """Each decoder layer's sliding window (keys at positions p - window < t <= p), None for full attention.
+
+    From ``layer_types`` where the config has them (Gemma 4, gpt-oss, Qwen3: sliding and full layers
+    interleaved), else one window for every layer (Mistral, Qwen3 MoE with ``use_sliding_window``)."""
+    c = text_config
+    if getattr(c, "use_bidirectional_attention", None) == "all":
+        raise ValueError("use_bidirectional_attention 'all': a verifier must be causal")
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(f"layer_types {other}: the verifier runs full and sliding attention layers only")
+        return [window if t == "sliding_attention" else None for t in types[:c.num_hidden_layers]]
+    use = getattr(c, "use_sliding_window", True)
+    return [window if window and use else None] * c.num_hidden_layers
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,8 +113,11 @@ def compact_unsupported(model, max_len: int) -> str | None:
         return f"hidden_act {c.hidden_act!r}"
     if getattr(c, "mlp_bias", False):
         return "mlp_bias"
-    window = getattr(c, "sliding_window", None)
-    if window and getattr(c, "use_sliding_window", True) and window < max_len:
+    rope_params = getattr(c, "rope_parameters", None) or {}
+    if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"partial_rotary_factor {rope_params['partial_rotary_factor']}"
+    window = min((w for w in layer_windows(c) if w), default=None)
+    if window and window < max_len:
         return f"sliding_window {window} < max_model_len {max_len}"
     return None
 
@@ -264,13 +293,73 @@ class _HFCacheView:
         return False
 
 
+def decoder_layers(model):
+    """The decoder layers of a causal LM (``model.model.layers`` for most; the text decoder's for a
+    multimodal checkpoint)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (model.get_decoder().layers)")
+    return layers
+
+
+class capture_states:
+    """Record the state of the listed layers (see the module docstring) while the model's own forward runs:
+    a pre-hook on layer i takes its input, a hook on the last layer its output (before the final norm).
+    Only the listed layers are kept; nothing else is materialised (``output_hidden_states`` would keep
+    every layer's, and transformers' last one is after the final norm)."""
+
+    def __init__(self, model, layers: tuple[int, ...]):
+        self.modules, self.layers, self.states, self._handles = decoder_layers(model), tuple(layers), {}, []
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        n = len(self.modules)
+        for L in self.layers:
+            if not 0 <= L <= n:
+                raise ValueError(f"layer {L}: the model has layers 0..{n}")
+
+            def pre(module, args, kwargs, L=L):
+                self.states[L] = args[0] if args else kwargs["hidden_states"]
+
+            def post(module, args, kwargs, out, L=L):
+                self.states[L] = out[0] if isinstance(out, tuple) else out
+
+            if L < n:
+                self._handles.append(self.modules[L].register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                self._handles.append(self.modules[n - 1].register_forward_hook(post, with_kwargs=True))
+        return self.states
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
 class HFRunner:
-    """Any causal LM through its own modules over the paged cache (slower: see the module docstring)."""
+    """Any causal LM through its own modules over the paged cache (slower: see the module docstring).
+
+    Each layer type gets its own mask (``layer_windows``), built for the paged, batched layout: the
+    module uses a ready mask as it is, so a sliding window not in the mask would never be applied.
+    Models whose layers differ in window take them as a dict keyed by layer type (transformers'
+    ``causal_mask_mapping``); a model with one window for every layer takes one mask. Sinks,
+    per-layer inputs and shared K/V stay the modules' own. The masks are additive float masks, which
+    both attention implementations that take a mask over a given cache (sdpa, eager) accept."""
 
     kind = "transformers"
+    IMPLEMENTATIONS = ("sdpa", "eager")
 
     def __init__(self, model):
         self.model = model
+        c = model.config.get_text_config()
+        impl = getattr(c, "_attn_implementation", None) or model.config._attn_implementation or "eager"
+        if impl not in self.IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation {impl!r}: the transformers forward passes masks over the "
+                             f"paged cache, which {' and '.join(self.IMPLEMENTATIONS)} take")
+        self.windows = layer_windows(c)
+        self.by_type = None  # one mask for every layer
+        if len(set(self.windows)) > 1:
+            self.by_type = dict(zip(c.layer_types, self.windows))
+        self.layers = decoder_layers(model)
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
@@ -279,13 +368,17 @@ class HFRunner:
         if mask is None:
             mask = torch.ones(B, 1, n, S, dtype=torch.bool, device=input_ids.device)
         dtype = self.model.dtype
-        fmask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=fmask,
-                         past_key_values=_HFCacheView(kv, S), use_cache=True, logits_to_keep=keep,
-                         output_hidden_states=bool(capture))
-        # hidden_states[L] is the residual stream entering layer L (index 0: the embeddings)
-        hidden = {L: out.hidden_states[L] for L in capture} if capture else {}
-        return out.logits, hidden
+        keys = torch.arange(S, device=mask.device).view(1, 1, 1, S)
+        float_masks = {}
+        for w in set(self.windows):  # key t (at position t) is in the window of a query at p when t > p - w
+            m = mask if w is None else mask & (keys > positions.view(B, 1, n, 1) - w)
+            float_masks[w] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+        attention_mask = ({t: float_masks[w] for t, w in self.by_type.items()} if self.by_type
+                          else float_masks[self.windows[0]])
+        with capture_states(self.model, capture) as hidden:
+            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                             past_key_values=_HFCacheView(kv, S), use_cache=True, logits_to_keep=keep)
+        return out.logits, dict(hidden)
 
 
 def make_runner(model, max_len: int, forward: str = "auto"):

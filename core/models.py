@@ -79,11 +79,24 @@ def resolve_kv_dtype(name: str, compute: str, device: str | torch.device = "cpu"
     return "float32" if torch.device(device).type == "cpu" else compute
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """A local Hugging Face causal LM in eval mode, with SDPA attention."""
-    from transformers import AutoModelForCausalLM
+def attention_implementation(config) -> str:
+    """SDPA where the model's class supports it, else its eager attention (gpt-oss: SDPA has no attention
+    sinks). Both take the masks the engines build over the paged cache (``core.llama.HFRunner``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # not a causal LM transformers maps: from_pretrained says why
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """A local Hugging Face causal LM in eval mode, with SDPA attention where its class supports it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    impl = attention_implementation(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.kv_cache import CacheFull, batched_forward
-from core.llama import EngineModel
+from core.llama import EngineModel, capture_states
 from core.models import eos_token_ids, pin_process
 from core.protocol import CacheMiss, VerifyRequest, VerifyResult
 from core.rejection import decide
@@ -59,11 +59,12 @@ class VerifierEngine:
 
     @torch.inference_mode()
     def aux_states(self, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
-        """The hidden states entering ``layers`` at every token, [len(tokens), len(layers) * hidden]:
-        one forward pass over the sequence outside the KV cache, for an EAGLE-3 drafter that lost a
-        sequence's states (a replaced replica); it costs a prefill of the sequence."""
-        out = self.model(input_ids=torch.tensor([tokens], device=self.device), output_hidden_states=True)
-        return torch.cat([out.hidden_states[L][0] for L in layers], dim=-1).cpu()
+        """The states of ``layers`` at every token (``core.llama``: the residual stream entering each),
+        [len(tokens), len(layers) * hidden]: one forward pass over the sequence outside the KV cache, for an
+        EAGLE-3 drafter that lost a sequence's states (a replaced replica); it costs a prefill of the sequence."""
+        with capture_states(self.model, layers) as states:
+            self.model(input_ids=torch.tensor([tokens], device=self.device), logits_to_keep=1)
+        return torch.cat([states[L][0] for L in layers], dim=-1).cpu()
 
     def num_cached(self) -> int:
         return len(self.cache)
