@@ -1,5 +1,6 @@
 """The layering holds at run time too: engine-level packages import with torch and transformers
-alone, and the README's layout table names every package that exists."""
+alone, and the README's layout table names every package that exists. The README and docs/ link
+only to files that exist, and the README stays a short page for users (the detail lives in docs/)."""
 
 import re
 import subprocess
@@ -67,3 +68,51 @@ def test_readme_layout_table_matches_the_packages():
     assert packages <= listed, f"packages missing from the README's layout table: {packages - listed}"
     for path in listed:
         assert (ROOT / path).is_dir(), f"the README's layout table lists {path}/, which does not exist"
+
+
+README_MAX_LINES = 300
+# [text](target) and ![alt](target); the target ends at whitespace or the closing parenthesis
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The relative link targets of a Markdown text, anchors cut off: not those inside fenced code
+    blocks or inline code, not URLs with a scheme, not links to an anchor of the same page."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    out = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        out.append(target.split("#", 1)[0])
+    return out
+
+
+def broken_links(paths) -> list[str]:
+    broken = []
+    for md in paths:
+        for target in relative_links(md.read_text()):
+            if not (md.parent / target).exists():
+                broken.append(f"{md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}: {target}")
+    return broken
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert len(pages) > 10, pages
+    assert sum(len(relative_links(p.read_text())) for p in pages) > 50
+    assert not broken_links(pages), "broken relative links:\n" + "\n".join(broken_links(pages))
+
+
+def test_the_link_check_finds_a_broken_link_and_skips_code_and_urls(tmp_path):
+    (tmp_path / "there.md").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md#a) [url](https://example.com/x) [anchor](#here) `[code](nowhere.md)`\n"
+                    "```\n[fenced](nowhere.md)\n```\n![img](missing.png) [gone](sub/gone.md)\n")
+    assert relative_links(page.read_text()) == ["there.md", "missing.png", "sub/gone.md"]
+    assert broken_links([page]) == [f"{page}: missing.png", f"{page}: sub/gone.md"]
+
+
+def test_the_readme_stays_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
