@@ -2,9 +2,9 @@
 to each drafter replica it drafts on, beside Serve's handles.
 
 Why: every speculative step of a sequence makes one drafter call, on the critical path when no
-pre-draft holds. A Serve handle call costs about 3 ms between replicas here (routing, the actor
-call, the replica's request machinery), as much as the bf16 verify forward it waits for; a
-frame on an open connection costs a fraction of a millisecond.
+pre-draft holds. A Serve handle call between replicas costs milliseconds (routing, the actor
+call, the replica's request machinery), as much as a small model's verify forward; a frame on
+an open connection costs a fraction of that (docs/decisions/0003-direct-drafter-channel.md).
 
 How it keeps Serve's guarantees: a sequence's first drafter call goes through the Serve handle,
 so Serve's router (cache affinity, load, replica health) still places the sequence. The replica

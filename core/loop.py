@@ -306,7 +306,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                                  branches=[(len(seq.tokens) + j, c) for j, c in branches])
                 pre = PreDraft(seq.tokens, drafts, branches, asyncio.ensure_future(task))
             # started after the pre-draft, so its request is on its way before the verify takes the
-            # engine's core (a verifier replica's event loop shares it: sent after, it waited 1.7-2.8 ms)
+            # engine's core (a verifier replica's event loop shares it: sent after, it waits out the pass)
             t_verify = clock()
             step = asyncio.ensure_future(verified(drafts, probs))
             res = await step

@@ -1,6 +1,6 @@
 """The native decoder forward (``core/csrc/decoder.cpp``): built once per machine, loaded by engines.
 
-Built with torch's C++ extension builder (a C++ compiler and ninja; 13-16 s on a 2-core CPU) into
+Built with torch's C++ extension builder (a C++ compiler and ninja; some seconds) into
 a cache that outlives the process (``SPLITSPEC_KERNEL_DIR``, default
 ``~/.cache/splitspec/kernels/<torch>-<python>-<instruction set>-<checkout>``), so a replica that starts on a machine where it
 was built before loads it in well under a second. ``make install`` builds it ahead of time.
@@ -50,7 +50,7 @@ def kernel_dir() -> Path:
 
 # torch's builder holds a lock file in the build directory while it builds and waits, without end, for a
 # lock it finds: one left by a process killed mid-build (a replica stopped as it started) hung every
-# replica after it. A build takes 13-33 s on 2 cores; a lock older than this is taken to be such a leftover.
+# replica after it. A build takes well under a minute; a lock older than this is taken to be such a leftover.
 STALE_LOCK_S = 300.0
 
 

@@ -32,6 +32,7 @@ would cost more than they find). Every ``explore_every`` steps a neighbour of th
 is tried, so the measured costs follow the cost curve as load changes. A k is tried for ``run``
 steps in a row and its step time measured on steady-state steps only (the previous step used the
 same k): the step right after a change pays for it (its pre-draft, made for the old k, misses).
+Why adaptive is the default: docs/decisions/0006-default-policy.md.
 """
 
 from __future__ import annotations

@@ -141,10 +141,9 @@ def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = No
 
 # One sequence's sampled verification, position by position until the first rejection: the rules of
 # gumbel_verify and rejection_sample (the batched definitions, which tests hold these to, exactly), with
-# the random numbers, Gumbel noise and dense q rows computed only for the positions reached. Measured
-# (k = 4, V = 4,096, T = 0.8, one thread): decide took 0.63 ms (Gumbel) and 0.50 ms (rejection) on the
-# whole block, most of it noise for positions after a rejection and small tensors; the noise alone
-# grows with the vocabulary (V = 128k: about 2 ms a position).
+# the random numbers, Gumbel noise and dense q rows computed only for the positions reached. On the whole
+# block most of decide's time went to noise for positions after a rejection and to small tensors, and the
+# noise grows with the vocabulary (docs/decisions/0013-decide-fast-paths.md).
 
 def _gumbel_by_position(r: VerifyRequest, p: torch.Tensor, first: int) -> tuple[list[int], int]:
     """gumbel_verify for one sequence: p [k+1, V]; draft i sits at position first + i."""

@@ -82,11 +82,11 @@ class ContinuousBatcher(Generic[T, R]):
         is idle: no batch or call running, none queued; None otherwise (``submit`` them then).
 
         Why: a lone stream's step otherwise crosses to the engine's thread and back, two thread
-        switches and several event-loop turns on the engine's core (measured on the 2-core AMD host:
-        0.25 ms of a 12 ms step, the largest part of the time a step spends outside its passes). The
-        event loop waits meanwhile, so a caller uses it only where nothing else would join the batch
-        (one stream on the replica) and where nothing on the loop must run during the pass. Items get
-        what ``submit`` gives them: results, or the batch's exception raised."""
+        switches and several event-loop turns on the engine's core, the largest part of the time a step
+        spends outside its passes (docs/decisions/0005-verify-inline.md). The event loop waits meanwhile,
+        so a caller uses it only where nothing else would join the batch (one stream on the replica) and
+        where nothing on the loop must run during the pass. Items get what ``submit`` gives them: results,
+        or the batch's exception raised."""
         if self.pending or self.jobs or self.running_since is not None:
             return None
         self.inline_batches += 1

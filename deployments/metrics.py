@@ -54,10 +54,10 @@ def metrics():
 class Tally:
     """Counter increments summed here and sent by ``flush``, one Ray call per counter and tag set.
 
-    Why: a Serve metric call costs about 10 µs (it looks up its replica's context tags each time). A
+    Why: a Serve metric call costs microseconds (it looks up its replica's context tags each time). A
     router applying a chunk of about a second's steps (a non-streaming request) made 7 of them per
-    step: 6-12 of the 8-16 ms it took per chunk, measured on the AMD Zen 3, and the last chunk's on
-    the request's critical path. Not thread-safe: one event loop's."""
+    step, most of the time it took per chunk, and the last chunk's on the request's critical path.
+    Not thread-safe: one event loop's."""
 
     def __init__(self):
         self._n: dict[tuple, float] = {}

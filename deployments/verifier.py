@@ -38,9 +38,9 @@ class ReplicaGatedK:
 
     Why: each request's policy charges itself a step's whole wall time, but in a batch most of that
     time is the other sequences' rows. A request that stops speculating alone saves almost nothing, so
-    every policy keeps speculating where the batch as a whole would be faster without (measured on an
-    AMD Zen 3, float32, 16 streams: 0.88x the throughput of speculation off, every request at k of 5).
-    The replica sees the whole step: tokens emitted per second of engine steps, with and without."""
+    every policy keeps speculating where the batch as a whole would be faster without. The replica sees
+    the whole step: tokens emitted per second of engine steps, with and without.
+    See docs/decisions/0016-replica-gate.md."""
 
     def __init__(self, policy: AdaptiveK, server: "VerifierServer"):
         self.policy, self.server = policy, server
@@ -63,9 +63,9 @@ async def coalesced(steps, interval_s: float, clock=time.monotonic):
 
     Why: every stream item costs the replica process a cross-thread hand-off and a Ray object
     (serialisation, a report to the router), then the router, Serve's proxy and HTTP one chunk
-    each, and on a replica pinned to the engine's cores that work takes the engine's time.
-    Measured here (plain decoding served, bf16, 1 stream): 8 steps per item took 0.78x the time
-    per token of one step per item. interval_s = 0 sends every item alone."""
+    each, and on a replica pinned to the engine's cores that work takes the engine's time, so
+    fewer, larger items serve each token faster (docs/decisions/0008-stream-interval.md).
+    interval_s = 0 sends every item alone."""
     held, last = [], float("-inf")
     async with contextlib.aclosing(steps):  # closed with this stream (a cancel at a yield): caches freed at once
         async for item in steps:
@@ -150,9 +150,9 @@ class VerifierServer(EngineServer):
         """An engine step ended (on the engine's thread): credit its emitted tokens and the time since the step
         before to the arm in use, and choose the arm of the steps that follow, per bucket of ``streams`` (the
         requests running here). Keyed by streams, not by the step's batch: speculating sequences wait on drafts
-        and fill smaller batches than plain ones, so batch-size buckets each saw one arm only (measured at 64
-        streams: the two buckets handed the choice back and forth, and speculation ran on at 0.73x the
-        throughput of plain decoding). A few streams are the requests' own policies' business."""
+        and fill smaller batches than plain ones, so batch-size buckets each see one arm only: they hand the
+        choice back and forth and speculation runs on where plain decoding is faster
+        (docs/decisions/0016-replica-gate.md). A few streams are the requests' own policies' business."""
         if self.gate is None:
             return
         streams = self.streams if streams is None else streams

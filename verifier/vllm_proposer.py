@@ -83,7 +83,7 @@ class SplitspecProposer:
         self.pending: dict[str, PreDraft] = {}  # seq id -> the pre-draft in flight
         self.seqs: dict[str, str] = {}  # vLLM request id -> seq id
         # seq id -> its accepted tokens and their prefix-hash links, kept as they grow: rebuilding
-        # them for every row every step costs O(context) each (about 0.3 ms a row at 8k tokens)
+        # them for every row every step costs O(context) each, which grows into milliseconds on long contexts
         self.ctx: dict[str, list[int]] = {}
         self.chains: dict[str, list[bytes]] = {}
         self.choice = BatchSpeculation()  # speculate at this batch size or not, measured

@@ -190,7 +190,7 @@ void silu_mul(const T* gu, T* out, int64_t tokens, int64_t I) {
 // Keys whose weight exp(score - max) is below 2^-64 get 0: all of them together move the output by under
 // S x 2^-64 of the largest weight's (1), far below float32's resolution, while their products with V would be
 // denormal floats, each a microcode assist (which slows attention by an order of magnitude at the positions
-// that have many of them).
+// that have many of them; docs/decisions/0011-attention-in-place.md).
 constexpr float kNegligible = -44.3614195558365f;  // ln(2^-64)
 
 // The attention loops in GCC's vector extension, as wide as the build's registers: 16 floats where it targets
@@ -512,7 +512,7 @@ void row_blocks(const std::vector<const W*>& rows, F&& f) {
 //
 // Why: at one token a linear layer is a matrix-vector product bound by reading its weights, and
 // oneDNN's pre-packed path has a fixed cost per call that is several times this loop's whole run on a
-// small weight (docs/decisions/0001-native-forward.md). From a few rows on oneDNN's AMX
+// small weight (docs/decisions/0009-bf16-gemv-and-amx-tiles.md). From a few rows on oneDNN's AMX
 // kernels win (`use_gemv` below); where the CPU has AMX, the tile kernel further down beats both and
 // this one serves the weights that have no tiles, and CPUs with AVX-512 BF16 but no AMX (AMD's). The
 // weights are the model's own tensors (no copy: its modules hold them), read in place.
@@ -525,7 +525,7 @@ void row_blocks(const std::vector<const W*>& rows, F&& f) {
 // Prefetch distance, in weight rows (16 KB ahead at 512 wide; past a tensor's end it is a hint that never
 // faults). At one token the forward streams its weights from memory once, so the loads must be in flight
 // early: without the prefetch this loop loses to oneDNN's kernels over the whole forward, with it it wins;
-// 8 to 32 rows do alike (docs/decisions/0001-native-forward.md).
+// 8 to 32 rows do alike (docs/decisions/0009-bf16-gemv-and-amx-tiles.md).
 constexpr int64_t PF = 16;
 
 // out[t * R + r] = sum_i x[t, i] * w[r][i] for R weight rows and T input rows (both compile-time, so the
@@ -617,7 +617,7 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // speculation barely paid. Here each weight row is read once per call: blocks of R rows stream through
 // (prefetched kFmaAhead rows ahead), each multiplied into up to TC input rows at a time, the R x TC sums in
 // registers; further input rows reuse the block from L1. A verification of a few rows then costs far less than
-// twice a one-row pass (docs/decisions/0001-native-forward.md).
+// twice a one-row pass (docs/decisions/0010-float32-fma-kernel.md).
 // Numerics: products fused into float32 lane sums, then a fixed tree across lanes and the bias: each output's
 // order of summation depends on neither the number of rows nor the block, so a token's logits come out
 // the same whether it is verified alone, with drafts or in a batch (the BLAS's order changes with the shape).
@@ -626,7 +626,7 @@ Tensor gemv(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(false, "
 // saved in bf16 and loaded in float32, as the shipped pair and most Llamas are): widened in registers, exactly,
 // so the sums are bit for bit the float32 weights' while the weights read from memory halve. At one row the
 // kernel is bound by that read; from about 9 rows on by the arithmetic, where widening costs (see kBf16WeightRows and
-// docs/decisions/0001-native-forward.md).
+// docs/decisions/0010-float32-fma-kernel.md).
 #if defined(__FMA__) || defined(__AVX512F__)
 bool fma_supported() { return true; }
 
@@ -701,7 +701,7 @@ void fma_rows(const float* x, int64_t T, const std::vector<const W*>& rows, cons
 // Rows per block: independent sums enough to hide the FMA latency, few enough for the registers (16 of them on
 // AVX2, 32 on AVX-512). 5 and 6 input rows go in one pass of fewer weight rows (2 x 5 sums on AVX2): split as
 // 4 + 1, the 1-row pass has 3 sums in flight, latency-bound, and costs about as much as the 4-row pass, so one
-// pass is faster (docs/decisions/0001-native-forward.md).
+// pass is faster (docs/decisions/0010-float32-fma-kernel.md).
 template <typename W>
 void fma_dispatch(const float* xp, int64_t T, const std::vector<const W*>& rows, const float* bp, float* yp, int64_t I) {
   constexpr bool k512 = kLanes == 16;
@@ -751,9 +751,9 @@ Tensor fma_linear(const Tensor&, at::TensorList, const Tensor&) { TORCH_CHECK(fa
 // every weight once; at 9 rows the shipped target's tile work is about a tenth of its weight reading).
 // oneDNN's AMX kernels have the arithmetic but not the streaming: over the target's matmuls, weights from
 // memory, they take two to three times this loop's time at 1 to 9 rows, and the GEMV above, growing with the
-// rows, more than this loop too (docs/decisions/0001-native-forward.md). Each weight is packed once into 1 KB
-// tiles, [N/16][K/32][16 k-pairs][16 n][2] (`amx_pack`), read in order with a software prefetch 4 tiles
-// ahead; one C tile accumulates a block of 16 outputs for all rows. Numerics: products and sums in float32
+// rows, more than this loop too (docs/decisions/0009-bf16-gemv-and-amx-tiles.md). Each weight is packed once
+// into 1 KB tiles, [N/16][K/32][16 k-pairs][16 n][2] (`amx_pack`), read in order with a software prefetch 4
+// tiles ahead; one C tile accumulates a block of 16 outputs for all rows. Numerics: products and sums in float32
 // (TDPBF16PS), the bias added, one rounding to bf16, as the GEMV.
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -844,10 +844,10 @@ Tensor amx_pack(const Tensor& w) {
 // cost grows by about a fifth of a one-row pass per row (VDPBF16PS per row and weight chunk), while oneDNN's
 // AMX kernels barely grow, so they win from 4 rows on (they tie at 4 in the shipped target's forward); on a
 // small weight oneDNN's fixed cost per call keeps the GEMV ahead up to 8 rows
-// (docs/decisions/0001-native-forward.md).
+// (docs/decisions/0009-bf16-gemv-and-amx-tiles.md).
 //
 // float32: the FMA kernel up to 64 rows, past which the library's blocked GEMM is the faster: the FMA kernel's
-// lead is largest at 5 to 9 rows and shrinks as the rows grow (docs/decisions/0001-native-forward.md).
+// lead is largest at 5 to 9 rows and shrinks as the rows grow (docs/decisions/0010-float32-fma-kernel.md).
 inline bool use_gemv(const Tensor& x, at::TensorList parts) {
   if (!parts.empty() && x.scalar_type() == at::kFloat) return fma_supported() && x.size(0) <= 64;
   if (parts.empty() || !gemv_supported() || x.scalar_type() != at::kBFloat16) return false;
@@ -860,7 +860,7 @@ inline bool use_gemv(const Tensor& x, at::TensorList parts) {
 // float32 matmuls of up to this many rows read the bf16 copies of the weights (`parts16`) where there are some:
 // up to here a step is bound by reading the weights, and half the bytes make it markedly faster; past it the
 // arithmetic bounds it and widening each weight costs more than the bytes save
-// (docs/decisions/0001-native-forward.md).
+// (docs/decisions/0010-float32-fma-kernel.md).
 constexpr int64_t kBf16WeightRows = 8;
 
 // The layer's matmul: AMX tiles (`tiles`, undefined or empty when off) up to 16 rows, else the bf16 GEMV or the
@@ -910,7 +910,7 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   // engines' KV dtypes on CPUs) and rows are [rows, KV, D] contiguous, and where it is the faster: always for up to
   // 4 queries per KV head (decoding, drafting), else up to 640 keys. Beyond, ATen's BLAS-backed kernel wins
   // (with 5 to 9 tokens ours is the faster at a hundred keys, level at about 600 and the slower at 900;
-  // docs/decisions/0001-native-forward.md).
+  // docs/decisions/0011-attention-in-place.md).
   const at::ScalarType kv_dtype = k_cache[0].scalar_type();
   const int64_t S_read = rows_mode ? read_rows.size(1) : S;
   bool own_attention = !aten_attention && (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) &&
