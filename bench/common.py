@@ -24,7 +24,10 @@ TARGET = str(ROOT / "models" / "tiny-code-target")
 BENCH_DTYPE = resolve_dtype("auto")
 DRAFTER = str(ROOT / "models" / "tiny-code-drafter")
 EAGLE3 = str(ROOT / "models" / "tiny-code-eagle3")  # the EAGLE-3 head for the same target
-DEFAULT_OUT = ROOT / "bench" / "results"
+# where every scenario writes unless told: ignored by git. ``make bench PUBLISH=1`` writes to
+# PUBLISHED / machine_slug() instead, the one current report per machine kind that the repository keeps.
+DEFAULT_OUT = ROOT / "build" / "bench"
+PUBLISHED = ROOT / "bench" / "results"
 DEFAULT_K = 8  # the shipped drafter config's num_speculative_tokens (serve_config.yaml): the policy's ceiling
 PEER_K = 4  # k of the peers' fixed speculation (transformers assisted generation, vLLM in-engine)
 MAX_MODEL_LEN = 512  # prompts (~100-200 tokens) + 256 new tokens fit; halves the KV slot size
@@ -92,19 +95,70 @@ def per_token_acceptance(num_drafts: int, num_accepted: int, all_accepted: int) 
     return num_accepted / tested if tested else None
 
 
+# the CPU flags that decide which kernels the engines run (AMX tiles, the bf16 GEMV, the FMA float32 kernel)
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_info(text: str | None = None) -> dict:
+    """The first CPU of ``/proc/cpuinfo`` (or ``text``, its contents): vendor, model name and the
+    ``KERNEL_FLAGS`` it has. Without /proc/cpuinfo, what ``platform`` knows, flags unknown (None)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"vendor": None, "model": platform.processor() or platform.machine() or None, "flags": None}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first CPU's block only
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"vendor": fields.get("vendor_id"), "model": fields.get("model name"),
+            "flags": [f for f in KERNEL_FLAGS if f in flags] if "flags" in fields else None}
+
+
+def machine_slug(info: dict | None = None) -> str:
+    """A folder name for the kind of machine, from its CPU: the model name's first two words (vendor
+    and line: ``intel-xeon``, ``amd-epyc``) and the widest of the instruction sets the engines pick
+    kernels by (``amx``, ``avx512bf16``, ``avx512``, ``avx2``). Two machines with one slug run the
+    same kernels; the figures between them still differ with clock, memory and neighbours."""
+    import re
+
+    info = info if info is not None else cpu_info()
+    model = re.sub(r"\((r|tm|c)\)", " ", (info.get("model") or "").lower())
+    model = re.sub(r"@.*|\b(processor|cpu|\d+-core)\b", " ", model)
+    words = re.findall(r"[a-z0-9]+", model)[:2] or [platform.machine().lower() or "unknown"]
+    flags = info.get("flags") or []
+    isa = next((name for flag, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"),
+                                        ("avx2", "avx2")) if flag in flags), None)
+    return "-".join(words + ([isa] if isa else []))
+
+
+def git_commit(short: bool = True) -> str | None:
+    """This checkout's commit (None outside git), with ``-dirty`` when tracked files differ from it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+    return (commit + ("-dirty" if dirty else "")) if commit else None
+
+
 def environment(threads: int) -> dict:
     import torch
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = None
+    cpu = cpu_info()
     return {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host_cpus": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "cpu": cpu["model"] or platform.machine(), "cpu_flags": cpu["flags"], "machine": machine_slug(cpu),
+            "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads_per_engine": threads,
-            "load_average_at_start": list(os.getloadavg()), "git_commit": commit,
+            "load_average_at_start": list(os.getloadavg()), "git_commit": git_commit(),
             "command": _command()}
 
 
@@ -166,7 +220,7 @@ def free_port() -> int:
     """A TCP port free now, chosen at random below the kernel's ephemeral range and above Ray's
     worker ports (10002-19999). A port from ``bind(0)`` comes from the ephemeral range, where any
     process starting before the server binds it may be handed the same one: Ray's workers bind
-    theirs that way, and a test session's Serve proxy once failed to bind such a port."""
+    theirs that way, and a Serve proxy then fails to bind its port."""
     import random
 
     lo, hi = 20000, 32767
@@ -324,8 +378,8 @@ async def stream_completion(client, url: str, body: dict) -> dict:
 
 
 def vllm_python() -> str | None:
-    """An interpreter that can import vllm: this one, else /work/venv-vllm's, else None."""
-    candidates = [sys.executable, os.environ.get("SPLITSPEC_VLLM_PYTHON", ""), "/work/venv-vllm/bin/python"]
+    """An interpreter that can import vllm: this one, else the one ``SPLITSPEC_VLLM_PYTHON`` names, else None."""
+    candidates = [sys.executable, os.environ.get("SPLITSPEC_VLLM_PYTHON", "")]
     for py in candidates:
         if not py or not Path(py).exists():
             continue

@@ -25,7 +25,7 @@ Reported: ms per forward, ``engine / linear`` at n = 1, and ``verify(k+1) / veri
 linear layers' own ratio for k up to 8. Plus replica start-up: an engine built in a fresh
 process (cold: imports, weights, first forward) and again in the same process (warm).
 
-    python -m bench.engine [--quick] [--out bench/results]
+    python -m bench.engine [--quick] [--out DIR]
 """
 
 from __future__ import annotations

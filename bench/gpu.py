@@ -1,7 +1,7 @@
 """GPU benchmark kit: the system's own overhead at real model shapes, without real weights.
 
-The machine this runs on (a GPU lent now and then) has torch and transformers only: no Ray,
-pydantic or vLLM, and nothing to download. So this imports the engine level only (``core``,
+It needs torch and transformers only (a bare GPU machine: no Ray, pydantic or vLLM, and
+nothing to download). So this imports the engine level only (``core``,
 ``verifier``, ``drafter``; their configs are plain dataclass stand-ins here), builds
 random-weight models from the shape configs in ``bench/shapes/`` (a Llama-3.1-8B-shaped
 verifier and a Llama-3.2-1B-shaped drafter, bf16), and drafts with an **oracle**: it replays the

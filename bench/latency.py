@@ -8,7 +8,7 @@ number of torch threads per engine):
 - the in-process reference loop (``core.loop``: the same engines, no RPC), plain
   and the same k sweep; its per-call engine timings give the zero-overhead bound;
 - transformers ``generate``: plain and assisted generation (``assistant_model=``);
-- vLLM (``bench.vllm_peer`` in a subprocess): plain and in-engine draft-model speculation.
+- vLLM (``bench.vllm``'s ``VllmPeer``, in a subprocess): plain and in-engine draft-model speculation.
 
 For each (repeat, prompt) every system runs once, in an order rotated per repeat; ms/token
 is wall time / generated tokens (prefill included: time to the last token), and ratios are
@@ -315,7 +315,7 @@ def run(args, urls: dict | None = None) -> dict:
     elif vpy is None:
         skipped["vllm"] = "skipped: vllm not importable"
     from bench.inproc import Reference, Transformers
-    from bench.vllm_peer import VllmPeer
+    from bench.vllm import VllmPeer
 
     with contextlib.ExitStack() as stack:
         if vpy:  # engines start (slowly) one after the other, before anything is timed
@@ -324,8 +324,8 @@ def run(args, urls: dict | None = None) -> dict:
                     log(f"starting vLLM engine k={k} ({vpy})")
                     vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
                     stack.callback(vllms[k].close)
-                # loaded before Serve starts: on 2 cores, Serve's proxy starting beside two loading engines
-                # missed its readiness checks (3 x 5 s) and was killed, twice in three runs here
+                # loaded before Serve starts: on a 2-core machine Serve's proxy, starting beside two loading
+                # engines, can miss its readiness checks (3 x 5 s) and be killed
                 for peer in vllms.values():
                     peer.wait_ready()
             except Exception as e:  # noqa: BLE001 - reported, not hidden

@@ -9,9 +9,9 @@ tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99
 modes alternate per concurrency level, so both see the same machine.
 
 ``--rounds R`` runs each level's two modes R times, alternating which goes first. Why: one
-64-stream level is a single wave of requests (30 s here), and on a shared 2-vCPU VM one wave's
-throughput moved by 10% between runs of the same code (speculation on over off, session 23:
-0.91 in one run, 1.02 in the next). Then a mode's figures pool its rounds, and the ratio is the
+64-stream level is a single wave of requests (tens of seconds on a small CPU), and on a shared
+machine one wave's throughput moves by several percent between runs of the same code, as much as
+the on/off difference being measured. Then a mode's figures pool its rounds, and the ratio is the
 median of the rounds' ratios, each measured minutes apart at most.
 """
 

@@ -14,9 +14,9 @@ on the critical path). A whole block accepted is covered when the drafter's next
 after a plain step, or a k more than one above the last, nothing is covered. Outliers (a stalled
 host) add 3-12 ms to ``--outliers`` of the steps.
 
-    python -m bench.policy_replay --record --prompts 8      # traces -> bench/results/policy_traces.json
+    python -m bench.policy_replay --record --prompts 8      # traces -> bench/traces/policy_traces.json
     python -m bench.policy_replay                            # fixed k and the adaptive policy
-    python -m bench.policy_replay --traces bench/results/policy_traces5.json \
+    python -m bench.policy_replay --traces bench/traces/policy_traces5.json \
         --cost-ms 6.3,7.1,7.9,8.5,9.5,11.5,14.5,16.5,19.5 --miss-ms 6.3,8.8,10,11.4,12.7,14,16.5,18.5,20.8
 """
 
@@ -31,7 +31,8 @@ from pathlib import Path
 
 from core.policy import AdaptiveK, FixedK, StepCosts
 
-TRACES = Path("bench/results/policy_traces.json")  # 8 held-out prompts, recorded in float32
+# recorded greedy traces (inputs, not results): 8 held-out prompts in float32 (policy_traces5.json: 5)
+TRACES = Path(__file__).resolve().parent / "traces" / "policy_traces.json"
 # served per-k step wall times, ms (bf16, 1 stream, k = 0..8; measured by the policy's own table)
 SERVED_MS = [6.0, 9.1, 9.2, 10.5, 11.0, 12.0, 12.9, 13.9, 14.4]
 
@@ -110,6 +111,7 @@ def main(argv=None):
     ap.add_argument("--p-correction", type=float, default=0.5, help="a pre-draft guesses a correction token")
     ap.add_argument("--outliers", type=float, default=0.0, help="share of steps 3-12 ms longer")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="also write policy_replay.json to this folder")
     args = ap.parse_args(argv)
     if args.record:
         record(args.prompts, args.max_k, args.tokens, args.traces)
@@ -129,6 +131,13 @@ def main(argv=None):
     fixed = [v for n, v in rows.items() if n.startswith("fixed")]
     best = [min(v[i] for v in fixed) for i in range(len(traces))]
     print(f"{'best fixed k per prompt':32s} mean {statistics.mean(best):5.2f}")
+    result = {"scenario": "policy_replay", "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "ms_per_token": rows, "best_fixed_k_per_prompt": best}
+    if args.out:
+        from bench.common import write_json
+
+        write_json(Path(args.out), "policy_replay", result)
+    return result
 
 
 if __name__ == "__main__":

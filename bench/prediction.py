@@ -8,7 +8,7 @@ unrelated text (wrong), interleaved, the order rotated per repeat. The served ap
 default policy. Outputs must equal the plain response (the lossless guarantee); ms/token are
 medians of paired ratios against no prediction.
 
-    python -m bench.prediction --out bench/results/prediction
+    python -m bench.prediction [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE)
-    ap.add_argument("--out", default=str(DEFAULT_OUT / "prediction"))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     import httpx
     from transformers import AutoTokenizer

@@ -1,8 +1,9 @@
-"""Render the scenarios' JSON into one results.json, a Markdown report and PNG plots.
+"""Render the scenarios' JSON into one results.json, a Markdown report, meta.json and PNG plots.
 
 ``python -m bench.report --out DIR`` reads whichever of latency.json, breakdown.json,
 load.json and cost.json exist in DIR and writes results.json (every figure), report.md
-(tables, the goals with how far each is met, and why, from the measurements) and
+(the machine and commit, tables, the goals with how far each is met, and why, from the
+measurements), meta.json (the machine and the code the figures came from) and
 speedup_vs_k.png, breakdown.png, load.png.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
@@ -28,6 +30,51 @@ def load_all(out: Path) -> dict:
         if p.exists():
             data[name] = json.loads(p.read_text())
     return data
+
+
+# ------------------------------------------------------------------ meta
+UNKNOWN = "unknown"
+
+
+def _one(values):
+    """The value the scenarios agree on, the list of them where they differ, None where none recorded one."""
+    seen = []
+    for v in values:
+        if v is not None and v not in seen:
+            seen.append(v)
+    return seen[0] if len(seen) == 1 else (seen or None)
+
+
+def meta(data: dict, previous: dict | None = None) -> dict:
+    """The machine and the code the figures came from, read off the scenarios' own records
+    (``environment``, ``config``). A field they do not record (figures measured before they recorded
+    it) keeps ``previous``'s value (an earlier meta.json, perhaps written by hand), else "unknown"."""
+    envs = [d["environment"] for d in data.values() if d.get("environment")]
+    configs = [d.get("config") or {} for d in data.values()]
+    # (the CPU's model name and flags are recorded since "cpu_flags" is; "cpu" alone was the architecture)
+    cpu = [e for e in envs if "cpu_flags" in e]
+    m = {"machine": _one(e.get("machine") for e in envs),
+         "cpu_model": _one(e.get("cpu") for e in cpu),
+         "cpu_flags": _one(e.get("cpu_flags") for e in cpu),
+         "host_cpus": _one(e.get("host_cpus") for e in envs),
+         "dtype": _one(c.get("dtype") for c in configs),
+         "torch_threads_per_engine": _one(e.get("threads_per_engine") for e in envs),
+         "commit": _one(e.get("git_commit") for e in envs),
+         "date": min((e["time"] for e in envs if e.get("time")), default=None),
+         "python": _one(e.get("python") for e in envs),
+         "torch": _one(e.get("torch") for e in envs),
+         "transformers": _one(e.get("transformers") for e in envs),
+         "commands": {name: _command(d) for name, d in data.items() if _command(d)}}
+    for key, value in (previous or {}).items():
+        if m.get(key) in (None, UNKNOWN, {}) or key not in m:
+            m[key] = value
+    return {k: UNKNOWN if v is None else v for k, v in m.items()}
+
+
+def _command(d: dict) -> str | None:
+    """How a scenario was run, without its ``--out`` (the folder its report is in)."""
+    cmd = (d.get("environment") or {}).get("command")
+    return re.sub(r"\s--out(=|\s+)\S+", "", cmd) if cmd else None
 
 
 def _f(x, nd=2, suffix=""):
@@ -198,18 +245,33 @@ def to_close(g: dict, data: dict) -> str:
 
 # ------------------------------------------------------------------ markdown
 def _cmd(d: dict) -> str:
-    env = d.get("environment") or {}
     took = f" ({d['duration_s'] / 60:.1f} min)" if d.get("duration_s") else ""
-    return f"Command: `{env.get('command', '?')}`{took}.\n" if env.get("command") else ""
+    return f"Command: `{_command(d)}`{took}.\n" if _command(d) else ""
 
 
-def markdown(data: dict, gl: list[dict], plots: list[str]) -> str:
-    L = ["# splitspec benchmark report", ""]
-    env = next((d.get("environment") for d in data.values() if d.get("environment")), None)
-    if env:
-        L += [f"Measured {env['time']} on {env['host_cpus']} CPUs ({env['cpu']}), torch {env['torch']}, "
-              f"transformers {env['transformers']}, {env['threads_per_engine']} torch thread(s) per engine in every "
-              f"system, commit {env['git_commit']}, load average at start {env['load_average_at_start']}.", ""]
+def _listed(x) -> str:
+    return ", ".join(map(str, x)) if isinstance(x, list) else str(x)
+
+
+def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None) -> str:
+    m = m or meta(data)
+    known = m["cpu_model"] != UNKNOWN
+    cpu = _listed(m["cpu_model"]) if known else m.get("cpu_description") or "a CPU"
+    L = [f"# splitspec benchmark report: {_listed(m['machine'])}", "",
+         f"Measured {m['date']} at commit {_listed(m['commit'])} on {cpu} ("
+         + ("" if known else "model name not recorded; ") + f"{m['host_cpus']} CPUs; the flags the "
+         f"engines pick kernels by: {_listed(m['cpu_flags'])}), {_listed(m['dtype'])} for every system, {_listed(m['torch_threads_per_engine'])} torch thread(s) per engine, "
+         f"torch {_listed(m['torch'])}, transformers {_listed(m['transformers'])}."
+         + (f" {m['notes']}" if m.get("notes") else ""), ""]
+    load = [d["environment"]["load_average_at_start"] for d in data.values()
+            if (d.get("environment") or {}).get("load_average_at_start")]
+    if load:
+        L += ["Load average (1, 5, 15 min) when each scenario started: "
+              + "; ".join(f"{a:.2f}, {b:.2f}, {c:.2f}" for a, b, c in load) + ".", ""]
+    L += ["What `make bench` wrote here: one JSON per scenario (latency.json, breakdown.json, load.json, cost.json; "
+          "engine.json from `make bench-engine`, not rendered here), results.json (every figure and the goals), "
+          "meta.json (the machine and the code the figures came from), this report and its plots. Each section "
+          "names the command that measured it.", ""]
     if gl:
         L += ["## Goals", "", "| goal | measured | target | met | detail (measured) | what would close it |",
               "|---|---|---|---|---|---|"]
@@ -400,8 +462,11 @@ def render(out: Path) -> dict:
     gl = goals(data)
     plots = plot_all(data, out)
     merged = {**data, "goals": gl, "plots": plots}
+    previous = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else None
+    m = meta(data, previous)
     (out / "results.json").write_text(json.dumps(merged, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(data, gl, plots))
+    (out / "meta.json").write_text(json.dumps(m, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(data, gl, plots, m))
     return merged
 
 
@@ -410,7 +475,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     merged = render(Path(args.out))
-    log(f"wrote {args.out}/report.md, results.json and {', '.join(merged['plots'])}")
+    log(f"wrote {args.out}/report.md, results.json, meta.json and {', '.join(merged['plots'])}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
-"""Smoke run of every benchmark scenario on tiny settings (the shipped model pair, one
-prompt, 16 tokens): the JSON, the report and the plots come out with sane values.
-The full-size runs are `make bench`, not tests."""
+"""Smoke run of every benchmark tool on tiny settings (the shipped model pair, one prompt,
+16 tokens): the JSON, the report and the plots come out with sane values; and the published
+results (one folder per machine kind) re-render from their own JSON. The full-size runs are
+`make bench` and the other bench-* targets, not tests; the tools that serve an app or start vLLM
+are marked long."""
 
-import argparse
 import json
 import math
 import os
 import struct
 
+import shutil
+from pathlib import Path
+
 import pytest
 
-from bench.common import expected_tokens, per_token_acceptance, percentile
+from bench.common import PUBLISHED, cpu_info, expected_tokens, machine_slug, per_token_acceptance, percentile
 
 TOKENS = 16
 
@@ -140,7 +144,12 @@ def test_bench_smoke(bench_urls, tmp_path):
     assert sorted(merged["plots"]) == ["breakdown.png", "load.png", "speedup_vs_k.png"]
     for p in merged["plots"]:
         _png_ok(out / p)
+    m = json.loads((out / "meta.json").read_text())
+    assert m["machine"] == machine_slug() and m["dtype"] == "float32" and m["torch_threads_per_engine"] == 1
+    assert m["cpu_flags"] == cpu_info()["flags"] and m["commit"] not in (None, "unknown")
+    assert set(m["commands"]) == {"latency", "breakdown", "load"}
     md = (out / "report.md").read_text()
+    assert md.startswith(f"# splitspec benchmark report: {machine_slug()}")
     for heading in ("## Goals", "## Single-stream latency", "Zero-overhead bound", "## Where the time goes",
                     "## Load", "## Cost per million output tokens"):
         assert heading in md, heading
@@ -178,7 +187,7 @@ def test_vllm_peer_smoke():
 
     from bench.common import TARGET, load_prompts, vllm_python
     from bench.inproc import Reference
-    from bench.vllm_peer import VllmPeer
+    from bench.vllm import VllmPeer
 
     py = vllm_python()
     if py is None:
@@ -269,3 +278,164 @@ gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--accept
             assert row["bound_ms_per_token"] > 0 and row["ratio_to_bound"] > 0
             assert 1 <= row["tokens_per_step"] <= row["k"] + 1
             assert row["same_tokens_as_plain"] is True  # float32: greedy speculation is the target's greedy
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+model name\t: {model}
+flags\t\t: fpu sse2 {flags}
+
+processor\t: 1
+model name\t: another
+"""
+
+
+@pytest.mark.parametrize("model,flags,slug", [
+    ("AMD EPYC 7B13 64-Core Processor", "avx2 fma", "amd-epyc-avx2"),
+    ("AMD EPYC 9B14 96-Core Processor", "avx2 fma avx512f avx512_bf16", "amd-epyc-avx512bf16"),
+    ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "intel-xeon-amx"),
+    ("Intel(R) Xeon(R) Processor", "avx2 avx512f", "intel-xeon-avx512"),
+    ("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", "sse4_2", "intel-core"),
+])
+def test_machine_slug_names_the_cpu_line_and_the_widest_instruction_set_the_kernels_use(model, flags, slug):
+    info = cpu_info(CPUINFO.format(vendor="v", model=model, flags=flags))
+    assert info["model"] == model and set(info["flags"]) <= set(flags.split())
+    assert machine_slug(info) == slug
+
+
+def test_published_results_hold_one_current_report_per_machine(tmp_path):
+    """bench/results/ holds machine folders only, each with its meta.json (named like the folder), and
+    its report.md is what bench.report renders from the folder's own JSON today."""
+    from bench import report
+
+    folders = sorted(PUBLISHED.iterdir())
+    assert folders and all(f.is_dir() for f in folders), folders
+    for folder in folders:
+        m = json.loads((folder / "meta.json").read_text())
+        assert m["machine"] == folder.name
+        for key in ("commit", "date", "dtype", "torch_threads_per_engine", "cpu_flags", "host_cpus"):
+            assert m.get(key) not in (None, "unknown"), (folder.name, key)
+        copy = tmp_path / folder.name
+        copy.mkdir()
+        for f in folder.iterdir():
+            if f.suffix == ".json" and f.name != "results.json":
+                shutil.copy(f, copy / f.name)
+        report.render(copy)
+        assert (copy / "report.md").read_text() == (folder / "report.md").read_text(), folder.name
+        assert json.loads((copy / "meta.json").read_text()) == m
+
+
+def test_policy_replay_records_traces_and_replays_policies_on_them(tmp_path):
+    """bench.policy_replay end to end at its smallest: one prompt's greedy trace recorded, then fixed k
+    and the adaptive policy replayed on it, written to policy_replay.json."""
+    from bench import policy_replay
+
+    traces = tmp_path / "traces.json"
+    r = policy_replay.main(["--record", "--prompts", "1", "--tokens", "8", "--max-k", "2", "--seeds", "1",
+                            "--traces", str(traces), "--out", str(tmp_path)])
+    (trace,) = json.loads(traces.read_text())
+    assert len(trace) == 8 and all(0 <= n <= 2 for n in trace)
+    assert set(r["ms_per_token"]) == {"fixed k=0", "fixed k=2", "adaptive (replica-shared costs)",
+                                      "adaptive (each request alone)"}
+    assert r["ms_per_token"]["fixed k=0"] == [pytest.approx(policy_replay.SERVED_MS[0], rel=0.5)]
+    assert json.loads((tmp_path / "policy_replay.json").read_text())["best_fixed_k_per_prompt"] == r["best_fixed_k_per_prompt"]
+
+
+def test_predraft_tree_coverage_grows_with_the_alternatives(tmp_path):
+    """bench.predraft tree, offline only: the share of steps a tree covers never falls as m grows, and a
+    tree of m alternatives has 1 + m (k + 1) branches."""
+    from bench import predraft
+
+    r = predraft.main(["tree", "--no-serve", "--prompts", "1", "--max-tokens", "16", "--coverage-ks", "2",
+                       "--dtype", "float32", "--out", str(tmp_path)])
+    assert set(r["coverage"]) == {"T0.0_k2", "T0.8_k2"} and "served" not in r
+    for c in r["coverage"].values():
+        cov = [c["coverage"][m] for m in predraft.MS]
+        assert c["steps"] > 0 and all(0 <= a <= b <= 1 for a, b in zip(cov, cov[1:])), cov
+        assert [c["branches"][m] for m in predraft.MS] == [1 + 3 * m for m in predraft.MS]
+    assert (tmp_path / "tree_predraft.json").exists()
+
+
+def test_predraft_eagle3_scores_drafts_from_the_heads_own_states(tmp_path):
+    """bench.predraft eagle3 at its smallest: acceptance lengths from the target's states and from the
+    head's own, both within 1..k + 1."""
+    from bench import predraft
+
+    r = predraft.main(["eagle3", "--prompts", "1", "--max-tokens", "24", "--k", "2", "--dtype", "float32",
+                       "--out", str(tmp_path)])
+    assert r["positions"] > 0 and 0 <= r["pre_draft_positions"] <= r["positions"]
+    if r["pre_draft_positions"]:
+        for key in ("mean_acceptance_length_target_states", "mean_acceptance_length_own_states"):
+            assert 1 <= r[key] <= 3, key
+    assert (tmp_path / "eagle3_predraft.json").exists()
+
+
+@pytest.mark.long  # an app per variant deployed
+def test_breakdown_gap_pairs_a_served_variant_with_the_in_process_loop(ray_cluster, tmp_path):
+    """bench.breakdown gap: the shipped app against the in-process loop, float32 greedy: the same tokens,
+    and the ratios paired."""
+    from bench import breakdown
+
+    r = breakdown.main(["gap", "--variants", "pool", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
+                        "--out", str(tmp_path)])
+    assert set(r["variants"]) == {"in_process", "pool"}
+    pool = r["variants"]["pool"]
+    assert pool["same_tokens_as_in_process"] == 1.0
+    assert pool["over_in_process"] > 0 and pool["forward_ms"] > 0 and pool["chunks"] >= 1
+    assert (tmp_path / "served_gap.json").exists()
+
+
+@pytest.mark.long  # an app deployed
+def test_prediction_serves_predicted_outputs_without_changing_them(ray_cluster, tmp_path):
+    """bench.prediction at its smallest: every variant's output equals the plain response, and an exact
+    prediction is accepted."""
+    from bench import prediction
+
+    assert prediction.main(["--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--dtype", "float32",
+                            "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "prediction.json").read_text())
+    assert r["mismatches"] == 0 and set(r["summary"]) == {"none", "exact", "edited", "wrong"}
+    assert r["summary"]["exact"]["accepted_prediction_tokens"] > 0
+
+
+@pytest.mark.long  # two apps deployed
+def test_predraft_tree_served_reports_hit_rates_beside_the_ceiling(ray_cluster, tmp_path):
+    from bench import predraft
+
+    r = predraft.main(["tree", "--served", "off,always_m1", "--prompts", "1", "--repeats", "1", "--max-tokens",
+                       str(TOKENS), "--k", "2", "--coverage-ks", "2", "--dtype", "float32", "--out", str(tmp_path)])
+    off, m1 = r["served"]["off"], r["served"]["always_m1"]
+    assert off["pre_drafts"] == 0 and off["vs_off"] == 1.0
+    assert m1["pre_drafts"] > 0 and 0 <= m1["hit_rate"] <= 1 and m1["ms_per_token"] > 0
+    assert m1["of_ceiling"] is None or m1["of_ceiling"] >= 0
+
+
+@pytest.mark.long  # a served vLLM engine: minutes to start
+def test_vllm_served_runs_the_vllm_backend_with_and_without_speculation(ray_cluster, tmp_path):
+    from bench import vllm
+    from bench.common import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vllm not importable")
+    r = vllm.main(["served", "--no-peers", "--no-http-peers", "--streams", "", "--prompts", "1", "--repeats", "1",
+                   "--max-tokens", str(TOKENS), "--k", "2", "--dtype", "float32", "--out", str(tmp_path)])
+    assert set(r["systems"]) == {"served_spec", "served_off"}
+    assert r["same_tokens_as_reference"] == {"served_spec": 1.0, "served_off": 1.0}
+    assert r["systems"]["served_spec"]["ms_per_token"] > 0 and r["systems"]["served_spec"]["mean_acceptance_length"] >= 1
+    assert (tmp_path / "vllm_served.json").exists()
+
+
+@pytest.mark.long  # two vLLM engines, one after the other
+def test_vllm_eagle3_measures_both_drafters_and_leaves_the_model_card_alone(tmp_path):
+    from bench import vllm
+    from bench.common import EAGLE3, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vllm not importable")
+    card = (Path(EAGLE3) / "acceptance.json").read_text()
+    r = vllm.main(["eagle3", "--prompts", "1", "--max-tokens", str(TOKENS), "--out", str(tmp_path)])
+    assert set(r) == {"eagle3", "draft_model"}
+    for e in r.values():
+        assert e["num_drafts"] > 0 and 0 <= e["acceptance_rate"] <= 1 and 1 <= e["mean_acceptance_length"] <= 5
+    assert (Path(EAGLE3) / "acceptance.json").read_text() == card
+    assert json.loads((tmp_path / "vllm_eagle3.json").read_text())["drafters"] == r

@@ -161,7 +161,7 @@ def test_vllm_runs_the_shipped_head_with_the_reference_acceptance(shipped):
     held-out prompts is within 0.05 of the reference implementation's on the same prompts, and its
     output is the target's greedy output."""
     from bench.common import vllm_python
-    from bench.vllm_peer import VllmPeer
+    from bench.vllm import VllmPeer
     from offline.training.corpus import held_out_prompts
     from offline.training.eagle3 import acceptance, greedy_continuations, head_drafter
 

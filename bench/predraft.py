@@ -1,29 +1,41 @@
-"""Pre-draft trees: their offline coverage curve, and what they do served.
+"""Pre-drafting: what drafting block n + 1 while block n is verified covers, and what it costs.
 
-Coverage (offline, in process, no timing): on held-out prompts, each step drafts k + 1 tokens
-with the drafter's 9 most likely tokens recorded at every position, is verified, and its
-outcome (j drafts accepted, then the target's token c) is checked against the tree
-``core.loop.tree_branches`` would have pre-drafted with m alternatives, for m = 0 (the
-whole-block branch only) to 8. The fraction covered is the ceiling of a pre-draft's hit rate.
+``python -m bench.predraft SUBCOMMAND ...``:
 
-Served (one stream, non-streaming requests, fixed k, every app deployed at once and interleaved per
-(repeat, prompt); verifier and drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off, with
-trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default (m = 1,
-pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to pre-drafting
-off, then the median; the served hit rate per outcome beside the offline ceiling.
-
-    python -m bench.tree_predraft --out bench/results
+- ``tree``: pre-draft trees (``core.loop.tree_branches``), the draft model's. Their offline coverage
+  curve (in process, no timing): on held-out prompts, each step drafts k + 1 tokens with the
+  drafter's 9 most likely tokens recorded at every position, is verified, and its outcome (j drafts
+  accepted, then the target's token c) is checked against the tree pre-drafted with m
+  alternatives, for m = 0 (the whole-block branch only) to 8; the fraction covered is the ceiling
+  of a pre-draft's hit rate. Then served (unless ``--no-serve``; one stream, non-streaming
+  requests, fixed k, every app deployed at once and interleaved per (repeat, prompt); verifier and
+  drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off,
+  with trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default
+  (m = 1, pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to
+  pre-drafting off, then the median; the served hit rate per outcome beside the offline ceiling.
+  Writes ``tree_predraft.json``.
+- ``eagle3``: what pre-drafting costs an EAGLE-3 head in acceptance. Block n + 1 can be
+  pre-drafted while block n is verified only from the head's own states for block n (the
+  target's do not exist yet). On the target's own greedy continuations of held-out prompts, at
+  every position m the head drafts k + 1 tokens from the target's states (a block and the guess
+  of its bonus token); where all k + 1 equal the continuation (the case a pre-draft is used in),
+  the pre-draft continues from the head's own rows (``DraftRequest.provisional``) for the next k
+  tokens, and the ordinary drafting does the same from the target's states; both are scored by
+  their greedy acceptance length against the continuation. Writes ``eagle3_predraft.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from bench.common import (
     BENCH_DTYPE,
     DEFAULT_OUT,
+    EAGLE3,
+    TARGET,
     app_args,
     completion_body,
     environment,
@@ -36,6 +48,7 @@ from bench.common import (
     write_json,
 )
 
+# ------------------------------------------------------------------ tree
 MS = list(range(9))
 
 
@@ -103,15 +116,13 @@ def served(args) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
-    from bench.common import TARGET
-
     tok = AutoTokenizer.from_pretrained(TARGET)
     prompts = load_prompts(args.prompts, tok)
     names = [n for n in args.served.split(",") if n]
     rows = {name: [] for name in names}
-    # every app deployed at once and interleaved per (repeat, prompt), in an order that rotates: the host
-    # drifts within minutes (a verify forward 1.3x as long from one app's run to the next, one app at a
-    # time, in session 20), and an idle replica costs its cores next to nothing
+    # every app deployed at once and interleaved per (repeat, prompt), in an order that rotates: a shared
+    # host's speed drifts within minutes, so apps run one after another would compare different machines,
+    # and an idle replica costs its cores next to nothing
     apps = {name: {**app_args(args.threads, "fixed", args.k, dtype=args.dtype, pin=not args.no_pin), **SERVED[name]}
             for name in names}
     with serving(apps, args.threads) as urls, httpx.Client(timeout=600) as client:
@@ -150,8 +161,10 @@ def served(args) -> dict:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def tree_main(argv=None):
+    """``tree``: pre-draft trees' offline coverage, then served (see the module's docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.predraft tree", description="Pre-draft trees: offline coverage "
+                                 "and served speed-up.")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -189,6 +202,7 @@ def main(argv=None):
     path = write_json(Path(args.out), "tree_predraft", result)
     log(f"wrote {path}")
     print_summary(result)
+    return result
 
 
 def print_summary(result):
@@ -196,6 +210,84 @@ def print_summary(result):
         print(key, "steps", c["steps"], "coverage by m", c["coverage"], "branches", c["branches"])
     for name, s in (result.get("served") or {}).items():
         print(name, {k: v for k, v in s.items() if k != "overrides"})
+
+
+# ------------------------------------------------------------------ eagle3
+def accepted(drafts: list[int], truth: list[int]) -> int:
+    n = 0
+    for d, t in zip(drafts, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def eagle3_main(argv=None):
+    """``eagle3``: an EAGLE-3 head's acceptance from its own states against the target's (see the module's docstring)."""
+    from configs import Eagle3Config, SamplingParams, VerifierConfig
+    from core.protocol import DraftRequest
+    from drafter.eagle3_drafter import Eagle3Drafter
+    from offline.training.eagle3 import greedy_continuations
+    from verifier.engine import VerifierEngine
+
+    ap = argparse.ArgumentParser(prog="python -m bench.predraft eagle3",
+                                 description="What pre-drafting costs an EAGLE-3 head in acceptance.")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default=BENCH_DTYPE)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    set_threads(1)
+    t0 = time.perf_counter()
+    ver = VerifierEngine(VerifierConfig(model=TARGET, dtype=args.dtype, cache_budget_mb=64, num_threads=1))
+    dr = Eagle3Drafter(Eagle3Config(model=EAGLE3, dtype=args.dtype, cache_budget_mb=32, verifier_model=TARGET,
+                                    num_threads=1))
+    prompts = [ids for _, ids in load_prompts(args.prompts, ver.tokenizer)]
+    truths = greedy_continuations(ver.model, prompts, args.max_tokens)
+    sp, k = SamplingParams(temperature=0), args.k
+    real, prov, used, positions = [], [], 0, 0
+    for i, (p, seq) in enumerate(zip(prompts, truths)):  # each: the prompt, then its continuation
+        aux = ver.aux_states(seq, dr.aux_layers)  # [len, A]: the target's states at every token
+        for m in range(len(p), len(seq) - 2 * k - 2):
+            positions += 1
+            sid = f"p{i}-{m}"
+            (a,) = dr.propose([DraftRequest(sid, 0, None, seq[:m], k=k + 1, sampling=sp, seed=0, full=True,
+                                            aux=aux[: m - 1], aux_start=0)])
+            if a.tokens != seq[m: m + k + 1]:
+                dr.release(sid)
+                continue
+            used += 1
+            ctx = seq[: m + k + 1]
+            (b,) = dr.propose([DraftRequest.for_tokens(sid, ctx, m, k=k, sampling=sp, seed=0, provisional=True)])
+            assert not b.cache_miss, "the continuation should exist"
+            (c,) = dr.propose([DraftRequest(sid + "r", 0, None, ctx, k=k, sampling=sp, seed=0, full=True,
+                                            aux=aux[: len(ctx) - 1], aux_start=0)])
+            truth = seq[len(ctx): len(ctx) + k]
+            prov.append(1 + accepted(b.tokens, truth))
+            real.append(1 + accepted(c.tokens, truth))
+            dr.release(sid), dr.release(sid + "r")
+        log(f"prompt {i + 1}/{len(prompts)}: {used} pre-draft positions so far")
+    out = {"scenario": "eagle3_predraft", "k": k, "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
+           "positions": positions, "pre_draft_positions": used, "pre_draft_share": rnd(used / max(1, positions)),
+           "mean_acceptance_length_target_states": rnd(sum(real) / max(1, len(real))),
+           "mean_acceptance_length_own_states": rnd(sum(prov) / max(1, len(prov))),
+           "median_target": median(real) if real else None, "median_own": median(prov) if prov else None,
+           "seconds": rnd(time.perf_counter() - t0, 1), "environment": environment(1)}
+    path = write_json(args.out, "eagle3_predraft", out)
+    log(f"wrote {path}: {out}")
+    return out
+
+
+# ------------------------------------------------------------------ entry point
+SUBCOMMANDS = {"tree": tree_main, "eagle3": eagle3_main}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        raise SystemExit(f"usage: python -m bench.predraft {{{','.join(SUBCOMMANDS)}}} ... (--help after one for its options)")
+    return SUBCOMMANDS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
