@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all soak test-cluster test-long serve models models-eagle3 clean
+.PHONY: install test test-unit test-ray test-all soak test-cluster test-long serve models models-eagle3 clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,23 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The import contracts (pyproject.toml, README "Architecture") first: a layering violation fails the build.
+# The tests `make test` runs: pyproject.toml's default filter (addopts), which a -m on the command line replaces.
+TEST_FILTER := not slow and not gpu and not cluster and not long
+
+# Three steps, each stopping the build when it fails: the import contracts (pyproject.toml, docs/architecture.md),
+# then the unit tier (every test that starts no Ray), then the Ray tier (tests marked `ray` by tests/conftest.py:
+# the serve tests sharing one Ray cluster and one app, and any other test that starts Ray).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not ray and $(TEST_FILTER)"
+	$(PY) -m pytest -q --durations=15 -m "ray and $(TEST_FILTER)"
+
+# One tier of `make test` alone.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q --durations=15 -m "not ray and $(TEST_FILTER)"
+
+test-ray: $(STAMP)
+	$(PY) -m pytest -q --durations=15 -m "ray and $(TEST_FILTER)"
 
 # Everything, the long soak/load scenarios included.
 test-all: $(STAMP)

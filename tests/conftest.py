@@ -1,11 +1,38 @@
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
 
 # Tests share two cores with each other and with Ray; keep torch from oversubscribing them.
 torch.set_num_threads(int(os.environ.get("SPLITSPEC_TEST_THREADS", "1")))
+
+# The fixtures that start Ray: a test that uses one (directly or through another fixture) is in the Ray tier.
+RAY_FIXTURES = frozenset({"ray_cluster", "serve_app"})
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_ray(request):
+    """A test outside the Ray tier that starts Ray (Ray's auto-init: a Serve or runtime-context call in a
+    process without Ray) fails, naming the tier it belongs to, so the unit tier stays free of Ray."""
+    ray = sys.modules.get("ray")
+    before = ray is not None and ray.is_initialized()
+    yield
+    if request.node.get_closest_marker("ray") is None and not before:
+        ray = sys.modules.get("ray")
+        assert ray is None or not ray.is_initialized(), (
+            f"{request.node.nodeid} started Ray outside the Ray tier: use a Ray fixture (it then runs in that tier) "
+            "or avoid the call that starts Ray")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that starts Ray (it uses a Ray fixture, or is marked ``serve`` or ``cluster``) as ``ray``,
+    so ``make test`` runs the unit tier (``-m "not ray"``) before the Ray tier (``-m ray``)."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+                item.get_closest_marker(m) for m in ("serve", "cluster")):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")

@@ -69,8 +69,8 @@ def main(target_dir: str, drafter_dir: str):
     out["verifier_placements_before"] = placements("Verifier")
 
     # 1. load: the verifier deployment scales up on its own; the drafter stays as configured.
-    # The load holds until the second verifier replica runs (at most 180 s): on 2 cores busy with
-    # 12 streams, a new replica's worker process took 30 s or more to import and load its engine.
+    # The load holds until the second verifier replica runs (at most 180 s): on a few cores busy with
+    # 12 streams, a new replica's worker process can take half a minute or more to import and load its engine.
     async def load(n, done):
         codes = []
 

@@ -242,7 +242,7 @@ def shipped_app(ray_cluster, serve_app):
     """serve_config.yaml's application as shipped (models, policy, defaults), one replica each,
     beside the test app on its own route; float32 (``dtype: auto`` is bf16 where the CPU has it),
     where the target's logits do not depend on how many tokens a step verifies beyond ~1e-6 (bf16:
-    up to 0.06, README "The lossless guarantee"), so a seeded output is one text whatever ks the
+    up to 0.06, docs/lossless.md), so a seeded output is one text whatever ks the
     adaptive policy picks on this run's timings."""
     import yaml
 
@@ -324,8 +324,9 @@ def keyed_app(ray_cluster, serve_app, tiny_model_dirs):
         yield url
 
 
-def test_api_keys_body_and_prompt_limits(keyed_app):
+def test_api_keys_body_and_prompt_limits(keyed_app, serve_app):
     base = keyed_app
+    _, tok, target, _ = serve_app  # (the keyed app serves the same target)
     body = {"model": "tiny", "prompt": "def f", "max_tokens": 4, "temperature": 0}
     assert httpx.get(f"{base}/health").status_code == 200  # open
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-1"}):
@@ -337,7 +338,9 @@ def test_api_keys_body_and_prompt_limits(keyed_app):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="sk-test-1")
-    assert client.completions.create(model="tiny", prompt="def f", max_tokens=3, temperature=0).choices[0].text is not None
+    c = client.completions.create(model="tiny", prompt="def f", max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert c.usage.completion_tokens == 3 and c.choices[0].token_ids == hf_greedy(target, tok, "def f", 3)
     r = httpx.post(f"{base}/v1/completions", json={**body, "stop": ["x" * 1000] * 5}, headers=ok, timeout=60)
     assert r.status_code == 413, r.text
     r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": "y" * 600}, headers=ok, timeout=60)

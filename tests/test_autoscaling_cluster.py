@@ -3,7 +3,7 @@ types of configs/cluster_aws.yaml on one machine): the autoscaler launches each 
 demand, adds a verifier-pool node (and no drafter-pool node) when the verifier deployment scales
 up under load, and gives the extra node back when the load stops.
 
-About 3-5 minutes on 2 shared cores, so it is marked ``cluster`` and left out of ``make test``:
+Several minutes, so it is marked ``cluster`` and left out of ``make test``:
 run it with ``make test-cluster``. tests/autoscaling_scenario.py runs in a subprocess (its own
 Ray cluster, on free ports) and stops exactly the processes it started.
 """
@@ -58,7 +58,9 @@ def test_load_scales_the_verifier_pool_onto_a_new_verifier_node_only(scenario):
     assert scenario["peak_replicas"]["Verifier"] == 2
     assert scenario["peak_replicas_any_state"]["Drafter"] == 1  # the drafter pool had headroom
     assert scenario["peak_nodes"] == {"drafter": 1, "verifier": 2}
-    assert scenario["verifier_node2_up_s"] is not None
+    # the second verifier node came up under the load, before the replica placed on it ran
+    up = scenario["verifier_node2_up_s"]
+    assert up is not None and 0 <= up <= scenario["verifier_2_running_s"], scenario
     assert scenario["verifier_placement_scaled"] == {"replica_nodes": 2, "on_own_pool": True}
     # requests kept succeeding while the pool and the cluster changed
     assert scenario["load_requests"] >= 6 and scenario["load_failures"] == []
@@ -68,8 +70,9 @@ def test_load_scales_the_verifier_pool_onto_a_new_verifier_node_only(scenario):
 
 
 def test_the_extra_node_is_given_back_after_the_load(scenario):
-    assert scenario["verifier_scaled_down_s"] is not None
-    assert scenario["verifier_node_released_s"] is not None
+    # the replica went first, then the autoscaler gave back the node it left idle
+    down, released = scenario["verifier_scaled_down_s"], scenario["verifier_node_released_s"]
+    assert down is not None and released is not None and 0 <= down <= released, scenario
     assert scenario["nodes_at_end"] == {"drafter": 1, "verifier": 1}
     assert scenario["request_after_scale_down"] == 200
     assert scenario["left_processes"] == 0

@@ -103,13 +103,49 @@ def test_a_dead_batch_loop_fails_its_callers_at_once():
     asyncio.run(main())
 
 
-def test_stalled_engine_makes_the_replica_unhealthy():
+class EngineClock:
+    """The time of ``deployments.batcher`` and ``deployments.server`` in a test: ``monotonic`` is what the
+    test sets, ``sleep`` (the server's injected faults) records its seconds and, while ``hold`` is set,
+    keeps the engine's thread until ``release`` is set. Health checks then read no wall clock."""
+
+    def __init__(self):
+        self.now, self.slept = 100.0, []
+        self.entered, self.hold, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.entered.set()
+        if self.hold.is_set():
+            assert self.release.wait(10)
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def engine_clock(monkeypatch):
+    import deployments.batcher
+    import deployments.server
+
+    clock = EngineClock()
+    monkeypatch.setattr(deployments.batcher, "time", clock)
+    monkeypatch.setattr(deployments.server, "time", clock)
+    return clock
+
+
+def test_stalled_engine_makes_the_replica_unhealthy(engine_clock, monkeypatch):
     """The health check reports a batch that has run longer than stall_timeout_s; an idle or
     progressing engine is healthy. Fault injection is off unless the environment enables it; its
-    ``slow`` fault delays every batch until cleared."""
-    import os
-
+    ``stall`` holds the next batch in the engine's thread, its ``slow`` delays every batch until cleared."""
+    import deployments.metrics
     from deployments.server import FAULT_INJECTION_ENV, EngineServer
+
+    clock = engine_clock
+    # inject_fault answers with the replica's id, from Ray's runtime context: none here (asking would start Ray)
+    monkeypatch.setattr(deployments.metrics, "where", lambda: {"replica_id": "replica-1"})
 
     class Engine:
         def num_cached(self):
@@ -125,46 +161,51 @@ def test_stalled_engine_makes_the_replica_unhealthy():
         srv._on_batch = lambda *a: None
         srv.batcher.on_batch = None
         await srv.batcher.submit([SimpleNamespace(seq_id="a", full=True)])
-        srv.check_health()  # idle: healthy
+        clock.now += 10
+        srv.check_health()  # idle, however long: healthy
         with pytest.raises(PermissionError):
             await srv.inject_fault("stall", 1.0)
-        os.environ[FAULT_INJECTION_ENV] = "1"
-        try:
-            await srv.inject_fault("stall", 1.0)
-        finally:
-            del os.environ[FAULT_INJECTION_ENV]
+        assert clock.slept == []
+        monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+        assert await srv.inject_fault("stall", 1.0) == "replica-1"
+        clock.hold.set()
         call = asyncio.create_task(srv.batcher.submit([SimpleNamespace(seq_id="b", full=True)]))
-        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(clock.entered.wait, 10)  # the batch is in the engine's thread, stalled
+        assert clock.slept == [1.0]
+        clock.now += 0.1
         srv.check_health()  # running 0.1 s < 0.3 s: healthy
-        await asyncio.sleep(0.4)
+        clock.now += 0.3
         with pytest.raises(RuntimeError, match="no progress"):
             srv.check_health()
+        clock.release.set()
         await call  # the stall ends: the call completes and the replica is healthy again
+        clock.hold.clear()
+        clock.now += 10
         srv.check_health()
-        # ``slow``: every batch from now on takes that much longer, until set back to 0
-        os.environ[FAULT_INJECTION_ENV] = "1"
-        try:
-            await srv.inject_fault("slow", 0.2)
-            for seq in "cd":
-                t0 = time.monotonic()
-                await srv.batcher.submit([SimpleNamespace(seq_id=seq, full=True)])
-                assert time.monotonic() - t0 >= 0.2
-            await srv.inject_fault("slow", 0)
-            t0 = time.monotonic()
-            await srv.batcher.submit([SimpleNamespace(seq_id="e", full=True)])
-            assert time.monotonic() - t0 < 0.2
-            with pytest.raises(ValueError, match="unknown fault"):
-                await srv.inject_fault("melt", 1.0)
-        finally:
-            del os.environ[FAULT_INJECTION_ENV]
+        # ``stall`` held one batch only; ``slow`` delays every batch from now on, until set back to 0
+        clock.slept.clear()
+        await srv.batcher.submit([SimpleNamespace(seq_id="c", full=True)])
+        assert clock.slept == []
+        await srv.inject_fault("slow", 0.2)
+        for seq in "de":
+            await srv.batcher.submit([SimpleNamespace(seq_id=seq, full=True)])
+        assert clock.slept == [0.2, 0.2]
+        await srv.inject_fault("slow", 0)
+        await srv.batcher.submit([SimpleNamespace(seq_id="f", full=True)])
+        assert clock.slept == [0.2, 0.2]
+        with pytest.raises(ValueError, match="unknown fault"):
+            await srv.inject_fault("melt", 1.0)
 
     asyncio.run(main())
 
 
-def test_a_long_batch_that_makes_progress_is_healthy():
+def test_a_long_batch_that_makes_progress_is_healthy(engine_clock):
     """A batch of many forward passes (long prefills) runs past stall_timeout_s but reports each pass
-    (``on_progress``): the replica stays healthy."""
+    (``on_progress``): the replica stays healthy; one pass longer than stall_timeout_s is a stall."""
     from deployments.server import EngineServer
+
+    clock = engine_clock
+    passed, go = threading.Semaphore(0), threading.Semaphore(0)
 
     class Engine:
         on_progress = None
@@ -174,8 +215,9 @@ def test_a_long_batch_that_makes_progress_is_healthy():
 
         def run(self, items):
             for _ in range(6):
-                time.sleep(0.1)
+                assert go.acquire(timeout=10)  # the test moves the clock, then lets the pass end
                 self.on_progress()
+                passed.release()
             return [SimpleNamespace(cache_miss=False, batch_size=1) for _ in items]
 
     async def main():
@@ -184,10 +226,19 @@ def test_a_long_batch_that_makes_progress_is_healthy():
         srv._count_cache = lambda *a: None
         srv.batcher.on_batch = None
         call = asyncio.create_task(srv.batcher.submit([SimpleNamespace(seq_id="a", full=True)]))
-        for _ in range(5):
-            await asyncio.sleep(0.1)
-            srv.check_health()
+        while srv.batcher.running_since is None:  # the batch is in the engine
+            await asyncio.sleep(0)
+        for i in range(6):  # 6 passes of 0.2 s each: 1.2 s in all, past the 0.25 s stall timeout
+            clock.now += 0.2
+            srv.check_health()  # 0.2 s since the batch started or its last pass ended: healthy
+            if i == 5:  # a pass longer than the stall timeout is a stall, however many passes came before
+                clock.now += 0.1
+                with pytest.raises(RuntimeError, match="no progress"):
+                    srv.check_health()
+            go.release()
+            assert await asyncio.to_thread(passed.acquire, True, 10)
         await call
+        srv.check_health()
 
     asyncio.run(main())
 

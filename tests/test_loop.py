@@ -161,23 +161,36 @@ def test_engine_failures_are_retryable_request_faults_are_not(tiny_engines):
 def test_waiting_for_a_pre_draft_counts_as_drafting_on_the_critical_path(tiny_engines):
     """A pre-draft slower than the verification it was meant to hide behind makes the next step
     wait for it; that wait is drafting on the critical path (``StepInfo.draft_s``), not exposed
-    time, so the policy and the breakdown charge it to drafting."""
+    time, so the policy and the breakdown charge it to drafting. On a clock that only the drafter
+    and the verifier move: every pre-draft answers once the loop has taken its step's tokens, and
+    then takes DRAFT_S of the next step; a verify takes VERIFY_S, all of it its forward pass."""
     tok, target, ver, drafter = tiny_engines
     seq = new_seq(tok, ver, prompts(tok, 1)[0], 4)
+    DRAFT_S, VERIFY_S = 0.03, 0.005
+    now = [0.0]
 
     async def main():
-        infos = []
+        infos, state = [], {"yielded": asyncio.Event()}
 
         async def propose(requests):
-            await asyncio.sleep(0.03)  # every drafter call, pre-drafts included, takes 30 ms
+            (r,) = requests
+            if r.branches:  # a pre-draft: still running when the verify it hides behind has answered
+                await state["yielded"].wait()
+                now[0] += DRAFT_S
             return drafter.propose(requests)
 
         async def verify(requests):
-            return ver.verify(requests)
+            out = ver.verify(requests)
+            now[0] += VERIFY_S
+            for res in out:
+                res.forward_s = VERIFY_S
+            return out
 
         async for _, _, info in speculate(seq, propose, verify, FixedK(4), Breaker(), True, draft_timeout_s=5.0,
-                                          pre_draft_always=True):
+                                          clock=lambda: now[0], pre_draft_always=True):
             infos.append(info)
+            state["yielded"].set()  # releases the pre-draft made during this step
+            state["yielded"] = asyncio.Event()
         return infos
 
     infos = asyncio.run(main())
@@ -185,5 +198,7 @@ def test_waiting_for_a_pre_draft_counts_as_drafting_on_the_critical_path(tiny_en
     drafter.release(seq.seq_id)
     hits = [i for i in infos if i.pre_draft == "hit"]
     assert hits, [i.pre_draft for i in infos]
-    assert all(i.draft_s > 0.01 for i in hits), [round(i.draft_s, 4) for i in hits]  # verify takes ~ms, the pre-draft 30
-    assert all(i.step_s - i.forward_s - i.draft_s < 0.02 for i in infos if i.k)  # and not counted as exposed
+    assert all(i.draft_s == pytest.approx(DRAFT_S) for i in hits), [i.draft_s for i in hits]
+    # the wait is not counted as exposed: a step is its drafting and its verify, nothing else
+    assert all(i.step_s - i.forward_s - i.draft_s == pytest.approx(0, abs=1e-9) for i in infos if i.k), \
+        [(i.step_s, i.forward_s, i.draft_s) for i in infos]

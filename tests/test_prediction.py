@@ -102,7 +102,7 @@ def test_chat_prediction_served_over_http(serve_app):
     the prediction's tokens kept and dropped; a malformed prediction is a 400 naming it."""
     from openai import BadRequestError, OpenAI
 
-    base, *_ = serve_app
+    base, tok, *_ = serve_app
     client = OpenAI(base_url=f"{base}/v1", api_key="none")
     messages = [{"role": "user", "content": "def add(a, b):"}]
     kw = dict(model="tiny", messages=messages, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
@@ -113,9 +113,14 @@ def test_chat_prediction_served_over_http(serve_app):
     assert right.choices[0].message.content == text
     details = right.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0
-    wrong = client.chat.completions.create(**kw, prediction={"type": "content", "content": "x = [1, 2, 3]\n" * 4})
+    # a prediction of a character the output never has: its tokens continue no output, so only the first
+    # step drafts from it (a prediction's first k tokens start the output), all 4 drafts rejected
+    absent = next(c for c in "@$`~^" if c not in text)
+    assert len(tok(absent * 12, add_special_tokens=False)["input_ids"]) >= 4
+    wrong = client.chat.completions.create(**kw, prediction={"type": "content", "content": absent * 12})
     assert wrong.choices[0].message.content == text
-    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens >= 0
+    details = wrong.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 4), details
     # streamed: the same text
     stream = client.chat.completions.create(**kw, stream=True, prediction={"type": "content", "content": text})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text

@@ -203,9 +203,9 @@ DIST_PARAMS = {
 }
 
 
-# 40-60 s each (12,000 sequences through the production sampler in Python): three cases stay in
-# `make test` (penalties with rejection and with gumbel, repetition with a bias), the others and the
-# negative control run in `make test-long`, so `make test` stays under its 15 minutes on 2 cores.
+# Most of a minute each on one core (12,000 sequences through the production sampler in Python): three
+# cases stay in `make test` (penalties with rejection and with gumbel, repetition with a bias), the others
+# and the negative control run in `make test-long`, so `make test` stays short.
 LONG_DIST = {"t1.0", "t0.7-top_p0.9", "t0.8-min_p"}
 
 

@@ -62,22 +62,23 @@ def test_full_verifier_queue_answers_503_quickly_then_serves(strict_app):
     codes = [c for c, *_ in seen]
     assert 503 in codes, codes
     assert set(codes) <= {200, 429, 503}, codes
+    # a 503 is answered at once, not after retries or a wait: before the slowest admitted request ends
+    slowest_admitted = max(dt for code, _, dt, *_ in seen if code == 200)
     for code, retry, dt, text, stream in seen:
         if code == 503:
             err = json.loads(text)["error"]
-            assert retry == "1" and err["code"] == "overloaded" and dt < 10, (dt, err)
+            assert retry == "1" and err["code"] == "overloaded" and dt < slowest_admitted, (dt, slowest_admitted, err)
         if code == 200 and stream:
             assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")
     assert post(strict_app, prompt="x", max_tokens=3).status_code == 200
 
 
 def test_deadline_stops_the_request_with_504(strict_app):
-    t0 = time.monotonic()
-    # 0.12 s: the tiny model decodes its whole 256-token context in about 0.25 s here (the compact
-    # forward), so the deadline falls mid-generation, after the first tokens
+    # 0.12 s: less than the tiny model takes to fill its 256-token context a token a step (no
+    # speculation), so the deadline falls mid-generation, after the first tokens
     r = post(strict_app, prompt="class A:", max_tokens=500, temperature=0, ignore_eos=True, timeout=0.12,
              num_speculative_tokens=0)
-    assert r.status_code == 504 and time.monotonic() - t0 < 10, r.text
+    assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "deadline_exceeded"
     # streaming: the tokens so far, then an in-band error event and [DONE]
     with httpx.stream("POST", f"{strict_app}/v1/completions", timeout=60, json={

@@ -211,9 +211,11 @@ def test_burst_beyond_capacity_gets_quick_429_then_serves_normally(serve_app):
     codes = [c for c, *_ in results]
     assert codes.count(200) >= 24 and codes.count(429) > 0, codes
     assert set(codes) <= {200, 429}
+    # a 429 is answered at once, not after a wait for a slot: before the slowest admitted request ends
+    slowest_admitted = max(dt for code, _, dt, _ in results if code == 200)
     for code, retry, dt, body in results:
         if code == 429:
-            assert retry == "1" and body["error"]["type"] == "rate_limit_error" and dt < 10
+            assert retry == "1" and body["error"]["type"] == "rate_limit_error" and dt < slowest_admitted
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200
 

