@@ -1,27 +1,35 @@
-"""EAGLE-3 draft heads: the reference forward and the Speculators format (vLLM loads the same files).
+"""EAGLE-3 draft heads: the Speculators format (what vLLM loads), the head's one forward, the reference drafting.
 
 Glossary (Li et al., EAGLE-3; names as in the ``speculators`` library and vLLM):
 - aux states g_t: the target's residual stream entering decoder layers ``aux_layer_ids`` at
-  position t (vLLM's layer id L; transformers' ``hidden_states[L]``, index 0 the embeddings),
-  concatenated: [3 * target_hidden];
-- ``fc``: projects g_t to the head's width H;
-- the head: one decoder layer whose attention reads cat(input_layernorm(embed(x_{t+1})),
-  hidden_norm(h_t)) [2H], where h_t is fc(g_t) on the first draft step and the head's own output
-  (its residual stream before the final norm) on later steps;
+  position t (vLLM's layer id L, ``_maybe_add_hidden_state``: 0 is the embeddings, ``num_hidden_layers``
+  the last layer's output before the final norm), concatenated in increasing id order (vLLM sorts
+  the ids and drops repeats): [n_aux * target_hidden];
+- ``fc``: projects g_t to the head's width H, after ``input_norm`` over the whole concatenation
+  (``norm_before_fc``) or one RMSNorm per aux state (``fc_norm``) when the head has them;
+- the head: ``num_hidden_layers`` decoder layers (Llama's, or Qwen3's with q_norm/k_norm); the
+  first one's attention reads cat(input_layernorm(embed(x_{t+1})), hidden_norm(h_t)) [2H], where h_t
+  is fc(g_t) on the first draft step and the head's own output on later steps; later layers are
+  ordinary decoder layers over the residual stream; the head's output is that stream before the
+  final norm, or after it with ``norm_output``;
 - draft vocabulary: the ``draft_vocab_size`` most frequent target tokens; ``d2t[i]`` is the offset
   from draft id i to its target id (target = i + d2t[i]); ``t2d`` marks target ids in it.
 
 Position t of the head pairs token x_{t+1} with state h_t and predicts x_{t+2}: after the verifier
 has states for x_0..x_n and chose x_{n+1}, the first draft step runs positions up to n, later draft
-steps positions n+1, n+2, ... . ``EagleHead.draft`` does this from scratch for one sequence (the
-reference the pipeline's evaluation uses); the training loop calls ``layer`` with TTT masks.
+steps positions n+1, n+2, ... .
+
+One implementation of the head's layers (``EagleLayer.forward``) serves every caller: the
+reference drafting (``EagleHead.draft``), training (``EagleHead.layer`` with test-time-training
+masks) and the drafter pool's runner over the paged cache (``drafter.eagle3_drafter.HeadRunner``);
+the callers differ only in how attention reads earlier keys (``attend``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,11 +37,33 @@ import torch.nn.functional as F
 from torch import nn
 
 SPECULATORS_VERSION = "0.3.0"
+LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3LlamaForCausalLM and Eagle3Qwen3ForCausalLM
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedHead(ValueError):
+    """A head config this project cannot run: the message names the field and its value."""
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's and speculators' default for an N-layer target: (2, N // 2, N - 3)."""
+    """vLLM's default aux layers for an N-layer target (``get_eagle3_default_aux_hidden_state_layers``:
+    (2, N // 2, N - 3)), in the order vLLM captures them: sorted, repeats dropped."""
     return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def _rope_parameters(t: dict) -> dict:
+    """The layer config's rotary embedding in the new form (``rope_parameters``), from the new key or
+    the old ones (``rope_theta``, ``rope_scaling``), as transformers and vLLM normalise them."""
+    rope = dict(t.get("rope_parameters") or {})
+    if not rope:
+        rope = dict(t.get("rope_scaling") or {})
+        if "rope_theta" in t:
+            rope["rope_theta"] = t["rope_theta"]
+    if "type" in rope and "rope_type" not in rope:  # the legacy spelling
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", 10000.0)
+    return rope
 
 
 @dataclass
@@ -46,44 +76,116 @@ class Eagle3Spec:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: list[int]
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    num_layers: int = 1
+    layer_type: str = "llama"  # "qwen3": q_norm and k_norm on each head before the rotary embedding
+    layer_types: list[str] | None = None  # per draft layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None = None
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_parameters["rope_theta"]
+
+    def window(self, layer: int) -> int | None:
+        """The layer's attention window in keys (itself included), None: every earlier key."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "Eagle3Spec":
+    def from_config(cls, cfg: dict, target_num_layers: int | None = None) -> Eagle3Spec:
+        """The spec of a Speculators eagle3 config.json, read as vLLM reads it (absent flags take
+        vLLM's defaults). ``target_num_layers``: the verifier's ``num_hidden_layers``, needed when the
+        config leaves the aux layer ids to vLLM's default. Raises ``UnsupportedHead`` (one line naming
+        the field and value) for a config this project cannot run."""
+        def bad(name, value, why):
+            raise UnsupportedHead(f"{name} {value!r}: {why}")
+
         if cfg.get("speculators_model_type") != "eagle3":
-            raise ValueError(f"not a Speculators eagle3 config (speculators_model_type {cfg.get('speculators_model_type')!r})")
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if cfg.get(flag):
-                raise ValueError(f"{flag}: true is not supported by this reference implementation")
-        t = cfg["transformer_layer_config"]
-        rope = t.get("rope_parameters") or {"rope_theta": t.get("rope_theta", 10000.0), "rope_type": "default"}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported by this reference implementation")
+            bad("speculators_model_type", cfg.get("speculators_model_type"), "not a Speculators eagle3 config")
+        t = cfg.get("transformer_layer_config")
+        if not isinstance(t, dict):
+            bad("transformer_layer_config", t, "an eagle3 config needs the draft layers' config")
+        model_type = t.get("model_type", "llama")
+        if model_type not in LAYER_TYPES:
+            bad("transformer_layer_config.model_type", model_type, f"vLLM's eagle3 heads have {' or '.join(LAYER_TYPES)} layers")
+        act = t.get("hidden_act", "silu")
+        if act != "silu":
+            bad("transformer_layer_config.hidden_act", act, "vLLM's eagle3 layers run silu only")
+        for flag in ("attention_bias", "mlp_bias"):
+            if t.get(flag):
+                bad(f"transformer_layer_config.{flag}", t[flag], "not supported (published heads have no biases)")
+        rope = _rope_parameters(t)
+        if rope["rope_type"] not in ROPE_TYPES:
+            bad("rope_type", rope["rope_type"], f"supported: {', '.join(ROPE_TYPES)}")
+        partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            bad("partial_rotary_factor", partial, "the head's rotary embedding covers the whole head")
+        if float(t.get("logit_scale", 1.0) or 1.0) != 1.0:
+            bad("transformer_layer_config.logit_scale", t["logit_scale"], "not supported")
+        eagle = cfg.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state") is False:
+            bad("eagle_config.use_aux_hidden_state", False, "an EAGLE-3 head reads the target's aux states")
+        n_layers = int(t.get("num_hidden_layers") or 1)
+        layer_types = t.get("layer_types")
+        window = t.get("sliding_window")
+        if layer_types is not None:
+            if len(layer_types) < n_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+                bad("transformer_layer_config.layer_types", layer_types,
+                    f"needs full_attention or sliding_attention for each of the {n_layers} layers")
+            if len(set(layer_types[:n_layers])) > 1:  # vLLM asserts one KV cache group for a head's layers
+                bad("transformer_layer_config.layer_types", layer_types[:n_layers],
+                    "vLLM runs a head's layers in one KV cache group: all sliding or all full attention")
+            if "sliding_attention" in layer_types[:n_layers] and (window is None or int(window) < 1):
+                bad("transformer_layer_config.sliding_window", window, "sliding_attention layers need a window of at least 1")
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:  # absent, null or empty: vLLM's default for the verifier
+            if target_num_layers is None:
+                bad("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"),
+                    "the default (2, N // 2, N - 3) needs the verifier's num_hidden_layers N")
+            ids = default_aux_layers(target_num_layers)
+            if len(ids) != 3:
+                bad("eagle_aux_hidden_state_layer_ids", None,
+                    f"vLLM's default (2, N // 2, N - 3) repeats a layer for a {target_num_layers}-layer verifier")
+        else:
+            ids = sorted(set(int(i) for i in ids))  # vLLM captures them sorted, repeats dropped
         heads = t["num_attention_heads"]
         return cls(hidden_size=t["hidden_size"], num_attention_heads=heads,
                    num_key_value_heads=t.get("num_key_value_heads") or heads,
                    head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                   rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
-                   max_position_embeddings=t["max_position_embeddings"], vocab_size=t["vocab_size"],
-                   draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
-                   target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"],
-                   aux_layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]),
-                   norm_before_residual=cfg.get("norm_before_residual", True))
+                   rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position_embeddings=t.get("max_position_embeddings", 2048),
+                   vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
+                   target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], aux_layer_ids=ids,
+                   rope_parameters=rope,
+                   # vLLM's speculators reader: true when absent (published heads are validated in vLLM)
+                   norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+                   norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+                   fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
+                   num_layers=n_layers, layer_type=model_type,
+                   layer_types=list(layer_types[:n_layers]) if layer_types else None,
+                   sliding_window=int(window) if window else None)
 
     def to_config(self, verifier_path: str, verifier_arch: list[str], k: int = 4) -> dict:
-        layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden_size,
+        layer = {"architectures": ["Qwen3ForCausalLM" if self.layer_type == "qwen3" else "LlamaForCausalLM"],
+                 "model_type": self.layer_type, "hidden_size": self.hidden_size,
                  "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_attention_heads,
-                 "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim, "num_hidden_layers": 1,
-                 "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
+                 "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                 "num_hidden_layers": self.num_layers, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
                  "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
                  "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-                 "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"}}
+                 "rope_parameters": dict(self.rope_parameters)}
+        if self.layer_types:
+            layer["layer_types"] = list(self.layer_types)
+            layer["sliding_window"] = self.sliding_window
         return {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
@@ -93,10 +195,10 @@ class Eagle3Spec:
                                       "accept_tolerance": 0.0}],
                 "verifier": {"name_or_path": verifier_path, "architectures": verifier_arch}},
             "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size, "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids,
+            "target_hidden_size": self.target_hidden_size, "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             # written always: vLLM defaults norm_before_residual to true when absent, speculators to false
-            "norm_before_residual": self.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False, "embed_requires_grad": False,
+            "norm_before_residual": self.norm_before_residual, "norm_before_fc": self.norm_before_fc,
+            "fc_norm": self.fc_norm, "norm_output": self.norm_output, "embed_requires_grad": False,
         }
 
 
@@ -116,79 +218,207 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def rope_frequencies(spec: Eagle3Spec) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], the cos/sin scale) of the head's rotary embedding, by transformers'
+    rope functions (vLLM's ``get_rope`` computes the same for these types)."""
+    D, rope = spec.head_dim, spec.rope_parameters
+    if rope["rope_type"] == "default":
+        return 1.0 / (rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32, device="cpu") / D)), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    c = LlamaConfig(hidden_size=spec.num_attention_heads * D, num_attention_heads=spec.num_attention_heads,
+                    head_dim=D, max_position_embeddings=spec.max_position_embeddings, rope_parameters=dict(rope))
+    with torch.device("cpu"):  # (also inside a meta-device context: a spec check builds a head there)
+        inv, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](c, "cpu")
+    return inv.float(), float(scale)
+
+
+class _Fused:
+    """A layer's projections fused and, on CPUs in bf16, pre-packed for oneDNN (``core.llama.Linear``):
+    a draft step at batch 1 is a handful of small matmuls, where the fusion and packing halve the time."""
+
+    def __init__(self, layer: EagleLayer):
+        from core.llama import Linear
+
+        a, m = layer.self_attn, layer.mlp
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        self.o = Linear(a.o_proj.weight)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.down = Linear(m.down_proj.weight)
+
+
+class EagleLayer(nn.Module):
+    """One decoder layer of the head, under the Speculators weight names (``layers.i.*``)."""
+
+    def __init__(self, spec: Eagle3Spec, index: int):
+        super().__init__()
+        s, H, D = spec, spec.hidden_size, spec.head_dim
+        self.index, self.spec = index, spec
+        self.window = spec.window(index)
+        width = 2 * H if index == 0 else H  # the first layer reads cat(embedding, state)
+        self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
+        if index == 0:
+            self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
+        a = self.self_attn = nn.Module()
+        a.q_proj = nn.Linear(width, s.num_attention_heads * D, bias=False)
+        a.k_proj = nn.Linear(width, s.num_key_value_heads * D, bias=False)
+        a.v_proj = nn.Linear(width, s.num_key_value_heads * D, bias=False)
+        a.o_proj = nn.Linear(s.num_attention_heads * D, H, bias=False)
+        if s.layer_type == "qwen3":
+            a.q_norm = RMSNorm(D, s.rms_norm_eps)
+            a.k_norm = RMSNorm(D, s.rms_norm_eps)
+        m = self.mlp = nn.Module()
+        m.gate_proj = nn.Linear(H, s.intermediate_size, bias=False)
+        m.up_proj = nn.Linear(H, s.intermediate_size, bias=False)
+        m.down_proj = nn.Linear(s.intermediate_size, H, bias=False)
+        self.fused: _Fused | None = None  # set by ``EagleHead.fuse`` for serving (no gradients through it)
+        self.splits = (s.num_attention_heads * D, s.num_key_value_heads * D, s.num_key_value_heads * D)
+
+    def forward(self, h, residual, embeds, cos, sin, attend):
+        """h [B, n, H]: layer 0: the state fed (fc(g) or the head's output), later layers: the previous
+        layer's output; residual: None for layer 0, else the stream before it; embeds [B, n, H];
+        cos, sin [B, n, 1, D]; ``attend(layer, q, k, v)`` with q [B, n, nh, D] and k, v [B, n, nkv, D]
+        (rotated) returns the attention output [B, n, nh, D]. Returns (h, residual) as vLLM's layers do:
+        the stream after the layer is h + residual."""
+        s, a, m = self.spec, self.self_attn, self.mlp
+        B, n, _ = h.shape
+        D, nh, nkv = s.head_dim, s.num_attention_heads, s.num_key_value_heads
+        if self.index == 0:
+            e = self.input_layernorm(embeds)
+            if s.norm_before_residual:
+                h = self.hidden_norm(h)
+                residual = h
+            else:
+                residual, h = h, self.hidden_norm(h)
+            x = torch.cat([e, h], dim=-1)
+        else:
+            residual = h + residual
+            x = self.input_layernorm(residual)
+        f = self.fused
+        if f is not None:
+            q, k, v = f.qkv(x).split(self.splits, dim=-1)
+        else:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
+        if s.layer_type == "qwen3":
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        o = attend(self.index, q, k, v).reshape(B, n, nh * D).to(x.dtype)
+        h = f.o(o) if f is not None else a.o_proj(o)
+        residual = h + residual
+        x = self.post_attention_layernorm(residual)
+        if f is not None:
+            gate, up = f.gate_up(x).chunk(2, dim=-1)
+            return f.down(F.silu(gate) * up), residual
+        return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x)), residual
+
+
+def sdpa(q, K, V, mask, nh: int, nkv: int) -> torch.Tensor:
+    """Attention of q [B, n, nh, D] over K, V [B, S, nkv, D] with mask [.., n, S] (True: attend)
+    -> [B, n, nh, D], in K's dtype."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
+                                       attn_mask=mask, enable_gqa=nkv != nh)
+    return o.transpose(1, 2)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Keys within ``window`` positions of each query (itself included): [.., n, S] bool, None without one."""
+    if window is None:
+        return None
+    return k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - window
+
+
 class EagleHead(nn.Module):
-    """The head's modules under the Speculators weight names (``layers.0.*``, ``fc``, ``norm``, ...)."""
+    """The head's modules under the Speculators weight names (``layers.i.*``, ``fc``, ``norm``, ...)."""
 
     def __init__(self, spec: Eagle3Spec):
         super().__init__()
         self.spec = s = spec
-        H, D = s.hidden_size, s.head_dim
+        H = s.hidden_size
+        n_in = len(s.aux_layer_ids) * s.target_hidden_size
         self.embed_tokens = nn.Embedding(s.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(s.aux_layer_ids) * s.target_hidden_size, H, bias=False)
-        layer = nn.Module()
-        layer.input_layernorm = RMSNorm(H, s.rms_norm_eps)
-        layer.hidden_norm = RMSNorm(H, s.rms_norm_eps)
-        layer.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
-        attn = layer.self_attn = nn.Module()
-        attn.q_proj = nn.Linear(2 * H, s.num_attention_heads * D, bias=False)
-        attn.k_proj = nn.Linear(2 * H, s.num_key_value_heads * D, bias=False)
-        attn.v_proj = nn.Linear(2 * H, s.num_key_value_heads * D, bias=False)
-        attn.o_proj = nn.Linear(s.num_attention_heads * D, H, bias=False)
-        mlp = layer.mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        mlp.up_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        mlp.down_proj = nn.Linear(s.intermediate_size, H, bias=False)
-        self.layers = nn.ModuleList([layer])
+        if s.norm_before_fc:
+            self.input_norm = RMSNorm(n_in, s.rms_norm_eps)
+        if s.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(s.target_hidden_size, s.rms_norm_eps) for _ in s.aux_layer_ids])
+        self.fc = nn.Linear(n_in, H, bias=False)
+        self.layers = nn.ModuleList([EagleLayer(s, i) for i in range(s.num_layers)])
         self.norm = RMSNorm(H, s.rms_norm_eps)
         self.lm_head = nn.Linear(H, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab_size, dtype=torch.bool))
-        inv = 1.0 / (s.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # float32 whatever the head's dtype (not a buffer, which ``to(dtype)`` would round), as vLLM's cache
+        self.inv_freq, self.rope_scale = rope_frequencies(s)
+        self._fc = self._lm_head = None
 
     # ------------------------------------------------------------------ pieces
+    def fuse(self) -> EagleHead:
+        """Serving: fused (and, in bf16 on CPUs, pre-packed) projections for every layer, fc and lm_head."""
+        from core.llama import Linear
+
+        for L in self.layers:
+            L.fused = _Fused(L)
+        self._fc, self._lm_head = Linear(self.fc.weight), Linear(self.lm_head.weight)
+        return self
+
     def rope(self, positions: torch.Tensor):
-        """cos, sin [B, T, D] for positions [B, T] (the default rotary embedding, as Llama's)."""
+        """cos, sin [B, T, D] for positions [B, T]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         f = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((f, f), dim=-1)
-        return emb.cos(), emb.sin()
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
 
-    def layer_input(self, ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layer's input cat(input_layernorm(embed(ids)), hidden_norm(h)) [B, T, 2H] and its
-        residual stream [B, T, H] (normalised h or raw h, per ``norm_before_residual``)."""
-        s, L = self.spec, self.layers[0]
-        emb = L.input_layernorm(self.embed_tokens(ids))
-        if s.norm_before_residual:
-            h = L.hidden_norm(h)
-            residual = h
-        else:
-            residual, h = h, L.hidden_norm(h)
-        return torch.cat([emb, h], dim=-1), residual
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the aux states [.., n_aux * target_hidden] -> [.., H] (vLLM's ``combine_hidden_states``)."""
+        s = self.spec
+        if s.norm_before_fc:
+            aux = self.input_norm(aux)
+        if s.fc_norm:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(s.aux_layer_ids), dim=-1))], dim=-1)
+        return self._fc(aux) if self._fc is not None else self.fc(aux)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(normed) if self._lm_head is not None else self.lm_head(normed)
+
+    def forward_layers(self, ids, h, positions, attend):
+        """The head's layers over tokens ids [B, n] at rotary positions [B, n] with states h [B, n, H]
+        (fc(g) or its own earlier output). Returns (the final-normed stream [B, n, H], the state fed
+        to the next draft step [B, n, H]: the stream before the final norm, or after it with
+        ``norm_output``)."""
+        embeds = self.embed_tokens(ids)
+        h = h.to(embeds.dtype)
+        cos, sin = (c.unsqueeze(2).to(embeds.dtype) for c in self.rope(positions))  # [B, n, 1, D]
+        residual = None
+        for L in self.layers:
+            h, residual = L(h, residual, embeds, cos, sin, attend)
+        out = h + residual
+        normed = self.norm(out)
+        return normed, normed if self.spec.norm_output else out
 
     def layer(self, ids: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, past: list, mask: torch.Tensor):
-        """One pass of the head's decoder layer. ids, positions [B, T]; h [B, T, H] (fc output or the
-        head's own previous output); past: (K, V) of earlier passes, [B, kv, S', D] each, extended in
-        place; mask [T, S' + T] bool (True: attend). Returns (logits over the draft vocabulary
-        [B, T, draft_vocab], the residual stream before the final norm [B, T, H])."""
-        s, L = self.spec, self.layers[0]
-        B, T = ids.shape
-        D, nh, nkv = s.head_dim, s.num_attention_heads, s.num_key_value_heads
-        x, residual = self.layer_input(ids, h)  # [B, T, 2H], [B, T, H]
-        a = L.self_attn
-        q = a.q_proj(x).view(B, T, nh, D).transpose(1, 2)  # [B, nh, T, D]
-        k = a.k_proj(x).view(B, T, nkv, D).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, nkv, D).transpose(1, 2)
-        cos, sin = (c.unsqueeze(1).to(q.dtype) for c in self.rope(positions))  # [B, 1, T, D]
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        past.append((k, v))
-        K = torch.cat([kv[0] for kv in past], dim=2)
-        V = torch.cat([kv[1] for kv in past], dim=2)
-        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=nkv != nh)  # [B, nh, T, D]
-        h = residual + a.o_proj(o.transpose(1, 2).reshape(B, T, nh * D))
-        m = L.mlp
-        h = h + m.down_proj(F.silu(m.gate_proj(L.post_attention_layernorm(h))) * m.up_proj(L.post_attention_layernorm(h)))
-        return self.lm_head(self.norm(h)), h
+        """One pass of the head (the reference and training form). ids, positions [B, T]; h [B, T, H];
+        past: per layer, (K, V) of earlier passes, [B, S', kv, D] each, extended in place; mask
+        [T, S' + T] bool (True: attend), intersected with each sliding layer's window. Returns
+        (logits over the draft vocabulary [B, T, draft_vocab], the state for the next pass [B, T, H])."""
+        s = self.spec
+        if not past:
+            past.extend([] for _ in self.layers)
+        k_pos = torch.cat([p for p in ([e[2] for e in past[0]] + [positions])], dim=1)  # [B, S' + T]
+
+        def attend(i, q, k, v):
+            past[i].append((k, v, positions))
+            K = torch.cat([e[0] for e in past[i]], dim=1)
+            V = torch.cat([e[1] for e in past[i]], dim=1)
+            w = window_mask(positions, k_pos, self.layers[i].window)
+            m = mask if w is None else mask & w.unsqueeze(1)  # [B, 1, T, S]
+            return sdpa(q, K, V, m, s.num_attention_heads, s.num_key_value_heads)
+
+        normed, state = self.forward_layers(ids, h, positions, attend)
+        return self.logits(normed), state
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -196,6 +426,8 @@ class EagleHead(nn.Module):
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf outside the
         draft vocabulary (so q is exact over the target's vocabulary: zero there)."""
+        if self.spec.draft_vocab_size == self.spec.vocab_size:
+            return draft_logits
         out = draft_logits.new_full((*draft_logits.shape[:-1], self.spec.vocab_size), float("-inf"))
         out[..., self.to_target(torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))] = draft_logits
         return out
@@ -204,7 +436,7 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def draft(self, tokens: list[int], aux: torch.Tensor, k: int, return_logits: bool = False):
         """Greedy drafts after ``tokens`` (x_0..x_n+1, the last one chosen by the verifier and
-        without a state yet) from the target's aux states ``aux`` [n+1, 3 * target_hidden] (one
+        without a state yet) from the target's aux states ``aux`` [n+1, n_aux * target_hidden] (one
         per token before it). Recomputes the whole prefix: the slow, obvious reference.
         With ``return_logits``, also each draft step's draft-vocabulary logits [k, draft_vocab]."""
         n1 = len(tokens) - 1  # positions 0..n: pairs (x_{t+1}, g_t)
@@ -212,7 +444,7 @@ class EagleHead(nn.Module):
         dev = aux.device
         ids = torch.tensor([tokens[1:]], device=dev)
         pos = torch.arange(n1, device=dev).unsqueeze(0)
-        h = self.fc(aux.unsqueeze(0).to(self.fc.weight.dtype))
+        h = self.combine(aux.unsqueeze(0).to(self.fc.weight.dtype))
         past: list = []
         mask = torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()
         logits, out = self.layer(ids, h, pos, past, mask)
@@ -223,28 +455,161 @@ class EagleHead(nn.Module):
             drafts.append(tok)
             if i + 1 == k:
                 break
-            S = sum(kv[0].shape[2] for kv in past)
+            S = sum(kv[0].shape[1] for kv in past[0])
             logits, out = self.layer(torch.tensor([[tok]], device=dev), out[:, -1:], torch.tensor([[n1 + i]], device=dev),
                                      past, torch.ones(1, S + 1, dtype=torch.bool, device=dev))
         return (drafts, torch.stack(rows)) if return_logits else drafts
 
 
 def aux_states(target, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's aux states [B, T, len(ids) * hidden] and logits [B, T, V] in one forward pass."""
+    """The target's aux states [B, T, len(ids) * hidden] and logits [B, T, V] in one forward pass
+    (transformers' ``hidden_states[i]`` is the stream entering layer i for i < num_hidden_layers)."""
+    n = target.config.get_text_config().num_hidden_layers
+    if any(i >= n for i in layer_ids):
+        raise ValueError(f"aux layer ids {layer_ids}: transformers returns layer {n}'s state after the final norm")
     out = target(input_ids=input_ids, output_hidden_states=True)
     return torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1), out.logits
 
 
-def load_head(path: str | Path, dtype=torch.float32, device="cpu") -> EagleHead:
+def _safetensors_files(path: Path) -> list[Path]:
+    """A checkpoint's safetensors files: ``model.safetensors`` or the shards its index names."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (one file or shards with an index)."""
     from safetensors.torch import load_file
 
+    files = _safetensors_files(Path(path))
+    if not files:
+        raise ValueError(f"{path}: no safetensors weights (model.safetensors or an index of shards)")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def verifier_tensor(verifier: str | Path, what: str, shape_only: bool = False):
+    """The verifier checkpoint's input embedding (``what`` = "embed_tokens") or output projection
+    ("lm_head", the tied embedding when the verifier ties them), read from its safetensors."""
+    from safetensors import safe_open
+
+    path = Path(verifier)
+    names = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), "pt") as h:
+            names.update({k: f for k in h.keys()})
+    cfg = json.loads((path / "config.json").read_text())
+    tied = cfg.get("tie_word_embeddings", (cfg.get("text_config") or {}).get("tie_word_embeddings", False))
+    suffix = "lm_head.weight" if what == "lm_head" and "lm_head.weight" in names else "embed_tokens.weight"
+    if what == "lm_head" and suffix != "lm_head.weight" and not tied:
+        raise ValueError(f"verifier {str(path)!r} has no lm_head.weight")
+    found = sorted((k for k in names if k.endswith(suffix) and "vision" not in k and "audio" not in k), key=len)
+    if not found:
+        raise ValueError(f"verifier {str(path)!r} has no {suffix}")
+    with safe_open(str(names[found[0]]), "pt") as h:
+        return h.get_slice(found[0]).get_shape() if shape_only else h.get_tensor(found[0])
+
+
+def verifier_layers(verifier: str | Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(verifier)).get_text_config().num_hidden_layers
+
+
+def _borrowed(path: Path, spec: Eagle3Spec, names: set[str], verifier) -> dict[str, str]:
+    """{weight name: what to read from the verifier} for the weights the head leaves to it (vLLM's
+    rules: the target's embedding without ``embed_tokens``, its lm_head without ``lm_head``)."""
+    out = {}
+    for name, what in (("embed_tokens.weight", "embed_tokens"), ("lm_head.weight", "lm_head")):
+        if name in names:
+            continue
+        if verifier is None:
+            raise ValueError(f"{path}: the head has no {name}: vLLM uses the verifier's, so loading needs the verifier")
+        if what == "lm_head" and spec.draft_vocab_size != spec.vocab_size:
+            raise UnsupportedHead(f"lm_head absent with draft_vocab_size {spec.draft_vocab_size}: only a head over "
+                                  "the verifier's whole vocabulary can use the verifier's lm_head")
+        out[name] = what
+    return out
+
+
+def _complete(path: Path, spec: Eagle3Spec, shapes: dict[str, tuple]) -> None:
+    """Every weight the config makes the head have is there, with its shape; nothing else is."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in EagleHead(spec).state_dict().items()}
+    wrong = [f"{k} is {shapes[k]}, the config makes it {expected[k]}" for k in shapes
+             if k in expected and shapes[k] != expected[k]]
+    if wrong:
+        raise ValueError(f"{path}: " + "; ".join(wrong))
+    missing = set(expected) - set(shapes) - {"d2t", "t2d"}
+    unexpected = set(shapes) - set(expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config (missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)})")
+
+
+def _names(key: str) -> str:
+    return key.replace("midlayer.", "layers.0.")  # the original EAGLE checkpoints' name for layer 0
+
+
+def check_head(path: str | Path, verifier: str | Path) -> Eagle3Spec:
+    """The build-time check of a head for a verifier, reading headers only: the config (one
+    ``UnsupportedHead`` line naming a field the project cannot run), every weight's name and shape,
+    and what the head borrows from the verifier (its width must match). Returns the spec."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").exists() or not _safetensors_files(path):
+        raise ValueError(f"{str(path)!r} needs config.json and safetensors weights (model.safetensors or shards "
+                         "with model.safetensors.index.json)")
+    spec = Eagle3Spec.from_config(json.loads((path / "config.json").read_text()), verifier_layers(verifier))
+    shapes = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), "pt") as h:
+            shapes.update({_names(k): tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    for name, what in _borrowed(path, spec, set(shapes), verifier).items():
+        shapes[name] = tuple(_verifier_shape(verifier, what))
+        if shapes[name][-1] != spec.hidden_size:
+            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
+                                  f"is {shapes[name][-1]} wide, so the head cannot use it")
+    shapes.pop("inv_freq", None)
+    _complete(path, spec, shapes)
+    return spec
+
+
+def _verifier_shape(verifier, what: str):
+    return verifier_tensor(verifier, what, shape_only=True)
+
+
+def load_head(path: str | Path, dtype=torch.float32, device="cpu", verifier: str | Path | None = None) -> EagleHead:
+    """A Speculators eagle3 head. ``verifier``: the target's directory, for what the head leaves to
+    it (vLLM's rules): its layer count when the aux layer ids are absent, its embedding when the head
+    has no ``embed_tokens``, its lm_head when the head has none (equal vocabularies only)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    head = EagleHead(Eagle3Spec.from_config(cfg))
-    state = load_file(str(path / "model.safetensors"))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"d2t", "t2d"}:
-        raise ValueError(f"{path}: weights do not match the head (missing {missing}, unexpected {unexpected})")
+    spec = Eagle3Spec.from_config(cfg, verifier_layers(verifier) if verifier is not None else None)
+    head = EagleHead(spec)
+    state = {_names(k): v for k, v in read_state(path).items()}
+    state.pop("inv_freq", None)
+    for name, what in _borrowed(path, spec, set(state), verifier).items():
+        w = verifier_tensor(verifier, what)
+        if w.shape[-1] != spec.hidden_size:
+            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
+                                  f"is {w.shape[-1]} wide, so the head cannot use it")
+        state[name] = w
+    if "t2d" not in state and spec.draft_vocab_size != spec.vocab_size:
+        # d2t absent: vLLM keeps its zeros, draft id i is target id i
+        d2t = state.get("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(spec.draft_vocab_size) + d2t] = True
+        state["t2d"] = t2d
+    _complete(path, spec, {k: tuple(v.shape) for k, v in state.items()})
+    head.load_state_dict(state, strict=False)
     return head.to(device=device, dtype=dtype).eval()
 
 

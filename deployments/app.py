@@ -136,17 +136,14 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
 
     from transformers import AutoConfig
 
-    from core.eagle3 import Eagle3Spec
+    from core.eagle3 import check_head
 
     path = Path(config.drafter.model)
-    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
-        raise ValueError(f"eagle3 drafter directory {str(path)!r} needs config.json and model.safetensors "
-                         "(a Speculators eagle3 head; models load from local files only)")
-    raw = json.loads((path / "config.json").read_text())
     try:
-        spec = Eagle3Spec.from_config(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 config: {e}") from e
+        spec = check_head(path, config.verifier.model)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
+    raw = json.loads((path / "config.json").read_text())
     if config.verifier.backend != "transformers":
         raise ValueError("an eagle3 drafter needs the verifier's hidden states: use verifier.backend transformers "
                          f"(the {config.verifier.backend} backend does not return them)")

@@ -31,12 +31,16 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from core.eagle3 import EagleHead, _rotate_half, load_head
+from core.eagle3 import EagleHead, load_head, sdpa, window_mask
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
-from core.llama import Linear
-from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype, resolve_kv_dtype
+from core.models import (
+    DTYPES,
+    eos_token_ids,
+    pin_process,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from core.protocol import DraftRequest, Proposal, prefix_hash
 from core.sampling import NoiseCache
 from drafter.model_drafter import ModelDrafter
@@ -48,51 +52,38 @@ log = logging.getLogger(__name__)
 
 
 class HeadRunner:
-    """The head's decoder layer over the paged cache, with ``core.llama``'s runner interface plus
-    ``hidden_in`` (the layer's second input per position: fc(g) or the head's own output)."""
-
-    num_layers = 1
+    """The head's layers (``core.eagle3.EagleLayer``, the one implementation) over the paged cache,
+    with ``core.llama``'s runner interface plus ``hidden_in`` (the first layer's second input per
+    position: fc(g) or the head's own output)."""
 
     def __init__(self, head: EagleHead):
-        self.head = head
-        L = head.layers[0]
-        a, m = L.self_attn, L.mlp
-        # fused projections, pre-packed for oneDNN in bf16 on CPUs (core.llama.Linear): a draft step
-        # at batch 1 is a handful of small matmuls, where the packing and fusion halve the time
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = Linear(a.o_proj.weight)
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = Linear(m.down_proj.weight)
-        self.lm_head = Linear(head.lm_head.weight)
-        self.fc = Linear(head.fc.weight)
-        s = head.spec
-        self.splits = (s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim,
-                       s.num_key_value_heads * s.head_dim)
+        self.head = head.fuse()
+        self.num_layers = head.spec.num_layers
 
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture=(), hidden_in=None):
         head, s = self.head, self.head.spec
-        L = head.layers[0]
         B, n = input_ids.shape
-        D, nh, nkv = s.head_dim, s.num_attention_heads, s.num_key_value_heads
         S = mask.shape[-1] if mask is not None else (kv.S if kv.read_rows is None else kv.read_rows.shape[1])
         # row 0 holds no pair: hidden from every query but its own (a row-0 query sees only key 0)
         keys = torch.arange(S, device=input_ids.device)
         visible = ~((keys.view(1, 1, 1, S) == 0) & (positions.view(B, 1, n, 1) > 0))  # [B, 1, n, S]
         mask = visible if mask is None else mask & visible
-        x, residual = head.layer_input(input_ids, hidden_in.to(head.embed_tokens.weight.dtype))  # [B, n, 2H], [B, n, H]
-        q, k, v = self.qkv(x).split(self.splits, dim=-1)
-        q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
-        cos, sin = (c.unsqueeze(2).to(q.dtype) for c in head.rope((positions - 1).clamp(min=0)))  # [B, n, 1, D]
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        K, V = kv.update(0, k, v)  # [B, S, nkv, D] in the cache's dtype
-        # attention in the cache's dtype (float32 on CPUs, where bf16 attention kernels are slower)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=nkv != nh)  # [B, nh, n, D]
-        h = residual + self.o(o.transpose(1, 2).reshape(B, n, nh * D).to(x.dtype))
-        gate, up = self.gate_up(L.post_attention_layernorm(h)).chunk(2, dim=-1)
-        h = h + self.down(F.silu(gate) * up)
-        logits = head.target_logits(self.lm_head(head.norm(h[:, -keep:])).float())  # [B, keep, V], -inf outside
-        return logits, {"out": h}
+        windowed = {}  # rows are positions + 1 for keys and queries alike: the window is the same in rows
+
+        def attend(i, q, k, v):
+            K, V = kv.update(i, k, v)  # [B, S, nkv, D] in the cache's dtype
+            w = head.layers[i].window
+            m = mask
+            if w is not None:
+                if w not in windowed:
+                    windowed[w] = mask & window_mask(positions, keys.view(1, S), w).unsqueeze(1)
+                m = windowed[w]
+            # attention in the cache's dtype (float32 on CPUs, where bf16 attention kernels are slower)
+            return sdpa(q, K, V, m, s.num_attention_heads, s.num_key_value_heads)
+
+        normed, state = head.forward_layers(input_ids, hidden_in, (positions - 1).clamp(min=0), attend)
+        logits = head.target_logits(head.logits(normed[:, -keep:]).float())  # [B, keep, V], -inf outside
+        return logits, {"out": state}
 
 
 class Eagle3Drafter(ModelDrafter):
@@ -106,12 +97,14 @@ class Eagle3Drafter(ModelDrafter):
         self.config = config
         name = resolve_dtype(config.dtype, config.device)
         self.dtype = DTYPES[name]
-        self.head = (head if head is not None else load_head(config.model)).to(device=config.device, dtype=self.dtype)
+        if head is None:
+            head = load_head(config.model, verifier=config.verifier_model)
+        self.head = head.to(device=config.device, dtype=self.dtype)
         self.head.eval()
         self.spec = s = self.head.spec
         self.aux_layers = tuple(s.aux_layer_ids)
         self.max_len = config.max_model_len or s.max_position_embeddings
-        shape = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim,
+        shape = SimpleNamespace(num_hidden_layers=s.num_layers, num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim,
                                 num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size)
         kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
@@ -219,7 +212,7 @@ class Eagle3Drafter(ModelDrafter):
             if r.aux is None or r.aux_start > lo or r.aux_start + r.aux.shape[0] < hi:
                 return None
             g = r.aux[lo - r.aux_start: hi - r.aux_start].to(device=self.config.device, dtype=self.dtype)
-            rows = self.runner.fc(g)
+            rows = self.head.combine(g)
         if c == 0:
             rows = torch.cat([torch.zeros(1, H, dtype=rows.dtype, device=rows.device), rows])
         return rows

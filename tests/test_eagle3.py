@@ -16,7 +16,7 @@ TARGET, HEAD = ROOT / "models" / "tiny-code-target", ROOT / "models" / "tiny-cod
 
 def tiny_spec(draft_vocab=48, vocab=97):
     return Eagle3Spec(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128, vocab_size=vocab,
+                      rms_norm_eps=1e-6, max_position_embeddings=128, vocab_size=vocab,
                       draft_vocab_size=draft_vocab, target_hidden_size=24, aux_layer_ids=[1, 2, 3])
 
 
@@ -61,8 +61,9 @@ def test_speculators_config_round_trips_and_names_what_vllm_reads():
         assert flag in cfg  # written always: vLLM's and speculators' defaults differ
     assert Eagle3Spec.from_config(json.loads(json.dumps(cfg))) == spec
     assert default_aux_layers(8) == [2, 4, 5] and default_aux_layers(32) == [2, 16, 29]
-    with pytest.raises(ValueError, match="norm_output"):
-        Eagle3Spec.from_config({**cfg, "norm_output": True})
+    flags = {"norm_before_residual": False, "norm_before_fc": True, "fc_norm": True, "norm_output": True}
+    both = Eagle3Spec.from_config({**cfg, **flags})
+    assert Eagle3Spec.from_config(json.loads(json.dumps(both.to_config("models/x", ["LlamaForCausalLM"])))) == both
     with pytest.raises(ValueError, match="eagle3"):
         Eagle3Spec.from_config({**cfg, "speculators_model_type": "mlp"})
 
@@ -103,7 +104,7 @@ def test_reference_drafting_is_the_training_forward():
     x = torch.tensor([tokens + [drafts[0]]])
     T = m
     with torch.no_grad():
-        h = head.fc(aux.unsqueeze(0))
+        h = head.combine(aux.unsqueeze(0))
         past = []
         l0, h = head.layer(x[:, 1:T + 1], h, torch.arange(T).unsqueeze(0), past, ttt_mask(T, 0))
         l1, _ = head.layer(x[:, 2:T + 2], h, (torch.arange(T) + 1).unsqueeze(0), past, ttt_mask(T, 1))

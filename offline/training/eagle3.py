@@ -26,8 +26,17 @@ from pathlib import Path
 
 import torch
 
-from core.eagle3 import (Eagle3Spec, EagleHead, aux_states, default_aux_layers, draft_vocabulary, kl_to_target,
-                         mean_acceptance_length, save_head, ttt_mask)
+from core.eagle3 import (
+    Eagle3Spec,
+    EagleHead,
+    aux_states,
+    default_aux_layers,
+    draft_vocabulary,
+    kl_to_target,
+    mean_acceptance_length,
+    save_head,
+    ttt_mask,
+)
 from offline.training.corpus import held_out_prompts
 from offline.training.distill import add_training_args, corpus_ids, frozen_target
 from offline.training.pretrain import batch_at, load_checkpoint, lr_at, save_checkpoint
@@ -35,12 +44,13 @@ from offline.training.pretrain import batch_at, load_checkpoint, lr_at, save_che
 
 def build_head(target, counts: torch.Tensor, draft_vocab: int) -> EagleHead:
     tc = target.config.get_text_config()
-    rope = getattr(tc, "rope_parameters", None) or {"rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    rope.setdefault("rope_type", "default")
     spec = Eagle3Spec(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
                       num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads,
                       head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
                       intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-                      rope_theta=rope["rope_theta"], max_position_embeddings=tc.max_position_embeddings,
+                      rope_parameters=rope, max_position_embeddings=tc.max_position_embeddings,
                       vocab_size=tc.vocab_size, draft_vocab_size=min(draft_vocab, tc.vocab_size),
                       target_hidden_size=tc.hidden_size, aux_layer_ids=default_aux_layers(tc.num_hidden_layers))
     head = EagleHead(spec)
@@ -59,7 +69,7 @@ def ttt_loss(head: EagleHead, x: torch.Tensor, aux: torch.Tensor, tlogits: torch
     j (0..L-2) at step s feeds x[j+1+s] and predicts the target's distribution at j+1+s."""
     B, L = x.shape
     T = L - 1
-    h = head.fc(aux[:, :T])
+    h = head.combine(aux[:, :T])
     past: list = []
     total = 0.0
     for s in range(steps):
