@@ -29,7 +29,8 @@ def strict_app(ray_cluster, serve_app, tiny_model_dirs):
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
         "max_tokens_limit": 512, "max_active_requests": 8, "max_queue": 1,  # adaptive k: the default
-    }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}},
+    }, overrides={"Verifier": {"ray_actor_options": {
+                      "num_cpus": 0.2, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}},
                   "Drafter": {"ray_actor_options": {
                       "num_cpus": 0.1, "runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}}}) as url:
         yield url
@@ -74,17 +75,25 @@ def test_full_verifier_queue_answers_503_quickly_then_serves(strict_app):
 
 
 def test_deadline_stops_the_request_with_504(strict_app):
-    # 0.12 s: less than the tiny model takes to fill its 256-token context a token a step (no
-    # speculation), so the deadline falls mid-generation, after the first tokens
-    r = post(strict_app, prompt="class A:", max_tokens=500, temperature=0, ignore_eos=True, timeout=0.12,
-             num_speculative_tokens=0)
-    assert r.status_code == 504, r.text
-    assert r.json()["error"]["code"] == "deadline_exceeded"
-    # streaming: the tokens so far, then an in-band error event and [DONE]
-    with httpx.stream("POST", f"{strict_app}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "class A:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
-            "stream": True, "timeout": 0.12}) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    """A request past its deadline stops mid-generation: 504, or in a stream the tokens so far, then an
+    error event. The verifier is slowed (injected: 50 ms more per batch), so the 252 tokens the context
+    leaves would take over 12 s, and the 1 s deadline falls after the first tokens whatever the machine."""
+    from ray import serve
+
+    verifier = serve.get_deployment_handle("Verifier", app_name="strict")
+    verifier.inject_fault.remote("slow", 0.05).result()
+    try:
+        r = post(strict_app, prompt="class A:", max_tokens=500, temperature=0, ignore_eos=True, timeout=1.0,
+                 num_speculative_tokens=0)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "deadline_exceeded"
+        # streaming: the tokens so far, then an in-band error event and [DONE]
+        with httpx.stream("POST", f"{strict_app}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "class A:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+                "stream": True, "timeout": 1.0}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        verifier.inject_fault.remote("slow", 0).result()
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "deadline_exceeded"
     assert any('"choices"' in line for line in lines[:-2])
