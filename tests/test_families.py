@@ -19,7 +19,13 @@ import transformers
 
 from configs import DraftModelConfig, SamplingParams, VerifierConfig
 from core.kv_cache import PagedKVCache, batched_forward, kv_layout
-from core.llama import HFRunner, capture_states, compact_unsupported, decoder_layers, layer_windows, make_runner
+from core.llama import (
+    HFRunner,
+    capture_states,
+    compact_unsupported,
+    layer_windows,
+    make_runner,
+)
 from core.loop import generate
 from core.models import attention_implementation, load_causal_lm
 from drafter.model_drafter import ModelDrafter
@@ -30,9 +36,9 @@ VOCAB = 320
 WINDOW = 16
 NEAR_TIE = 1e-5
 MAX_LEN = 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_LEN, tie_word_embeddings=False,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": MAX_LEN,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def build(family: str):
@@ -246,7 +252,7 @@ def test_states_for_heads_are_the_residual_stream_entering_each_layer(family):
 def test_load_causal_lm_runs_every_family_from_a_directory(family, tmp_path):
     """A saved checkpoint loads with an attention implementation its class has (gpt-oss has no SDPA) and
     verifies in an engine built from the directory alone."""
-    name, model = family
+    _, model = family
     model.save_pretrained(tmp_path)
     tiny_tokenizer(VOCAB).save_pretrained(tmp_path)
     loaded = load_causal_lm(str(tmp_path), torch.float32)
