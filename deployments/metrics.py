@@ -82,6 +82,8 @@ def where() -> dict:
     try:
         import ray
         from ray import serve
+        if not ray.is_initialized():  # (asking for the runtime context would start a local Ray instance)
+            return {}
         return {"node_id": ray.get_runtime_context().get_node_id(),
                 "replica_id": serve.get_replica_context().replica_id.unique_id}
     except Exception:  # noqa: BLE001 - not running inside a Serve replica

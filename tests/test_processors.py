@@ -164,17 +164,19 @@ def exact_marginals(target, params, prompt=(0,), n=K + 1):
 def run_production(target, draft, params, n=N, k=K, stale_verifier=False):
     """n sequences of k+1 tokens after the prompt [0], each step drafted from q (the drafter's
     sparse top-K of its processed distribution, keyed draws) and verified by ``decide``."""
-    rows = []
+    rows, sparse_q = [], {}  # context -> the drafter's sparse q there (a function of the context: computed once)
     for s in range(n):
         seed = 1_000_003 * s + 17
         seq = [0]
         while len(seq) < k + 2:
             ctx, drafts, ids, probs = list(seq), [], [], []
             for _ in range(k):
-                q = processed_probs(draft[ctx[-1]].unsqueeze(0), params, History(ctx, 1))[0]
-                vals, top = q.topk(TOP_K)
-                vals, top = vals[vals > 0], top[vals > 0]
-                vals = vals / vals.sum()
+                if (key := tuple(ctx)) not in sparse_q:
+                    q = processed_probs(draft[ctx[-1]].unsqueeze(0), params, History(ctx, 1))[0]
+                    vals, top = q.topk(TOP_K)
+                    vals, top = vals[vals > 0], top[vals > 0]
+                    sparse_q[key] = top, vals / vals.sum()
+                top, vals = sparse_q[key]
                 t = int(top[sample_inverse_cdf(vals.unsqueeze(0), torch.tensor([uniform(seed, len(ctx), Stream.DRAFT)]))[0]])
                 drafts.append(t), ids.append(top.tolist()), probs.append(vals.tolist()), ctx.append(t)
             logits = target[[seq[-1]] + drafts]  # [k+1, V]: row i predicts the token after draft i
