@@ -238,7 +238,7 @@ def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_
 V, N = 8, 2000
 
 
-# 35-50 s each: the gumbel case runs in `make test-long` (make test reached 15:03 once on 2 busy cores)
+# Most of a minute each on one core: the gumbel case runs in `make test-long`, so `make test` stays short
 @pytest.mark.parametrize("verification", ["rejection", pytest.param("gumbel", marks=pytest.mark.long)])
 def test_sampled_outputs_with_trees_are_token_for_token_those_without(verification, monkeypatch):
     """A branch's drafts and q are those its context gets when drafted on its own (randomness is keyed
