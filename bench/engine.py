@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import DEFAULT_OUT, DRAFTER, TARGET, environment, log, median, rnd, write_json
+from bench.common import DEFAULT_OUT, DRAFTER, EAGLE3, TARGET, environment, log, median, rnd, write_json
 
 
 def _linear_time(model, n, dtype, timer, packed: bool = False):
@@ -202,6 +202,69 @@ def measure(model_dir: str, dtype_name: str, ns: list[int], context: int, rounds
     }
 
 
+def head_step(head_dir: str, target_dir: str, dtype_name: str, context: int, rounds: int, calls: int) -> dict:
+    """An EAGLE-3 head's one-token draft step beside the target's one-token forward, one torch thread,
+    interleaved round by round (medians): ``target``: the verifier engine's forward of one new token over
+    its paged cache; ``head_call``: the drafter's call for one draft token after one new token (the new
+    row's state through fc, the head's pass over its paged cache, the draw), the requests made beforehand
+    as the verifier sends them; ``head_pass``: the head's pass alone (each further draft token of a chain)."""
+    import torch
+
+    from configs import Eagle3Config, SamplingParams, VerifierConfig
+    from core.kv_cache import batched_forward
+    from core.protocol import DraftRequest
+    from drafter.eagle3_drafter import Eagle3Drafter
+    from verifier.engine import VerifierEngine
+
+    torch.set_num_threads(1)
+    length = context + rounds * calls + 64
+    engine = VerifierEngine(VerifierConfig(model=target_dir, dtype=dtype_name, cache_budget_mb=64, max_model_len=length))
+    drafter = Eagle3Drafter(Eagle3Config(model=head_dir, dtype=dtype_name, cache_budget_mb=64, max_model_len=length,
+                                         verifier_model=target_dir), eos_ids=set())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(5, engine.vocab_size, (length,), generator=g).tolist()
+    aux = torch.randn(length, len(drafter.spec.aux_layer_ids) * drafter.spec.target_hidden_size, generator=g)
+    greedy = SamplingParams(temperature=0)
+    times = {"target": [], "head_call": [], "head_pass": []}
+    with torch.inference_mode():
+        slot = engine.cache.claim("bench", 0, None, tokens[:context] + [1], set())
+        engine.cache.reserve("bench", length, set())
+        batched_forward(engine.runner, engine.cache, [slot], [tokens[:context]], [1])
+        drafter.propose([DraftRequest("bench", 0, None, tokens[:context], k=1, sampling=greedy, seed=1, full=True,
+                                      aux=aux[:context - 1], aux_start=0)])
+        head_slot = drafter.cache.slots["bench"]
+        state = torch.randn(1, drafter.spec.hidden_size, generator=g).to(drafter.dtype)
+        n = context
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                slot.cut(n)
+                batched_forward(engine.runner, engine.cache, [slot], [[tokens[n]]], [1])
+            times["target"].append((time.perf_counter() - t0) / calls * 1e3)
+            requests = [DraftRequest.for_tokens("bench", tokens[: m + 1], m, k=1, sampling=greedy, seed=1,
+                                                aux=aux[m - 1: m], aux_start=m - 1) for m in range(n, n + calls)]
+            t0 = time.perf_counter()
+            for r in requests:
+                (p,) = drafter.propose([r])
+            times["head_call"].append((time.perf_counter() - t0) / calls * 1e3)
+            assert not p.cache_miss and len(p.tokens) == 1
+            n += calls
+            m = len(head_slot.tokens)
+            drafter.cache.reserve("bench", m + 1, set())
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                head_slot.cut(m)
+                batched_forward(drafter.runner, drafter.cache, [head_slot], [[tokens[m]]], [1], capture=("out",),
+                                hidden_in=[state])
+            times["head_pass"].append((time.perf_counter() - t0) / calls * 1e3)
+            head_slot.cut(m)
+    ms = {k: median(v) for k, v in times.items()}
+    return {"dtype": str(drafter.dtype).replace("torch.", ""), "context": context, "rounds": rounds,
+            "calls_per_round": calls, "ms": {k: rnd(v, 3) for k, v in ms.items()},
+            "head_call_over_target": rnd(median([h / t for h, t in zip(times["head_call"], times["target"])]), 3),
+            "head_pass_over_target": rnd(median([h / t for h, t in zip(times["head_pass"], times["target"])]), 3)}
+
+
 STARTUP = """
 import time, sys
 t0 = time.perf_counter()
@@ -251,15 +314,17 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=20, help="forwards per timing")
     ap.add_argument("--model", default=TARGET)
     ap.add_argument("--drafter", default=DRAFTER)
+    ap.add_argument("--head", default=EAGLE3, help="an EAGLE-3 head for --model (its draft step beside the target's forward)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     ns = [1, 5, 9] if args.quick else list(range(1, 10))
     rounds, calls = (2, 3) if args.quick else (args.rounds, args.calls)
-    result = {"environment": environment(1), "target": {}, "drafter": {}, "startup": {}}
+    result = {"environment": environment(1), "target": {}, "drafter": {}, "head": {}, "startup": {}}
     for dtype in args.dtypes.split(","):
         log(f"engine forward: target, {dtype}")
         result["target"][dtype] = measure(args.model, dtype, ns, args.context, rounds, calls)
         result["drafter"][dtype] = measure(args.drafter, dtype, [1], args.context, rounds, calls)
+        result["head"][dtype] = head_step(args.head, args.model, dtype, args.context, rounds, max(calls, 10))
         # a first build compiles the native forward (about 30 s): not in the test suite's quick mode
         result["startup"][dtype] = startup(args.model, dtype, first_build=not result["startup"] and not args.quick)
     path = write_json(args.out, "engine", result)
@@ -293,6 +358,11 @@ def table(result: dict) -> str:
                          + f" {ms['hf']:>8.2f} {ms['compact']:>11.2f} {ms['engine']:>10.2f} {r['engine_over_compact'][k]:>15.2f} "
                          f"{ratio['engine']:>13.2f} {ratio['linear']:>13.2f} {ratio['linear_packed']:>13.2f}"
                          + (f" {ratio['linear_engine']:>10.2f}" if own else ""))
+        if dtype in result.get("head", {}):
+            h = result["head"][dtype]
+            lines.append(f"EAGLE-3 head ({h['dtype']}): one-token draft call {h['ms']['head_call']:.2f} ms, its pass alone "
+                         f"{h['ms']['head_pass']:.2f} ms, against the target's one-token forward {h['ms']['target']:.2f} ms "
+                         f"(paired: call / target {h['head_call_over_target']}, pass / target {h['head_pass_over_target']})")
         d = result["drafter"][dtype]["ms"]["1"]
         s = result["startup"][dtype]
         dr = result["drafter"][dtype]

@@ -209,8 +209,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # normalised in float32 and rounded to x's dtype, then the weight (vLLM's and transformers' order):
+        # torch's fused rms_norm computes a bf16 input in float32 (bit for bit x.float()'s, then rounded)
+        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
 def _rotate_half(x):
@@ -234,18 +235,53 @@ def rope_frequencies(spec: Eagle3Spec) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
+class MatMul:
+    """y = x W^T over row blocks ``parts`` of W (outputs concatenated) on the engines' own matmul dispatch
+    (``core/csrc/decoder.cpp`` ``linear``, as the target's forward runs it): AMX tiles or the bf16 GEMV
+    in bf16 where the CPU has them, the float32 FMA kernel in float32, reading exact bf16 copies of
+    weights that are all bf16 values (half the bytes), else oneDNN pre-packed (bf16) or ``F.linear``.
+    So a draft step's matmuls run in the dtype ``dtype: auto`` chose for this CPU, on the kernels the
+    target's step uses there. Without the native build: ``core.llama.Linear``."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        from core.llama import Linear, _bf16_exact
+        from core.native import load
+
+        w = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.linear = Linear(w)
+        self.ops = load() if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) else None
+        none = torch.empty(0, dtype=w.dtype)
+        self.none, self.parts, self.parts16, self.tiles = none, [], [], none
+        if self.ops is None:
+            return
+        if self.linear.packed:  # bf16 on a CPU oneDNN packs for
+            if self.ops.gemv_supported():
+                self.parts = [p.contiguous() for p in parts]
+            if self.ops.amx_supported() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+                self.tiles = self.ops.amx_pack(w.contiguous())
+        elif w.dtype == torch.float32 and self.ops.fma_supported():
+            self.parts = [p.contiguous() for p in parts]
+            if all(_bf16_exact(p) for p in self.parts):
+                self.parts16 = [p.to(torch.bfloat16) for p in self.parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is None:
+            return self.linear(x)
+        y = self.ops.linear(x.reshape(-1, x.shape[-1]).contiguous(), self.linear.weight, self.none, self.linear.packed,
+                            self.parts, self.tiles, self.parts16)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class _Fused:
-    """A layer's projections fused and, on CPUs in bf16, pre-packed for oneDNN (``core.llama.Linear``):
-    a draft step at batch 1 is a handful of small matmuls, where the fusion and packing halve the time."""
+    """A layer's projections fused (q|k|v, gate|up) on the engines' matmul kernels (``MatMul``): a draft
+    step at batch 1 is a handful of small matmuls, where the fusion and the kernels decide the time."""
 
-    def __init__(self, layer: EagleLayer):
-        from core.llama import Linear
-
+    def __init__(self, layer: "EagleLayer"):
         a, m = layer.self_attn, layer.mlp
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = Linear(a.o_proj.weight)
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = Linear(m.down_proj.weight)
+        self.qkv = MatMul([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        self.o = MatMul([a.o_proj.weight])
+        self.gate_up = MatMul([m.gate_proj.weight, m.up_proj.weight])
+        self.down = MatMul([m.down_proj.weight])
 
 
 class EagleLayer(nn.Module):
@@ -297,14 +333,21 @@ class EagleLayer(nn.Module):
             residual = h + residual
             x = self.input_layernorm(residual)
         f = self.fused
-        if f is not None:
-            q, k, v = f.qkv(x).split(self.splits, dim=-1)
+        if f is not None and s.layer_type != "qwen3":
+            # q and k rotated as one [B, n, nh + nkv, D] view of the fused projection: half the small ops
+            qk, v = f.qkv(x).split((self.splits[0] + self.splits[1], self.splits[2]), dim=-1)
+            qk = qk.view(B, n, nh + nkv, D)
+            q, k = (qk * cos + _rotate_half(qk) * sin).split((nh, nkv), dim=2)
+            v = v.view(B, n, nkv, D)
         else:
-            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-        q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
-        if s.layer_type == "qwen3":
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            if f is not None:
+                q, k, v = f.qkv(x).split(self.splits, dim=-1)
+            else:
+                q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
+            if s.layer_type == "qwen3":
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         o = attend(self.index, q, k, v).reshape(B, n, nh * D).to(x.dtype)
         h = f.o(o) if f is not None else a.o_proj(o)
         residual = h + residual
@@ -353,19 +396,25 @@ class EagleHead(nn.Module):
         # float32 whatever the head's dtype (not a buffer, which ``to(dtype)`` would round), as vLLM's cache
         self.inv_freq, self.rope_scale = rope_frequencies(s)
         self._fc = self._lm_head = None
+        self._cos = self._sin = self._targets = None  # serving tables (``fuse``)
 
     # ------------------------------------------------------------------ pieces
-    def fuse(self) -> EagleHead:
-        """Serving: fused (and, in bf16 on CPUs, pre-packed) projections for every layer, fc and lm_head."""
-        from core.llama import Linear
-
+    def fuse(self, max_len: int) -> EagleHead:
+        """Serving: fused projections on the engines' matmul kernels (``MatMul``) for every layer, fc and lm_head."""
         for L in self.layers:
             L.fused = _Fused(L)
-        self._fc, self._lm_head = Linear(self.fc.weight), Linear(self.lm_head.weight)
+        self._fc, self._lm_head = MatMul([self.fc.weight]), MatMul([self.lm_head.weight])
+        # a draft step is a handful of small ops: each one precomputed here is one fewer per step
+        w = self.fc.weight
+        cos, sin = self.rope(torch.arange(max_len, device=w.device).unsqueeze(0), tables=False)
+        self._cos, self._sin = cos[0].to(w.dtype), sin[0].to(w.dtype)  # [max_len, D]
+        self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=w.device))
         return self
 
-    def rope(self, positions: torch.Tensor):
-        """cos, sin [B, T, D] for positions [B, T]."""
+    def rope(self, positions: torch.Tensor, tables: bool = True):
+        """cos, sin [B, T, D] for positions [B, T] (from the serving tables where ``fuse`` made them)."""
+        if tables and self._cos is not None:
+            return self._cos[positions], self._sin[positions]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         f = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
@@ -429,7 +478,9 @@ class EagleHead(nn.Module):
         if self.spec.draft_vocab_size == self.spec.vocab_size:
             return draft_logits
         out = draft_logits.new_full((*draft_logits.shape[:-1], self.spec.vocab_size), float("-inf"))
-        out[..., self.to_target(torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))] = draft_logits
+        targets = self._targets if self._targets is not None else self.to_target(
+            torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))
+        out[..., targets] = draft_logits
         return out
 
     # ------------------------------------------------------------------ reference drafting

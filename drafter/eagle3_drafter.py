@@ -56,30 +56,39 @@ class HeadRunner:
     with ``core.llama``'s runner interface plus ``hidden_in`` (the first layer's second input per
     position: fc(g) or the head's own output)."""
 
-    def __init__(self, head: EagleHead):
-        self.head = head.fuse()
+    def __init__(self, head: EagleHead, max_len: int):
+        self.head = head.fuse(max_len)
         self.num_layers = head.spec.num_layers
 
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture=(), hidden_in=None):
         head, s = self.head, self.head.spec
+        nh, nkv = s.num_attention_heads, s.num_key_value_heads
         B, n = input_ids.shape
         S = mask.shape[-1] if mask is not None else (kv.S if kv.read_rows is None else kv.read_rows.shape[1])
-        # row 0 holds no pair: hidden from every query but its own (a row-0 query sees only key 0)
-        keys = torch.arange(S, device=input_ids.device)
-        visible = ~((keys.view(1, 1, 1, S) == 0) & (positions.view(B, 1, n, 1) > 0))  # [B, 1, n, S]
-        mask = visible if mask is None else mask & visible
-        windowed = {}  # rows are positions + 1 for keys and queries alike: the window is the same in rows
+        if mask is None:  # one token of one sequence (every draft step of a lone stream): keys are rows 0..S-1
+            # row 0 holds no pair: a query past it reads rows 1.. (and a sliding layer its last w rows): slices of
+            # the keys, not a mask (a masked attention and the mask's ops cost more than the rest of the step)
+            first = 1 if S > 1 else 0
 
-        def attend(i, q, k, v):
-            K, V = kv.update(i, k, v)  # [B, S, nkv, D] in the cache's dtype
-            w = head.layers[i].window
-            m = mask
-            if w is not None:
-                if w not in windowed:
+            def attend(i, q, k, v):
+                K, V = kv.update(i, k, v)  # [1, S, nkv, D] in the cache's dtype
+                w = head.layers[i].window
+                lo = first if w is None else max(first, S - w)
+                # attention in the cache's dtype (float32 on CPUs, where bf16 attention kernels are slower)
+                return sdpa(q, K[:, lo:], V[:, lo:], None, nh, nkv)
+        else:
+            # row 0 holds no pair: hidden from every query but its own (a row-0 query sees only key 0)
+            keys = torch.arange(S, device=input_ids.device)
+            visible = ~((keys.view(1, 1, 1, S) == 0) & (positions.view(B, 1, n, 1) > 0))  # [B, 1, n, S]
+            mask = mask & visible
+            windowed = {}  # rows are positions + 1 for keys and queries alike: the window is the same in rows
+
+            def attend(i, q, k, v):
+                K, V = kv.update(i, k, v)  # [B, S, nkv, D] in the cache's dtype
+                w = head.layers[i].window
+                if w is not None and w not in windowed:
                     windowed[w] = mask & window_mask(positions, keys.view(1, S), w).unsqueeze(1)
-                m = windowed[w]
-            # attention in the cache's dtype (float32 on CPUs, where bf16 attention kernels are slower)
-            return sdpa(q, K, V, m, s.num_attention_heads, s.num_key_value_heads)
+                return sdpa(q, K, V, mask if w is None else windowed[w], nh, nkv)
 
         normed, state = head.forward_layers(input_ids, hidden_in, (positions - 1).clamp(min=0), attend)
         logits = head.target_logits(head.logits(normed[:, -keep:]).float())  # [B, keep, V], -inf outside
@@ -108,7 +117,7 @@ class Eagle3Drafter(ModelDrafter):
                                 num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size)
         kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
-        self.runner = HeadRunner(self.head)
+        self.runner = HeadRunner(self.head, self.max_len)
         self.model = None
         if eos_ids is None:
             eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
