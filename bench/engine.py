@@ -36,7 +36,17 @@ import subprocess
 import sys
 import time
 
-from bench.common import DEFAULT_OUT, DRAFTER, EAGLE3, TARGET, environment, log, median, rnd, write_json
+from bench.common import (
+    DEFAULT_OUT,
+    DRAFTER,
+    EAGLE3,
+    TARGET,
+    environment,
+    log,
+    median,
+    rnd,
+    write_json,
+)
 
 
 def _linear_time(model, n, dtype, timer, packed: bool = False):

@@ -276,7 +276,7 @@ class _Fused:
     """A layer's projections fused (q|k|v, gate|up) on the engines' matmul kernels (``MatMul``): a draft
     step at batch 1 is a handful of small matmuls, where the fusion and the kernels decide the time."""
 
-    def __init__(self, layer: "EagleLayer"):
+    def __init__(self, layer: EagleLayer):
         a, m = layer.self_attn, layer.mlp
         self.qkv = MatMul([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         self.o = MatMul([a.o_proj.weight])

@@ -11,6 +11,7 @@ Configs: each published style passes the app builder's check (``deployments.app.
 line naming the field and its value.
 """
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -164,3 +165,89 @@ def test_sharded_head_loads_from_its_index():
     v = load_file(str(VERIFIER / "model.safetensors"))
     assert torch.equal(head.embed_tokens.weight, v["model.embed_tokens.weight"].float())  # the verifier's
     assert torch.equal(head.lm_head.weight, v["lm_head.weight"].float())
+
+
+# ------------------------------------------------------------------ published styles in the loop
+def published_head(dest: Path, verifier: Path, style: str, seed: int = 0) -> Path:
+    """A random head of a published style (``VARIANTS``: the config of ``tests/data/eagle3/<style>``)
+    for the verifier in ``verifier``: its vocabulary and width, aux ids inside its layers, the head as
+    wide as the verifier where it borrows the verifier's embedding. For any verifier family's tests."""
+    from safetensors.torch import save_file
+
+    from core.eagle3 import EagleHead, draft_vocabulary
+
+    v = json.loads((verifier / "config.json").read_text())
+    v = v.get("text_config") or v
+    cfg = json.loads((DATA / style / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    layer["vocab_size"] = v["vocab_size"]
+    names = {k for f in (DATA / style).glob("model*.safetensors") for k in load_file(str(f))}
+    if "embed_tokens.weight" not in names:
+        layer["hidden_size"], layer["intermediate_size"] = v["hidden_size"], 2 * v["hidden_size"]
+    layer["head_dim"] = layer["hidden_size"] // layer["num_attention_heads"]
+    cfg["target_hidden_size"] = v["hidden_size"]
+    cfg["draft_vocab_size"] = v["vocab_size"] if cfg["draft_vocab_size"] == VOCAB_OF_VECTORS else v["vocab_size"] // 2
+    n = v["num_hidden_layers"]
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):
+        cfg["eagle_aux_hidden_state_layer_ids"] = [1, n // 2, n - 1]
+    spec = Eagle3Spec.from_config(cfg, n)
+    head = EagleHead(spec)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        d2t, t2d = draft_vocabulary(torch.randint(0, 1000, (spec.vocab_size,), generator=g), spec.draft_vocab_size)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    state = {k: t.contiguous() for k, t in head.state_dict().items() if k in names or k in ("d2t", "t2d")}
+    if spec.draft_vocab_size == spec.vocab_size:
+        state.pop("d2t"), state.pop("t2d")
+    dest.mkdir(parents=True)
+    save_file(state, str(dest / "model.safetensors"))
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+VOCAB_OF_VECTORS = 256  # the vector heads' verifier vocabulary (``make_vectors.py``)
+
+
+@pytest.fixture(scope="module")
+def llama_verifier(tmp_path_factory):
+    from tests.helpers import tiny_llama, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("verifier")
+    tiny_llama(320, layers=8, hidden=64, seed=5, peak=3.0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("style", VARIANTS)
+def test_greedy_with_a_published_style_head_is_the_targets(tmp_path, llama_verifier, style):
+    """Each published style, built for an 8-layer verifier and loaded by the drafter pool's engine as the
+    app builder configures it, drafts through the in-process loop at k = 4: the output is the target's
+    own greedy ``generate``, token for token."""
+    from configs import AppConfig, Eagle3Config, SamplingParams, VerifierConfig
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from core.sequence import Sequence
+    from deployments.app import check_eagle3
+    from drafter.eagle3_drafter import Eagle3Drafter
+    from tests.test_processors import hf_greedy
+    from verifier.engine import VerifierEngine
+
+    head = published_head(tmp_path / style, llama_verifier, style)
+    ver = VerifierEngine(VerifierConfig(model=str(llama_verifier), dtype="float32", cache_budget_mb=16))
+    app = {"verifier": {"model": str(llama_verifier)}, "drafter": {"method": "eagle3", "model": str(head)}}
+    spec = check_eagle3(AppConfig.model_validate(app))
+    dr = Eagle3Drafter(Eagle3Config(model=str(head), dtype="float32", cache_budget_mb=16,
+                                    verifier_model=str(llama_verifier)))
+    assert dr.aux_layers == tuple(spec.aux_layer_ids)
+    drafted = 0
+    for i, prompt in enumerate([[0, 5, 9, 17, 33], [0, 200, 7, 7, 7, 7, 7, 7, 41, 96, 12]]):
+        seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), 4, ver.tokenizer,
+                       ver.eos_ids, ver.max_len, seq_id=f"{style}{i}")
+        asyncio.run(speculate_local(seq, dr, ver, FixedK(4)))
+        assert seq.output_ids == hf_greedy(ver.model, prompt, 24)
+        drafted += seq.stats.as_dict()["num_draft_tokens"]
+    assert drafted > 0
