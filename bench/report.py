@@ -48,7 +48,8 @@ def _one(values):
 def meta(data: dict, previous: dict | None = None) -> dict:
     """The machine and the code the figures came from, read off the scenarios' own records
     (``environment``, ``config``). A field they do not record (figures measured before they recorded
-    it) keeps ``previous``'s value (an earlier meta.json, perhaps written by hand), else "unknown"."""
+    it) keeps ``previous``'s value (an earlier meta.json, perhaps written by hand) where that describes
+    the same run (the same date, or none), else "unknown"."""
     envs = [d["environment"] for d in data.values() if d.get("environment")]
     configs = [d.get("config") or {} for d in data.values()]
     # (the CPU's model name and flags are recorded since "cpu_flags" is; "cpu" alone was the architecture)
@@ -65,7 +66,8 @@ def meta(data: dict, previous: dict | None = None) -> dict:
          "torch": _one(e.get("torch") for e in envs),
          "transformers": _one(e.get("transformers") for e in envs),
          "commands": {name: _command(d) for name, d in data.items() if _command(d)}}
-    for key, value in (previous or {}).items():
+    same_run = previous is not None and previous.get("date", m["date"]) == m["date"]
+    for key, value in (previous or {}).items() if same_run else ():
         if m.get(key) in (None, UNKNOWN, {}) or key not in m:
             m[key] = value
     return {k: UNKNOWN if v is None else v for k, v in m.items()}

@@ -323,6 +323,11 @@ def test_published_results_hold_one_current_report_per_machine(tmp_path):
         report.render(copy)
         assert (copy / "report.md").read_text() == (folder / "report.md").read_text(), folder.name
         assert json.loads((copy / "meta.json").read_text()) == m
+        # a meta.json of another run lends nothing: the flags are then the figures' own record, or unknown
+        recorded = any("cpu_flags" in (d.get("environment") or {}) for d in report.load_all(copy).values())
+        (copy / "meta.json").write_text(json.dumps({**m, "date": "another run"}))
+        report.render(copy)
+        assert json.loads((copy / "meta.json").read_text())["cpu_flags"] == (m["cpu_flags"] if recorded else "unknown")
 
 
 def test_policy_replay_records_traces_and_replays_policies_on_them(tmp_path):
