@@ -214,9 +214,10 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def rotate(x, cos, sin):
+    """The rotary embedding (Llama's half-split form) with ``sin`` signed as ``EagleHead.rope`` returns it:
+    x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = roll(x, D/2) * cat(-sin1, sin2) exactly."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def rope_frequencies(spec: Eagle3Spec) -> tuple[torch.Tensor, float]:
@@ -337,7 +338,7 @@ class EagleLayer(nn.Module):
             # q and k rotated as one [B, n, nh + nkv, D] view of the fused projection: half the small ops
             qk, v = f.qkv(x).split((self.splits[0] + self.splits[1], self.splits[2]), dim=-1)
             qk = qk.view(B, n, nh + nkv, D)
-            q, k = (qk * cos + _rotate_half(qk) * sin).split((nh, nkv), dim=2)
+            q, k = rotate(qk, cos, sin).split((nh, nkv), dim=2)
             v = v.view(B, n, nkv, D)
         else:
             if f is not None:
@@ -347,7 +348,7 @@ class EagleLayer(nn.Module):
             q, k, v = q.view(B, n, nh, D), k.view(B, n, nkv, D), v.view(B, n, nkv, D)
             if s.layer_type == "qwen3":
                 q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         o = attend(self.index, q, k, v).reshape(B, n, nh * D).to(x.dtype)
         h = f.o(o) if f is not None else a.o_proj(o)
         residual = h + residual
@@ -408,18 +409,28 @@ class EagleHead(nn.Module):
         w = self.fc.weight
         cos, sin = self.rope(torch.arange(max_len, device=w.device).unsqueeze(0), tables=False)
         self._cos, self._sin = cos[0].to(w.dtype), sin[0].to(w.dtype)  # [max_len, D]
+        # by cache row (``drafter.eagle3_drafter``: row t is rotary position t - 1, row 0 position 0)
+        self._row_rope = (torch.cat([self._cos[:1], self._cos[:-1]]).unsqueeze(1),
+                          torch.cat([self._sin[:1], self._sin[:-1]]).unsqueeze(1))  # [max_len, 1, D]
         self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=w.device))
         return self
 
     def rope(self, positions: torch.Tensor, tables: bool = True):
-        """cos, sin [B, T, D] for positions [B, T] (from the serving tables where ``fuse`` made them)."""
+        """cos and signed sin (``rotate``) [B, T, D] for positions [B, T] (from the serving tables where
+        ``fuse`` made them)."""
         if tables and self._cos is not None:
             return self._cos[positions], self._sin[positions]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         f = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((f, f), dim=-1)
-        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        sign = torch.ones(emb.shape[-1], device=emb.device)
+        sign[: emb.shape[-1] // 2] = -1
+        return emb.cos() * self.rope_scale, emb.sin() * (self.rope_scale * sign)
+
+    def row_rope(self, rows: torch.Tensor):
+        """cos, signed sin [B, n, 1, D] for paged-cache rows [B, n] (row t: position t - 1; needs ``fuse``)."""
+        return self._row_rope[0][rows], self._row_rope[1][rows]
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the aux states [.., n_aux * target_hidden] -> [.., H] (vLLM's ``combine_hidden_states``)."""
@@ -433,14 +444,14 @@ class EagleHead(nn.Module):
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self._lm_head(normed) if self._lm_head is not None else self.lm_head(normed)
 
-    def forward_layers(self, ids, h, positions, attend):
+    def forward_layers(self, ids, h, positions, attend, rope=None):
         """The head's layers over tokens ids [B, n] at rotary positions [B, n] with states h [B, n, H]
-        (fc(g) or its own earlier output). Returns (the final-normed stream [B, n, H], the state fed
-        to the next draft step [B, n, H]: the stream before the final norm, or after it with
-        ``norm_output``)."""
+        (fc(g) or its own earlier output); ``rope``: their (cos, signed sin) [B, n, 1, D] where the caller
+        has them. Returns (the final-normed stream [B, n, H], the state fed to the next draft step
+        [B, n, H]: the stream before the final norm, or after it with ``norm_output``)."""
         embeds = self.embed_tokens(ids)
         h = h.to(embeds.dtype)
-        cos, sin = (c.unsqueeze(2).to(embeds.dtype) for c in self.rope(positions))  # [B, n, 1, D]
+        cos, sin = rope or (c.unsqueeze(2).to(embeds.dtype) for c in self.rope(positions))  # [B, n, 1, D]
         residual = None
         for L in self.layers:
             h, residual = L(h, residual, embeds, cos, sin, attend)

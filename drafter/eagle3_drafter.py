@@ -90,7 +90,7 @@ class HeadRunner:
                     windowed[w] = mask & window_mask(positions, keys.view(1, S), w).unsqueeze(1)
                 return sdpa(q, K, V, mask if w is None else windowed[w], nh, nkv)
 
-        normed, state = head.forward_layers(input_ids, hidden_in, (positions - 1).clamp(min=0), attend)
+        normed, state = head.forward_layers(input_ids, hidden_in, None, attend, rope=head.row_rope(positions))
         logits = head.target_logits(head.logits(normed[:, -keep:]).float())  # [B, keep, V], -inf outside
         return logits, {"out": state}
 
