@@ -162,7 +162,8 @@ class Eagle3Spec:
         return cls(hidden_size=t["hidden_size"], num_attention_heads=heads,
                    num_key_value_heads=t.get("num_key_value_heads") or heads,
                    head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                   rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position_embeddings=t.get("max_position_embeddings", 2048),
+                   rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=t.get("max_position_embeddings", 8192),  # absent: vLLM's default
                    vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
                    target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], aux_layer_ids=ids,
                    rope_parameters=rope,
@@ -210,7 +211,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # normalised in float32 and rounded to x's dtype, then the weight (vLLM's and transformers' order):
-        # torch's fused rms_norm computes a bf16 input in float32 (bit for bit x.float()'s, then rounded)
+X
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
@@ -645,6 +646,14 @@ def check_head(path: str | Path, verifier: str | Path) -> Eagle3Spec:
 
 
 def _verifier_shape(verifier, what: str):
+    files = _safetensors_files(Path(verifier))
+    if not files or not all(f.exists() for f in files):
+        # the weights are elsewhere (a Hub model whose metadata alone the app builder fetched): the
+        # shape its config gives, [vocab_size, hidden_size] for the embedding and the lm_head alike
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(str(verifier)).get_text_config()
+        return (text.vocab_size, text.hidden_size)
     return verifier_tensor(verifier, what, shape_only=True)
 
 
