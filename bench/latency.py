@@ -27,8 +27,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, PEER_K, app_args, complete, completion_body, environment, expected_tokens,
-                          load_prompts, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
+from bench import workloads
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, MAX_MODEL_LEN, PEER_K, app_args, complete, completion_body,
+                          environment, expected_tokens, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
                           write_json)
 
 SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", "mean_handoff_ms", "mean_loop_ms",
@@ -52,9 +53,14 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def max_prompt_tokens(max_tokens: int, k: int) -> int:
+    """The longest prompt that leaves room in the context for ``max_tokens`` and a last step's k drafts."""
+    return MAX_MODEL_LEN - max_tokens - k - 1
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description="Single-stream latency of splitspec and its peers on the shipped model pair.")
-    ap.add_argument("--prompts", type=int, default=3, help="held-out prompts")
+    workloads.add_arguments(ap, prompts=3)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each (system, prompt)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperatures", type=floats, default=[0.0, 0.8])
@@ -356,7 +362,8 @@ def run(args, urls: dict | None = None) -> dict:
         hf = None if args.no_hf else Transformers(args.threads, args.dtype)
         if args.no_hf:
             skipped["transformers"] = "skipped: --no-hf"
-        prompts = load_prompts(args.prompts, ref.tokenizer)
+        wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, ref.tokenizer,
+                                 args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
         try:
             for k, peer in vllms.items():
                 peer.wait_ready()
@@ -364,18 +371,26 @@ def run(args, urls: dict | None = None) -> dict:
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             skipped["vllm"] = f"failed: {str(e)[-2000:]}"
             vllms = {}
-        temps = {}
-        for temperature in args.temperatures:
-            systems = build_systems(args, temperature, urls if not args.no_serve else None, client, ref, hf, vllms)
-            runs = measure(args, systems, prompts, temperature)
-            temps[f"{temperature:g}"] = summarise(args, systems, runs, temperature)
+        per_workload = {}
+        for wl in wls:
+            log(f"workload {wl.name}: {len(wl.prompts)} prompts")
+            temps = {}
+            for temperature in args.temperatures:
+                systems = build_systems(args, temperature, urls if not args.no_serve else None, client, ref, hf, vllms)
+                runs = measure(args, systems, wl.prompts, temperature)
+                temps[f"{temperature:g}"] = summarise(args, systems, runs, temperature)
+            per_workload[wl.name] = {"workload": wl.describe(), "temperatures": temps}
+    first = wls[0]
     return {"scenario": "latency",
             "config": {"prompts": args.prompts, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "temperatures": args.temperatures, "sweep_temperatures": args.sweep_temperatures,
                        "ks": args.ks, "default_k": args.default_k, "hf_ks": args.hf_ks, "vllm_ks": args.vllm_ks,
-                       "threads": args.threads, "dtype": args.dtype, "prompt_tokens": [len(ids) for _, ids in prompts],
+                       "threads": args.threads, "dtype": args.dtype, "workloads": [wl.name for wl in wls],
+                       "workload_seed": args.workload_seed, "prompt_tokens": [len(ids) for _, ids in first.prompts],
                        "vllm_python": vpy, "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None},
-            "environment": environment(args.threads), "skipped": skipped, "temperatures": temps,
+            # ``temperatures``: the first workload's figures (the report's goals and plots); ``workloads``: each one's
+            "environment": environment(args.threads), "skipped": skipped,
+            "temperatures": per_workload[first.name]["temperatures"], "workloads": per_workload,
             "duration_s": round(time.perf_counter() - t_start, 1)}
 
 

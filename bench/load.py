@@ -1,8 +1,8 @@
 """Load: N concurrent streaming clients (httpx, SSE), speculation on (default policy) versus
 off (``num_speculative_tokens: 0``), for each N in a concurrency sweep.
 
-Each client sends its requests back to back (a closed loop); prompts cycle through the
-held-out set. Reported per (N, mode): output tokens/s over the whole run (first send to
+Each client sends its requests back to back (a closed loop); prompts cycle through each
+workload's (``--workload``, bench.workloads). Reported per (N, mode): output tokens/s over the whole run (first send to
 last token), time to first token, inter-token latency (the gap between consecutive
 streamed chunks, as vLLM's benchmark measures it; a speculative chunk carries several
 tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99. The two
@@ -22,9 +22,10 @@ import asyncio
 import math
 import time
 
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, load_prompts, log, median,
+from bench import workloads
+from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, log, median,
                           percentile, rnd, serving, set_threads, stream_completion, write_json)
-from bench.latency import ints
+from bench.latency import ints, max_prompt_tokens
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
 
@@ -34,7 +35,7 @@ def parse(argv=None):
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=8,
                     help="requests per (concurrency, mode) at least; each client sends ceil(this / N)")
-    ap.add_argument("--prompts", type=int, default=16)
+    workloads.add_arguments(ap, prompts=16, help_prompts="prompts per workload, cycled through by the clients")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1, help="on/off pairs per concurrency level (ratio: their median)")
@@ -130,20 +131,25 @@ def run(args, url: str | None = None) -> dict:
 
     set_threads(args.threads)
     t0 = time.perf_counter()
-    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
+                             args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
+    per_workload = {}
     with contextlib.ExitStack() as stack:
         if url is None:
             url = stack.enter_context(serving(
                 {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency), dtype=args.dtype)},
                 args.threads))["load"]
-        levels = asyncio.run(_measure(url, prompts, args))
+        for wl in wls:
+            log(f"workload {wl.name}: {len(wl.prompts)} prompts")
+            per_workload[wl.name] = {"workload": wl.describe(), "levels": asyncio.run(_measure(url, wl.prompts, args))}
     return {"scenario": "load",
             "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
-                       "prompts": args.prompts,
+                       "prompts": args.prompts, "workloads": [wl.name for wl in wls], "workload_seed": args.workload_seed,
                        "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
                        "threads": args.threads, "dtype": args.dtype, "verifier_replicas": 1, "drafter_replicas": 1},
-            "environment": environment(args.threads), "levels": levels,
-            "duration_s": round(time.perf_counter() - t0, 1)}
+            # ``levels``: the first workload's (the report's and bench.cost's); ``workloads``: each one's
+            "environment": environment(args.threads), "levels": per_workload[wls[0].name]["levels"],
+            "workloads": per_workload, "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):

