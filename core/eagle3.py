@@ -210,8 +210,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalised in float32 and rounded to x's dtype, then the weight (vLLM's and transformers' order):
-X
+        # normalised in float32 and rounded to x's dtype, then the weight (vLLM's and transformers' order;
+        # torch's rms_norm computes a bf16 input in float32 and rounds once, as x.float()'s norm .to(bf16))
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
 
