@@ -18,7 +18,7 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_name: str = Field("tiny-code", min_length=1, description="The name clients pass as `model`.")
-    verifier: VerifierConfig = Field(..., description="The target model that verifies drafts.")
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig, description="The target model that verifies drafts (may be left out with an eagle3 drafter: the head's speculators_config names it).")
     drafter: DrafterConfig = Field(..., description="How drafts are proposed (method: draft_model | ngram | eagle3).")
     max_tokens_limit: int = Field(1024, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     clamp_speculative_tokens: bool = Field(True, description="The drafter's k is the ceiling of a request's num_speculative_tokens; False lets a request raise it (up to the global maximum).")
@@ -44,9 +44,15 @@ class AppConfig(BaseModel):
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
 
     @model_validator(mode="after")
+    def _verifier_named(self):
+        if self.verifier.model is None and self.drafter.method != "eagle3":
+            raise ValueError("verifier.model is required (only an eagle3 drafter's head can name the verifier)")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_loop_fits_k(self):
-        v = self.verifier
-        if v.backend == "vllm" and v.vllm_loop == "engine" and self.drafter.num_speculative_tokens > v.vllm_num_speculative_tokens:
+        v, k = self.verifier, self.drafter.num_speculative_tokens
+        if v.backend == "vllm" and v.vllm_loop == "engine" and k is not None and k > v.vllm_num_speculative_tokens:
             raise ValueError(f"drafter.num_speculative_tokens {self.drafter.num_speculative_tokens} exceeds "
                              f"verifier.vllm_num_speculative_tokens {v.vllm_num_speculative_tokens}, the most drafts "
                              "vLLM's loop verifies per step: raise the latter")

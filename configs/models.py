@@ -71,7 +71,7 @@ class DraftModelConfig(_Config):
     """A small causal LM that shares the target's tokenizer proposes the draft tokens."""
 
     method: Literal["draft_model"] = Field("draft_model", description="Selects this drafter type.")
-    model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM with the target's vocabulary.")
+    model: str = Field(..., min_length=1, description="A Hugging Face causal LM with the target's vocabulary: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references).")
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
     draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The drafter samples from its own top draft_top_k tokens, so q is exactly sparse and only these entries travel to the verifier.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
@@ -106,8 +106,8 @@ class Eagle3Config(_Config):
     which the verifier captures in its verification pass and sends with each draft request."""
 
     method: Literal["eagle3"] = Field("eagle3", description="Selects this drafter type.")
-    model: str = Field(..., min_length=1, description="Local directory of a Speculators eagle3 head (config.json with speculators_model_type eagle3, model.safetensors) trained for the verifier's model.")
-    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
+    model: str = Field(..., min_length=1, description="A Speculators eagle3 head (config.json with speculators_model_type eagle3, safetensors weights) trained for the verifier's model: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references).")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method (its speculators_config), else 4; the app builder sets it.")
     draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The head samples from its own top draft_top_k tokens (mapped to the target's vocabulary), so q is exactly sparse and only these entries travel to the verifier.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="The head's KV cache dtype; auto: float32 on CPUs, the compute dtype elsewhere.")
@@ -116,7 +116,7 @@ class Eagle3Config(_Config):
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence; default: the head's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
     cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave it unset.")
-    verifier_model: str | None = Field(None, description="The target's directory (its EOS ids, for penalties in q); the app builder sets it from verifier.model.")
+    verifier_model: str | None = Field(None, description="The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from verifier.model.")
 
 
 DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Field(discriminator="method")]
@@ -125,7 +125,7 @@ DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Fi
 class VerifierConfig(_Config):
     """The target model that verifies drafts."""
 
-    model: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM (config, weights, tokenizer).")
+    model: str | None = Field(None, min_length=1, description="A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id `org/name[@revision]`, pinned to a commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the verifier the head's speculators_config names; required otherwise.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere.")
     forward: Literal["auto", "native", "compact", "transformers"] = Field("auto", description="Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures.")

@@ -6,6 +6,7 @@ autoscaling, resources) stay in the serve config's ``deployments:`` section.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from configs import AppConfig
@@ -33,8 +34,8 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     from deployments.router import Router
     from deployments.verifier import VerifierServer
 
-    config = resolve_model_paths(AppConfig.model_validate(args))
-    aux_layers = check_models(config)
+    config = resolve_model_paths(AppConfig.model_validate(args))  # ids pinned to commits
+    aux_layers = check_models(local_view(config))
     cfg = config.model_dump(mode="json")
     overrides = overrides or {}
     # Defaults for this workload (Serve's are 5 ongoing requests and 1 CPU per replica): each
@@ -73,23 +74,78 @@ PROJECT_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
 def resolve_model_paths(config: AppConfig) -> AppConfig:
-    """Make relative model paths absolute (against the working directory, else the project
-    root), so replicas find them whatever directory Ray starts them in."""
-    from pathlib import Path
+    """The config replicas receive: every model reference pinned (``core.hub.pin``): a local directory
+    made absolute (against the working directory, else the project root), so replicas find it whatever
+    directory Ray starts them in; a Hugging Face id as ``org/name@commit``. With an eagle3 drafter, the
+    verifier defaults to the one the head's ``speculators_config`` names and k to its default proposal's
+    ``speculative_tokens``. Raises ``ValueError``, one line naming the field, for a reference that does
+    not resolve."""
+    from core.hub import pin
 
-    def resolve(path: str) -> str:
-        p = Path(path).expanduser()
-        if p.is_absolute():
-            return str(p)
-        return str((p if p.exists() else PROJECT_ROOT / p).resolve())
+    bases = (Path.cwd(), PROJECT_ROOT)
+    update, drafter, verifier = {}, config.drafter, config.verifier
+    if drafter.method in ("draft_model", "eagle3"):
+        drafter = drafter.model_copy(update={"model": pin(drafter.model, "drafter.model", bases)})
+    if drafter.method == "eagle3":
+        head = head_defaults(local_model(drafter.model))
+        if verifier.model is None:
+            if not head.get("verifier"):
+                raise ValueError(f"verifier.model is not set and the eagle3 head {config.drafter.model!r} names no "
+                                 "verifier (speculators_config.verifier.name_or_path)")
+            field = "verifier.model (the head's speculators_config.verifier.name_or_path)"
+            verifier = verifier.model_copy(update={"model": pin(head["verifier"], field, (*bases, head["dir"].parent))})
+        if drafter.num_speculative_tokens is None:
+            drafter = drafter.model_copy(update={"num_speculative_tokens": head["k"]})
+    if verifier.model is not None and verifier is config.verifier:
+        verifier = verifier.model_copy(update={"model": pin(verifier.model, "verifier.model", bases)})
+    if drafter.method == "eagle3":
+        drafter = drafter.model_copy(update={"verifier_model": verifier.model})
+    update = {"verifier": verifier, "drafter": drafter}
+    # validated again: the validators see the filled-in verifier and k
+    return AppConfig.model_validate(config.model_copy(update=update).model_dump(mode="json"))
 
-    update = {"verifier": config.verifier.model_copy(update={"model": resolve(config.verifier.model)})}
-    if config.drafter.method == "draft_model":
-        update["drafter"] = config.drafter.model_copy(update={"model": resolve(config.drafter.model)})
-    if config.drafter.method == "eagle3":
-        update["drafter"] = config.drafter.model_copy(update={"model": resolve(config.drafter.model),
-                                                              "verifier_model": update["verifier"].model})
+
+def local_model(ref: str, weights: bool = False) -> str:
+    """A pinned reference as a directory on this (the building) node; a Hub model's metadata only
+    unless ``weights`` (an eagle3 head is read whole: its weights' names and shapes are checked)."""
+    from core.hub import local_dir
+
+    return local_dir(ref, weights)
+
+
+def local_view(config: AppConfig) -> AppConfig:
+    """The pinned config with its references as directories on the building node, for the build-time
+    checks: verifier and draft model metadata (config, tokenizer), an eagle3 head with its weights."""
+    update = {"verifier": config.verifier.model_copy(update={"model": local_model(config.verifier.model)})}
+    d = config.drafter
+    if d.method == "draft_model":
+        update["drafter"] = d.model_copy(update={"model": local_model(d.model)})
+    elif d.method == "eagle3":
+        update["drafter"] = d.model_copy(update={"model": local_model(d.model, weights=True),
+                                                 "verifier_model": update["verifier"].model})
     return config.model_copy(update=update)
+
+
+def head_defaults(head: str) -> dict:
+    """What an eagle3 head's Speculators config says of its use: ``verifier`` (the
+    ``speculators_config.verifier.name_or_path``, None when absent), ``k`` (the ``speculative_tokens``
+    of its ``default_proposal_method``, else of its first proposal method, else 4; at most
+    ``MAX_SPECULATIVE_TOKENS``) and ``dir`` (the head's directory)."""
+    import json
+
+    from configs.models import MAX_SPECULATIVE_TOKENS
+
+    path = Path(head)
+    try:
+        spec = json.loads((path / "config.json").read_text()).get("speculators_config") or {}
+    except (OSError, ValueError):
+        spec = {}  # check_eagle3 says what is wrong with the head
+    methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
+    default = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
+                   methods[0] if methods else {})
+    k = default.get("speculative_tokens")
+    k = min(int(k), MAX_SPECULATIVE_TOKENS) if isinstance(k, int) and k >= 0 else 4
+    return {"verifier": (spec.get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from pydantic import TypeAdapter
 
 from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig
 from core.channel import ChannelServer, Endpoint
+from core.hub import localize
 from core.protocol import DraftRequest, Proposal
 from deployments.metrics import where
 from deployments.server import EngineServer
@@ -42,7 +43,8 @@ class DrafterServer(EngineServer):
 
     def __init__(self, config: dict, engine=None, max_batch: int = 64, max_queue: int = 1024,
                  stall_timeout_s: float = 30.0):
-        engine = engine or build_drafter(TypeAdapter(DrafterConfig).validate_python(config))
+        # model references: directories on this node
+        engine = engine or build_drafter(TypeAdapter(DrafterConfig).validate_python(localize(config)))
         super().__init__(engine, engine.propose, max_batch, max_queue, stall_timeout_s)
         self.channel: ChannelServer | None = None  # started on the replica's event loop, at the first call
 

@@ -202,7 +202,11 @@ class Router:
     def __init__(self, config: dict, drafter, verifier):
         from transformers import AutoTokenizer
 
-        self.config = AppConfig.model_validate(config)
+        from core.hub import localize
+
+        # model references as directories on this node; the router reads their metadata only
+        self.config = AppConfig.model_validate({**config, "verifier": localize(config["verifier"], weights=False),
+                                                "drafter": localize(config["drafter"], weights=False)})
         self.drafter = drafter
         self.verifier = verifier
         vpath = self.config.verifier.model

@@ -13,6 +13,7 @@ import time
 
 from configs import SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
+from core.hub import localize
 from core.loop import speculate
 from core.policy import AdaptiveK, BatchSpeculation, Breaker, FixedK, PreDraftCosts, StepCosts
 from core.prediction import PredictedOutput
@@ -122,7 +123,7 @@ class VerifierServer(EngineServer):
         self.pre_draft_costs = PreDraftCosts()  # what pre-drafting costs and saves here, likewise
         self.verify_inline = verify_inline
         if engine is None:
-            cfg = VerifierConfig.model_validate(config)
+            cfg = VerifierConfig.model_validate(localize(config))  # model references: directories on this node
             if cfg.backend == "vllm":
                 from verifier.vllm_engine import VllmVerifierEngine
                 engine = VllmVerifierEngine(cfg, speculative=drafter is not None and cfg.vllm_loop == "engine")
