@@ -56,9 +56,10 @@ soak: $(STAMP)
 	$(PY) -m tests.soak_scenario --minutes $(SOAK_MINUTES) --clients 16 --kill-every 20 --out build/soak.json
 
 # The multi-node cluster scenarios, each in a cluster of its own: separate pools and replica deaths
-# (ray.cluster_utils), the autoscaling cluster (fake_multinode provider); about 5 minutes on 2 cores.
+# (ray.cluster_utils), model ids from a Hugging Face cache per node, the autoscaling cluster (fake_multinode
+# provider); about 6 minutes on 2 cores.
 test-cluster: $(STAMP)
-	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_pools.py tests/test_autoscaling_cluster.py
+	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_pools.py tests/test_model_refs.py tests/test_autoscaling_cluster.py
 
 serve: $(STAMP)
 	$(VENV)/bin/serve run serve_config.yaml
