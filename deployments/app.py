@@ -185,8 +185,9 @@ def check_models(config: AppConfig) -> tuple[int, ...]:
 
 def check_eagle3(config: AppConfig) -> Eagle3Spec:
     """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
-    hidden size and vocabulary size, layer ids inside the verifier, the transformers backend (which
-    captures the states), and the verifier's architecture when the head records it."""
+    hidden size and vocabulary size, layer ids inside the verifier, a backend that returns the states
+    (transformers, or vllm with vLLM running the loop), and the verifier's architecture when the head
+    records it."""
     import json
     from pathlib import Path
 
@@ -200,9 +201,9 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
     raw = json.loads((path / "config.json").read_text())
-    if config.verifier.backend != "transformers":
-        raise ValueError("an eagle3 drafter needs the verifier's hidden states: use verifier.backend transformers "
-                         f"(the {config.verifier.backend} backend does not return them)")
+    if config.verifier.backend == "vllm" and config.verifier.vllm_loop != "engine":
+        raise ValueError("an eagle3 drafter needs the verifier's hidden states: with verifier.backend vllm use "
+                         "vllm_loop engine (vLLM's loop returns them; per_step does not)")
     verifier = AutoConfig.from_pretrained(config.verifier.model)
     target = verifier.get_text_config()
     problems = []

@@ -96,7 +96,9 @@ class VerifierServer(EngineServer):
         ``stream_interval_s``: a stream's steps go to the router at most once per interval (``coalesced``)."""
         self.drafter = drafter
         self.local = None  # the drafter engine in this process, behind a batcher (and thread) of its own
-        if local_drafter is not None:
+        # backend vllm with drafter_placement verifier: vLLM runs the EAGLE-3 head in its engine, not a drafter here
+        in_engine = local_drafter is not None and config.get("backend") == "vllm"
+        if local_drafter is not None and not in_engine:
             from deployments.drafter import DrafterServer
             self.local = DrafterServer(local_drafter, max_batch=max_batch, max_queue=max_queue,
                                        stall_timeout_s=stall_timeout_s)
@@ -126,7 +128,12 @@ class VerifierServer(EngineServer):
             cfg = VerifierConfig.model_validate(localize(config))  # model references: directories on this node
             if cfg.backend == "vllm":
                 from verifier.vllm_engine import VllmVerifierEngine
-                engine = VllmVerifierEngine(cfg, speculative=drafter is not None and cfg.vllm_loop == "engine")
+                head = None
+                if in_engine:  # (a head reference, a local directory on this node)
+                    head = (localize(local_drafter)["model"], local_drafter["num_speculative_tokens"])
+                engine = VllmVerifierEngine(cfg, speculative=drafter is not None and cfg.vllm_loop == "engine",
+                                            aux_layers=self.drafter_aux_layers if drafter is not None else (),
+                                            eagle3=head)
             else:
                 engine = VerifierEngine(cfg)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
@@ -231,7 +238,7 @@ class VerifierServer(EngineServer):
         from deployments.metrics import where
 
         eng = self.engine
-        proposer = await eng.proposer_status() if getattr(eng, "speculative", False) else None
+        proposer = await eng.proposer_status() if getattr(eng, "speculative", False) and not getattr(eng, "in_engine", False) else None
         return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls), "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
 
@@ -326,7 +333,9 @@ class VerifierServer(EngineServer):
         from deployments.batcher import Overloaded
 
         eng = self.engine
-        if self.drafter is None or not eng.speculative:
+        if getattr(eng, "in_engine", False):  # vLLM's own EAGLE-3: every request speculates the engine's k
+            k = eng.llm.vllm_config.speculative_config.num_speculative_tokens
+        elif self.drafter is None or not eng.speculative:
             k = 0
         k = min(k, eng.config.vllm_num_speculative_tokens)
         if eng.inflight + 1 > self.batcher.max_queue:
@@ -338,7 +347,7 @@ class VerifierServer(EngineServer):
         max_tokens = min(params.max_tokens - len(output_ids), limit - len(tokens))
         if max_tokens <= 0:
             return
-        if k > 0:
+        if k > 0 and not getattr(eng, "in_engine", False):
             await self._bind_drafters()
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         # a resumed stream has emitted output_ids already: they count towards min_tokens

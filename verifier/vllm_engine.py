@@ -99,10 +99,15 @@ class VllmVerifierEngine:
     is_async = True
 
     def __init__(self, config: VerifierConfig, tokenizer=None, enable_prefix_caching: bool = True,
-                 speculative: bool = False):
+                 speculative: bool = False, aux_layers: tuple[int, ...] = (), eagle3: tuple[str, int] | None = None,
+                 per_step_metrics: bool = False):
         """``enable_prefix_caching=False`` only for the benchmark's baseline (every step recomputes).
         ``speculative``: vLLM runs the speculative loop (``generate``), drafting through
-        ``verifier.vllm_proposer`` (the drafter pool's endpoints are pushed with ``bind``)."""
+        ``verifier.vllm_proposer`` (the drafter pool's endpoints are pushed with ``bind``).
+        ``aux_layers``: the drafter pool runs an EAGLE-3 head that reads the states entering these
+        layers; the proposer gets them from vLLM's runner. ``eagle3``: (head directory, k): vLLM runs
+        the head itself, in the engine (its ``eagle3`` speculative method), and no drafter pool is used.
+        ``per_step_metrics``: vLLM's per-request speculation counts list each step's accepted drafts."""
         from transformers import AutoConfig, AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -131,12 +136,22 @@ class VllmVerifierEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
             distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
-            per_request_spec_decode_metrics="summary" if speculative else "none")
-        self.speculative = speculative
-        if speculative:
+            per_request_spec_decode_metrics=("detailed" if per_step_metrics else "summary") if speculative or eagle3
+            else "none")
+        self.speculative = speculative or eagle3 is not None
+        self.in_engine = eagle3 is not None  # vLLM drafts itself: no proposer to bind
+        if eagle3 is not None:
+            head, k = eagle3
+            args.speculative_config = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+        elif speculative:
             args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
                                        "num_speculative_tokens": config.vllm_num_speculative_tokens}
             args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
+            if aux_layers:
+                args.additional_config = {"splitspec": {"aux_layers": sorted(set(aux_layers))}}
+                # a prompt's blocks read from the prefix cache are never computed, so their states would never
+                # exist: the head on the drafter pool needs the states of every position of a sequence
+                args.enable_prefix_caching = False
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
         self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
         # computed_tokens: prompt tokens vLLM computed (not read from its prefix cache), the work measure
@@ -274,7 +289,10 @@ class VllmVerifierEngine:
         return await self.llm.collective_rpc("splitspec_bind", args=(config,))
 
     async def proposer_status(self, consume: bool = False) -> list[dict]:
-        """Each worker's proposer: counters, and the endpoints that failed (since the last consuming call)."""
+        """Each worker's proposer: counters, and the endpoints that failed (since the last consuming call);
+        none when vLLM drafts in the engine."""
+        if self.in_engine:
+            return []
         return await self.llm.collective_rpc("splitspec_status", args=(consume,))
 
     def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,

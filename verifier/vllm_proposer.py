@@ -35,6 +35,15 @@ What vLLM's hook lacks, and how it is filled in:
   counters); an endpoint that fails is skipped behind a breaker and its sequences move to
   another one (a cache miss there); with none left, steps go on without drafts.
 - the hook is synchronous: a step waits for its drafts, at most ``timeout_s``.
+- an EAGLE-3 head's input, the target's aux hidden states: vLLM computes them for its own EAGLE-3
+  once the runner's ``use_aux_hidden_state_outputs`` is on and the model's aux layers are set;
+  ``load_model`` (vLLM calls it from the runner's ``load_model``, before the runner sets the
+  layers up and before anything is compiled) turns them on for the head's layers
+  (``additional_config["splitspec"]["aux_layers"]``, from ``core.eagle3``) and wraps the runner's
+  ``propose_draft_token_ids``, which receives them, to hand them to ``propose``. Each step the
+  proposer keeps the states of the positions vLLM kept (the fed tokens up to the accepted drafts)
+  and sends the drafter the ones it lacks (``DraftRequest.aux``), as the verifier-side loop does
+  with the transformers verifier's states.
 
 Lossless: vLLM's rejection sampler accepts draft x with probability min(1, p(x) / q(x)) and
 otherwise samples max(p - q, 0) (greedy: the argmax), which gives p exactly for any q the drafts
@@ -46,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -61,6 +71,44 @@ log = logging.getLogger(__name__)
 KEY = "splitspec"  # the extra_args entry the replica fills in
 DOWN_S = 30.0  # an endpoint whose channel failed is skipped at least this long
 SLOW_S = 5.0  # one that did not answer within timeout_s
+
+
+class States:
+    """A sequence's aux hidden states, positions 0..n-1, kept on the host as the steps compute them
+    (chunks, joined when read: a step appends in O(1)). vLLM computes a position's states once, so
+    the proposer keeps them all for as long as the request runs: a drafter replica that lost the
+    sequence (a restart, another replica) needs every row again."""
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.n = 0
+        self.broken = False  # a step's states were missed: no drafts for this sequence from here on
+
+    def put(self, start: int, rows: torch.Tensor):
+        """The states of positions start..start + len(rows) - 1."""
+        if self.broken or rows.shape[0] == 0:
+            return
+        if start > self.n:  # a gap: the positions between were computed without us
+            self.lost()
+            return
+        if start < self.n:  # recomputed (a preempted request): the new rows replace the kept ones
+            self.chunks, self.n = [self.all()[:start]], start
+        self.chunks.append(rows)
+        self.n += rows.shape[0]
+
+    def lost(self):
+        self.broken, self.chunks, self.n = True, [], 0
+
+    def all(self) -> torch.Tensor:
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Positions lo..hi-1, or None when they are not all kept."""
+        if self.broken or hi > self.n or not self.chunks:
+            return None
+        return self.all()[lo:hi]
 
 
 class SplitspecProposer:
@@ -88,13 +136,42 @@ class SplitspecProposer:
         self.chains: dict[str, list[bytes]] = {}
         self.choice = BatchSpeculation()  # speculate at this batch size or not, measured
         self.stats = {"off_steps": 0, "calls": 0, "rows": 0, "drafted": 0, "hits": 0, "misses": 0, "cache_misses": 0,
-                      "failures": 0, "no_drafter": 0, "q_rows": 0, "propose_s": 0.0, "wait_s": 0.0}
+                      "failures": 0, "no_drafter": 0, "q_rows": 0, "no_states": 0, "aux_bytes": 0,
+                      "propose_s": 0.0, "wait_s": 0.0}
         self.failed: list[str] = []  # endpoints that failed since the last consuming status call
         self._client: ChannelClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # an EAGLE-3 head on the drafter pool: the target layers whose input states it reads (() for other drafters)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        self.aux_layers = tuple(extra.get(KEY, {}).get("aux_layers", ()))
+        self.states: dict[str, States] = {}  # seq id -> its aux states
+        self._step = None  # this engine step's (aux states [T, layers * H], spec decode metadata), from the runner
 
-    def load_model(self, *args, **kwargs):  # vLLM's CPU runner calls it on every proposer
-        pass
+    def load_model(self, *args, **kwargs):
+        """vLLM's runners call it from their ``load_model``, with the target model, after the
+        proposer is the runner's ``drafter``, before the runner sets up aux outputs and before the
+        first forward (so before torch.compile and CUDA graph capture see the model)."""
+        if not self.aux_layers:
+            return
+        runner = sys._getframe(1).f_locals.get("self")
+        if getattr(runner, "drafter", None) is not self:
+            raise RuntimeError("SplitspecProposer.load_model: not called by vLLM's model runner (vLLM changed?)")
+        layers = self.aux_layers
+        runner.use_aux_hidden_state_outputs = True  # the forward returns (hidden states, [aux per layer])
+        runner._get_eagle3_aux_layers_from_config = lambda: layers  # the head's layers, not vLLM's default
+        original = runner.propose_draft_token_ids
+
+        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
+            if aux_hidden_states:
+                self._step = (torch.cat(aux_hidden_states, dim=-1), spec_decode_metadata)
+            try:
+                return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+            finally:
+                self._step = None
+
+        runner.propose_draft_token_ids = propose_draft_token_ids
 
     # --- the replica's side (through ProposerWorker) --------------------------------------
 
@@ -105,6 +182,10 @@ class SplitspecProposer:
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
         self.choice.always = config.get("speculate", "measured") == "always"
+        if self.aux_layers:
+            # a head pre-drafts only from its own outputs (the block's states do not exist yet), which costs
+            # acceptance (docs/eagle3.md); here every step drafts from the target's states
+            self.tree = -1
         eps = [Endpoint(h, int(p), bytes.fromhex(t), r) for h, p, t, r in config.get("endpoints", [])]
         gone = set(self.endpoints) - set(eps)
         self.endpoints = eps
@@ -137,12 +218,16 @@ class SplitspecProposer:
             return out
         req_ids = runner.input_batch.req_ids
         self._forget(runner.requests)
+        step, self._step = self._step, None
         rows = []  # (row, vLLM request id, settings, context length) of the rows that want drafts
         for i, sampled in enumerate(sampled_token_ids):
             state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
             ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
                   else None)
             n = int(num_tokens_no_spec[i])
+            if ex and ex["k"] > 0 and self.aux_layers:
+                self.seqs[req_ids[i]] = ex["seq"]
+                self._keep_states(ex["seq"], i, len(sampled), n, step)
             if ex and len(sampled) and ex["k"] > 0 and n + 2 <= self.max_len:  # not a chunked prefill half-way
                 rows.append((i, req_ids[i], ex, n))
         if not rows:
@@ -160,6 +245,9 @@ class SplitspecProposer:
             self.seqs[rid] = seq
             ctx = self._context(seq, token_ids_cpu, i, n)
             k = min(ex["k"], self.k_max, self.max_len - n - 1)
+            if self.aux_layers and (seq not in self.states or self.states[seq].n < n - 1):
+                self.stats["no_states"] += 1  # a head drafts from the states of every token but the last
+                continue
             self.stats["rows"] += 1
             pre = self.pending.pop(seq, None)
             if pre is not None:
@@ -228,9 +316,35 @@ class SplitspecProposer:
         # one more than k with pre-drafting: the guess of the bonus token the tree starts from
         kw = self._draft_kw(ex, k + 1 if self.tree >= 0 else k)
         if full:
-            return DraftRequest(seq, 0, None, list(ctx), full=True, **kw)  # (ctx grows in place next step)
-        return DraftRequest.for_tokens(seq, ctx, self._held_prefix(seq, ctx), self.chains.setdefault(seq, [b""]),
-                                       len(ctx), **kw)
+            req = DraftRequest(seq, 0, None, list(ctx), full=True, **kw)  # (ctx grows in place next step)
+        else:
+            req = DraftRequest.for_tokens(seq, ctx, self._held_prefix(seq, ctx), self.chains.setdefault(seq, [b""]),
+                                          len(ctx), **kw)
+        if self.aux_layers:  # the rows the drafter lacks: from g_{start - 1} (its row `start`) to g_{n - 2}
+            lo = max(0 if req.full else req.start - 1, 0)
+            req.aux, req.aux_start = self.states[seq].rows(lo, len(ctx) - 1), lo
+            self.stats["aux_bytes"] += req.aux.numel() * req.aux.element_size()
+        return req
+
+    def _keep_states(self, seq: str, row: int, num_sampled: int, n: int, step):
+        """Keep the aux states of the positions this step computed and kept for row ``row``: its fed
+        tokens up to the accepted drafts (the rejected drafts' are dropped). ``n``: the row's tokens now,
+        the sampled ones included (whose states the next step computes). Without this step's states (vLLM
+        skipped drafting for the whole batch) the sequence stops drafting: its states would have a gap."""
+        states = self.states.setdefault(seq, States())
+        if step is None:
+            states.lost()
+            return
+        aux, meta = step
+        qsl = self.runner.query_start_loc.np
+        lo, fed = int(qsl[row]), int(qsl[row + 1] - qsl[row])
+        if num_sampled:  # the fed tokens are the last token, then drafts, of which num_sampled - 1 were accepted
+            drafts = meta.num_draft_tokens[row] if meta is not None and row < len(meta.num_draft_tokens) else 0
+            kept = fed - drafts + num_sampled - 1
+            start = n - 1 - kept
+        else:  # a prefill chunk, more to come: all kept, after those kept before
+            kept, start = fed, states.n
+        states.put(start, aux[lo: lo + kept].to("cpu", copy=True))
 
     def _held_prefix(self, seq: str, ctx: list[int]) -> int:
         """How many of ctx's tokens the bound drafter replica holds. ctx only grows, so its first n
@@ -354,6 +468,7 @@ class SplitspecProposer:
             self._unbind(seq)
             self.ctx.pop(seq, None)
             self.chains.pop(seq, None)
+            self.states.pop(seq, None)
             if ep is not None:
                 self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
 
