@@ -478,6 +478,25 @@ def test_the_vllm_internals_the_proposer_relies_on():
     from vllm.sampling_params import SamplingParams as VllmParams
 
     assert "extra_args" in inspect.signature(VllmParams).parameters
+    # an EAGLE-3 head on the drafter pool: the proposer's load_model is called by the runner's, which then sets
+    # the aux layers up (from _get_eagle3_aux_layers_from_config) once use_aux_hidden_state_outputs is on
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    for runner in (GPUModelRunner, CPUModelRunner):
+        load = inspect.getsource(runner.load_model)
+        assert load.index("self.drafter.load_model(self.model)") < load.index("self._setup_eagle3_aux_hidden_state_outputs()")
+    setup = inspect.getsource(GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
+    assert "self.use_aux_hidden_state_outputs" in setup and "self._get_eagle3_aux_layers_from_config()" in setup
+    assert "self.model.set_aux_hidden_state_layers(aux_layers)" in setup
+    # the runner hands the states to propose_draft_token_ids, by position, after the speculative metadata's slot
+    params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
+    assert params[:8] == ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                          "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata"], params
+    sample = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "self.propose_draft_token_ids(" in sample and "aux_hidden_states," in sample
+    # a row's fed tokens are query_start_loc[i]..query_start_loc[i + 1] in the states, as in the input ids
+    assert "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens" in inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert "additional_config" in fields
 
 
 def test_the_proposer_keeps_each_sequences_context_and_hash_chain_as_they_grow():
