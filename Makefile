@@ -96,6 +96,7 @@ BENCH_OUT ?= build/bench
 endif
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
 .PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-gap bench-load bench-cost bench-report \
+	bench-acceptance bench-plan \
 	bench-policy bench-ab bench-corun bench-prediction bench-predraft bench-vllm bench-vllm-prefix bench-vllm-eagle3 \
 	bench-check-out
 
@@ -126,6 +127,11 @@ bench-gap: $(STAMP) bench-check-out
 
 bench-load: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.load --out $(BENCH_OUT)
+
+# Acceptance per position, by k and its distribution, for the draft model, the EAGLE-3 head and n-gram, per
+# workload, greedy and at 0.8, in process (URL=<server> measures a running server's drafter); about 1 minute.
+bench-acceptance: $(STAMP) bench-check-out
+	$(PY) -m bench.acceptance --out $(BENCH_OUT) $(if $(URL),--url $(URL))
 
 bench-cost: $(STAMP) bench-check-out
 	$(PY) -m bench.cost --out $(BENCH_OUT)

@@ -444,3 +444,49 @@ def test_vllm_eagle3_measures_both_drafters_and_leaves_the_model_card_alone(tmp_
         assert e["num_drafts"] > 0 and 0 <= e["acceptance_rate"] <= 1 and 1 <= e["mean_acceptance_length"] <= 5
     assert (Path(EAGLE3) / "acceptance.json").read_text() == card
     assert json.loads((tmp_path / "vllm_eagle3.json").read_text())["drafters"] == r
+
+
+# ------------------------------------------------------------------ acceptance on a workload (bench.acceptance)
+def test_acceptance_figures_from_step_records():
+    from bench.acceptance import records_from_counts, summarise
+
+    # k_max 4: steps that accepted 0, 2, 4 and 4 drafts; one that drafted 2 and accepted 1; one without drafts
+    s = summarise([(4, 0), (4, 2), (4, 4), (4, 4), (2, 1), (0, 0)], 4)
+    assert s["steps"] == 6 and s["num_drafts"] == 5 and s["num_draft_tokens"] == 18 and s["num_accepted_tokens"] == 11
+    assert s["accepted_length_counts"] == [1, 1, 1, 0, 2]
+    assert sum(s["accepted_length_distribution"]) == pytest.approx(1.0)
+    assert s["per_position_acceptance_rate"] == [0.8, 0.6, 0.4, 0.4]
+    # position 3 is tested by the steps that drafted it with both earlier drafts accepted: three of the k = 4 steps
+    assert s["conditional_acceptance"][2] == pytest.approx(2 / 3, abs=1e-4)
+    e = s["mean_acceptance_length_by_k"]
+    assert e == [pytest.approx(1 + x / 5, abs=1e-4) for x in (4, 7, 9, 11)] and e == sorted(e)
+    assert s["tokens_per_step_by_k"][-1] == pytest.approx(1 + 11 / 6, abs=1e-4)
+    # a response's counts give back the distribution of a fixed-k run
+    spec = {"num_drafts": 4, "accepted_per_pos": [3, 3, 2, 2], "steps": 5}
+    recs = records_from_counts(spec, 4)
+    assert sorted(recs) == [(0, 0), (4, 0), (4, 2), (4, 4), (4, 4)]
+    assert summarise(recs, 4)["per_position_acceptance_rate"] == [0.75, 0.75, 0.5, 0.5]
+
+
+def test_acceptance_in_process_measures_each_drafter_and_workload(tmp_path):
+    """The real engines through the loop: the JSON's shape, and at k = k-max the curve's last point is
+    the length measured by a run at that k (the same steps: one generation, run twice)."""
+    from bench import acceptance
+
+    args = acceptance.parse(["--workload", "humaneval,held-out", "--prompts", "1", "--max-tokens", "24",
+                             "--drafters", "draft_model,ngram", "--k-max", "3", "--measure-ks", "3",
+                             "--temperatures", "0,0.8", "--dtype", "float32", "--out", str(tmp_path)])
+    data = acceptance.run(args)
+    rows = data["results"]
+    assert [(r["drafter"], r["workload"], r["temperature"]) for r in rows] == [
+        (d, w, t) for d in ("draft_model", "ngram") for w in ("humaneval", "held-out") for t in (0.0, 0.8)]
+    assert set(data["workloads"]) == {"humaneval", "held-out"}
+    for r in rows:
+        assert len(r["per_position_acceptance_rate"]) == 3 and len(r["accepted_length_distribution"]) == 4
+        e = r["mean_acceptance_length_by_k"]
+        assert 1 <= e[0] <= e[1] <= e[2] <= 4
+        assert r["num_drafts"] > 0 and sum(r["accepted_length_counts"]) == r["num_drafts"]
+        if r["temperature"] == 0:
+            assert r["measured_mean_acceptance_length"]["3"] == e[2]
+    png = acceptance.plot(data, tmp_path / "acceptance.png")
+    _png_ok(png)

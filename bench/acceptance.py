@@ -1,0 +1,279 @@
+"""Acceptance on a workload: for the target and each drafter (the draft model, the EAGLE-3 head,
+n-gram lookup), per workload and temperature, how many drafts the target accepts.
+
+In process (the default), each (workload, drafter, temperature) generates the workload's prompts
+together through ``core.loop``'s lockstep step with the real engines at k = ``--k-max``, and every
+step's (drafts, accepted) is recorded. From those records:
+
+- ``per_position_acceptance_rate[i]``: the share of drafting steps that accepted position i + 1
+  (vLLM's ``accepted_per_pos / num_drafts``); ``conditional_acceptance[i]``: the same among the steps
+  that drafted position i + 1 with every earlier draft accepted;
+- ``accepted_length_counts`` / ``accepted_length_distribution``: drafting steps by accepted drafts
+  (0 .. k-max);
+- ``mean_acceptance_length_by_k[k - 1]``, k = 1 .. k-max: 1 + the mean of min(accepted, k) over the
+  drafting steps (vLLM's mean acceptance length, had the step drafted k); ``tokens_per_step_by_k``: the
+  same over every decoding step, those with no draft (an n-gram without a match, a head's first step)
+  counting one token. Why one run serves every k: each drafter here drafts a chain, one token after
+  the other, so the first k drafts of a k-max chain are the chain it drafts at k, and verification
+  decides position i from the drafts up to i only. What changes with k is which steps the text
+  passes through: a stretch the drafter gets right takes one step at k-max and several at a smaller k,
+  so at a smaller k easy steps weigh more and the measured length comes out above the derived one
+  (greedy on the shipped pair, k = 4: 2-10% above). ``--measure-ks`` (4 by default) runs those k
+  too and reports their measured length beside the derived one: the derived curve is the
+  conservative one;
+- ``per_token_acceptance``: the a of the geometric model E(k) = (1 - a^(k+1)) / (1 - a) fitted to
+  the steps (accepted / tested positions, ``bench.common.per_token_acceptance``).
+
+``--url`` measures a running server instead (its drafter, whatever it is), one request per prompt
+with ``num_speculative_tokens: k-max``, from each response's ``speculation`` block: counts and
+``accepted_per_pos``; the distribution then assumes every step drafted k-max, which holds for
+``k_policy: fixed`` (``steps_by_k`` is kept to show it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench import workloads
+from bench.common import (BENCH_DTYPE, DEFAULT_OUT, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log,
+                          per_token_acceptance, rnd, set_threads, write_json)
+from bench.latency import floats, ints
+
+DRAFTERS = ("draft_model", "eagle3", "ngram")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description="Acceptance per position, mean acceptance length by k and the "
+                                             "accepted-length distribution, per workload, drafter and temperature.")
+    workloads.add_arguments(ap, prompts=8)
+    ap.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)} (in process)")
+    ap.add_argument("--k-max", type=int, default=8, help="drafts per step measured; every k up to it is derived")
+    ap.add_argument("--measure-ks", type=ints, default=[4],
+                    help="also run these k and report their measured mean acceptance length beside the derived one")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=floats, default=[0.0, 0.8])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
+    ap.add_argument("--url", default=None, help="a running server's base URL: measure its drafter over HTTP")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    bad = [d for d in args.drafters if d not in DRAFTERS]
+    if bad:
+        ap.error(f"--drafters: unknown {bad}; choose from {list(DRAFTERS)}")
+    if not 1 <= args.k_max <= 16:
+        ap.error("--k-max: 1 to 16")
+    return args
+
+
+# ------------------------------------------------------------------ figures from step records
+def summarise(records: list[tuple[int, int]], k_max: int) -> dict:
+    """The figures of one (workload, drafter, temperature) from its decoding steps' (drafts, accepted)."""
+    drafting = [(d, a) for d, a in records if d > 0]
+    n, n_all = len(drafting), len(records)
+    counts = [0] * (k_max + 1)
+    for _, a in drafting:
+        counts[min(a, k_max)] += 1
+    at_least = [sum(1 for _, a in drafting if a >= i) for i in range(1, k_max + 1)]
+    tested = [sum(1 for d, a in drafting if d >= i and a >= i - 1) for i in range(1, k_max + 1)]
+    accepted = sum(a for _, a in drafting)
+    full = sum(1 for d, a in drafting if a == d)
+    by_k = [1 + sum(min(a, k) for _, a in drafting) / n if n else 1.0 for k in range(1, k_max + 1)]
+    per_step = [1 + sum(min(a, k) for _, a in drafting) / n_all if n_all else 1.0 for k in range(1, k_max + 1)]
+    return {"steps": n_all, "num_drafts": n, "num_draft_tokens": sum(d for d, _ in drafting),
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": rnd(accepted / sum(d for d, _ in drafting)) if n else None,
+            "per_position_acceptance_rate": [rnd(x / n) if n else None for x in at_least],
+            "conditional_acceptance": [rnd(x / t) if t else None for x, t in zip(at_least, tested)],
+            "accepted_length_counts": counts,
+            "accepted_length_distribution": [rnd(c / n) if n else None for c in counts],
+            "mean_acceptance_length_by_k": [rnd(x) for x in by_k],
+            "tokens_per_step_by_k": [rnd(x) for x in per_step],
+            "per_token_acceptance": rnd(per_token_acceptance(n, accepted, full)) if n else None}
+
+
+def records_from_counts(spec: dict, k: int) -> list[tuple[int, int]]:
+    """Step records rebuilt from a response's counts (``num_drafts``, ``accepted_per_pos``, ``steps``),
+    every drafting step taken to have drafted ``k``: steps that accepted exactly j drafts are those that
+    accepted position j less those that accepted position j + 1."""
+    pos = list(spec.get("accepted_per_pos") or []) + [0] * k
+    n = spec.get("num_drafts", 0)
+    at_least = [n] + pos[:k] + [0]
+    recs = [(k, j) for j in range(k + 1) for _ in range(max(0, at_least[j] - at_least[j + 1]))]
+    return recs + [(0, 0)] * max(0, spec.get("steps", n) - n)
+
+
+# ------------------------------------------------------------------ in process
+def _drafter(name: str, k: int, threads: int, dtype: str):
+    from configs import DraftModelConfig, Eagle3Config, NgramConfig
+
+    if name == "draft_model":
+        from drafter.model_drafter import ModelDrafter
+
+        return ModelDrafter(DraftModelConfig(model=DRAFTER, num_speculative_tokens=k, num_threads=threads,
+                                             cache_budget_mb=64, dtype=dtype, max_model_len=MAX_MODEL_LEN))
+    if name == "eagle3":
+        from drafter.eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(Eagle3Config(model=EAGLE3, num_speculative_tokens=k, num_threads=threads, cache_budget_mb=64,
+                                          dtype=dtype, max_model_len=MAX_MODEL_LEN, verifier_model=TARGET))
+    from drafter.ngram import NgramDrafter
+
+    return NgramDrafter(NgramConfig(num_speculative_tokens=k))
+
+
+def run_steps(prompts: list[list[int]], temperature: float, seed: int, max_tokens: int, k: int, drafter,
+              verifier) -> list[tuple[int, int]]:
+    """Generate the prompts together through ``core.loop.step`` and return every step's (drafts, accepted)."""
+    from configs import SamplingParams
+    from core.loop import step
+    from core.sequence import Sequence, SpecStats
+
+    class Recorded(SpecStats):
+        def record(self, k_: int, num_accepted: int):
+            super().record(k_, num_accepted)
+            records.append((k_, num_accepted))
+
+    records: list[tuple[int, int]] = []
+    max_len = min(verifier.max_len, getattr(drafter, "max_len", verifier.max_len))
+    seqs = []
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
+        s = Sequence(list(ids), params, k, verifier.tokenizer, verifier.eos_ids, max_len)
+        s.stats = Recorded()
+        s.capture = getattr(drafter, "aux_layers", ())
+        seqs.append(s)
+    while any(not s.done for s in seqs):
+        step(seqs, drafter, verifier)
+    for s in seqs:
+        verifier.release(s.seq_id)
+        drafter.release(s.seq_id)
+    # the prefill step: a verifier step, not a decoding one
+    return records[len(prompts):] if all(not r[0] for r in records[:len(prompts)]) else records
+
+
+def measure_in_process(args, wls) -> list[dict]:
+    from configs import VerifierConfig
+    from verifier.engine import VerifierEngine
+
+    verifier = VerifierEngine(VerifierConfig(model=TARGET, num_threads=args.threads, cache_budget_mb=256,
+                                             dtype=args.dtype, max_model_len=MAX_MODEL_LEN))
+    out = []
+    for name in args.drafters:
+        drafter = _drafter(name, args.k_max, args.threads, args.dtype)
+        for wl in wls:
+            ids = [p for _, p in wl.prompts]
+            for t in args.temperatures:
+                t0 = time.perf_counter()
+                rec = run_steps(ids, t, args.seed, args.max_tokens, args.k_max, drafter, verifier)
+                row = {"workload": wl.name, "drafter": name, "temperature": t, "k_max": args.k_max,
+                       **summarise(rec, args.k_max)}
+                measured = {}
+                for k in args.measure_ks:
+                    measured[str(k)] = summarise(run_steps(ids, t, args.seed, args.max_tokens, k, drafter, verifier),
+                                                 k)["mean_acceptance_length_by_k"][-1]
+                if measured:
+                    row["measured_mean_acceptance_length"] = measured
+                row["seconds"] = rnd(time.perf_counter() - t0, 2)
+                log(f"{wl.name} {name} T={t:g}: acceptance {row['acceptance_rate']}, E(k) "
+                    f"{row['mean_acceptance_length_by_k']} ({row['seconds']} s)")
+                out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------ through a server
+def measure_server(args, wls) -> list[dict]:
+    import httpx
+
+    from bench.common import complete, completion_body
+
+    out = []
+    with httpx.Client(timeout=600) as client:
+        for wl in wls:
+            for t in args.temperatures:
+                recs, steps_by_k = [], {}
+                for i, (_, ids) in enumerate(wl.prompts):
+                    _, _, spec, _ = complete(client, args.url, completion_body(ids, args.max_tokens, t, args.seed + i,
+                                                                               args.k_max))
+                    spec = spec or {}
+                    recs += records_from_counts(spec, args.k_max)
+                    for k, n in (spec.get("steps_by_k") or {}).items():
+                        steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n
+                row = {"workload": wl.name, "drafter": "server", "temperature": t, "k_max": args.k_max,
+                       **summarise(recs, args.k_max), "steps_by_k": steps_by_k}
+                log(f"{wl.name} server T={t:g}: acceptance {row['acceptance_rate']}, E(k) {row['mean_acceptance_length_by_k']}")
+                out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------ plot
+def plot(data: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = data["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(12.5, 4.2))
+    pairs = list(dict.fromkeys((r["drafter"], r["workload"]) for r in rows))
+    colour = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(pairs)}  # one per (drafter, workload)
+    for r in rows:
+        label = f"{r['drafter']}, {r['workload']}, T={r['temperature']:g}"
+        ks = list(range(1, r["k_max"] + 1))
+        style = "-" if r["temperature"] == 0 else "--"  # greedy solid, sampled dashed
+        c = colour[(r["drafter"], r["workload"])]
+        axes[0].plot(ks, r["mean_acceptance_length_by_k"], style, color=c, marker="o", ms=3, label=label)
+        axes[1].plot(ks, r["conditional_acceptance"], style, color=c, marker="o", ms=3, label=label)
+    greedy = [r for r in rows if r["temperature"] == 0] or rows
+    width = 0.8 / max(1, len(greedy))
+    for j, r in enumerate(greedy):
+        xs = [x + j * width for x in range(r["k_max"] + 1)]
+        axes[2].bar(xs, r["accepted_length_distribution"], width=width, color=colour[(r["drafter"], r["workload"])],
+                    label=f"{r['drafter']}, {r['workload']}, T={r['temperature']:g}")
+    axes[0].set(xlabel="k", ylabel="mean acceptance length (tokens/step)", title="E(k)")
+    axes[1].set(xlabel="position", ylabel="acceptance given the earlier ones", ylim=(0, 1.02),
+                title="acceptance per position")
+    axes[2].set(xlabel="accepted drafts", ylabel="share of steps", title=f"accepted lengths at k={rows[0]['k_max']}")
+    axes[0].legend(fontsize=6)
+    axes[2].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    set_threads(args.threads)
+    t0 = time.perf_counter()
+    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
+                             args.workload_seed, MAX_MODEL_LEN - args.max_tokens - args.k_max - 1)
+    rows = measure_server(args, wls) if args.url else measure_in_process(args, wls)
+    return {"scenario": "acceptance", "source": "server" if args.url else "in_process",
+            "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts, "workload_seed": args.workload_seed,
+                       "drafters": ["server"] if args.url else args.drafters, "k_max": args.k_max,
+                       "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
+                       "seed": args.seed, "threads": args.threads, "dtype": args.dtype, "url": args.url,
+                       "target": TARGET if not args.url else None},
+            "workloads": {wl.name: wl.describe() for wl in wls},
+            "environment": environment(args.threads), "results": rows,
+            "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None):
+    args = parse(argv)
+    data = run(args)
+    path = write_json(args.out, "acceptance", data)
+    png = None if args.no_plot else plot(data, Path(args.out) / "acceptance.png")
+    log(f"wrote {path}{' and ' + str(png) if png else ''} ({data['duration_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
