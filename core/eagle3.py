@@ -399,6 +399,7 @@ class EagleHead(nn.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(s)
         self._fc = self._lm_head = None
         self._cos = self._sin = self._targets = None  # serving tables (``fuse``)
+        self.native: dict | None = None  # the native one-token step's arguments (``fuse``)
 
     # ------------------------------------------------------------------ pieces
     def fuse(self, max_len: int) -> EagleHead:
@@ -414,7 +415,38 @@ class EagleHead(nn.Module):
         self._row_rope = (torch.cat([self._cos[:1], self._cos[:-1]]).unsqueeze(1),
                           torch.cat([self._sin[:1], self._sin[:-1]]).unsqueeze(1))  # [max_len, 1, D]
         self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=w.device))
+        self.native = self._native_step(max_len)
         return self
+
+    def _native_step(self, max_len: int) -> dict | None:
+        """The arguments of the native one-token step (``core/csrc/decoder.cpp`` ``eagle3_step``: the layers'
+        arithmetic as one call, on the same matmul kernels), None where it cannot run (no native build)."""
+        fused = [m for L in self.layers for m in (L.fused.qkv, L.fused.o, L.fused.gate_up, L.fused.down)]
+        fused.append(self._lm_head)
+        ops = fused[0].ops
+        if ops is None or not hasattr(ops, "eagle3_step"):
+            return None
+        none = fused[0].none
+        weights = []
+        for L in self.layers:
+            a, f = L.self_attn, L.fused
+            weights += [L.input_layernorm.weight, L.hidden_norm.weight if L.index == 0 else none, f.qkv.linear.weight,
+                        a.q_norm.weight if hasattr(a, "q_norm") else none,
+                        a.k_norm.weight if hasattr(a, "k_norm") else none, f.o.linear.weight,
+                        L.post_attention_layernorm.weight, f.gate_up.linear.weight, f.down.linear.weight]
+        # each matmul's GEMV parts and their bf16 copies go as one list in the layers' order, or none at all
+        parts = [p for m in fused for p in m.parts] if all(m.parts for m in fused) else []
+        parts16 = [p for m in fused for p in m.parts16] if parts and all(m.parts16 for m in fused) else []
+        tiles = [m.tiles for m in fused] if any(m.tiles.numel() for m in fused) else []
+        # cos and the plain sin by cache row (the native rotary is rotate_half's)
+        cos, sin = self._row_rope[0][:, 0], self._row_rope[1][:, 0]
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        s = self.spec
+        return {"ops": ops, "weights": [t.detach() for t in weights], "parts": parts, "parts16": parts16, "tiles": tiles,
+                "packed": fused[0].linear.packed, "lm_head": self._lm_head.linear.weight, "cos": cos, "sin": sin,
+                "args": (s.norm_before_residual, s.norm_output, s.rms_norm_eps, s.num_attention_heads,
+                         s.num_key_value_heads, s.head_dim)}
 
     def rope(self, positions: torch.Tensor, tables: bool = True):
         """cos and signed sin (``rotate``) [B, T, D] for positions [B, T] (from the serving tables where

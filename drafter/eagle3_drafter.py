@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 class HeadRunner:
     """The head's layers (``core.eagle3.EagleLayer``, the one implementation) over the paged cache,
     with ``core.llama``'s runner interface plus ``hidden_in`` (the first layer's second input per
-    position: fc(g) or the head's own output)."""
+    position: fc(g) or the head's own output). A lone stream's one-token steps (each draft token of a
+    chain) run the same arithmetic as one native call (``core/csrc/decoder.cpp`` ``eagle3_step``) where
+    it builds: the eager layer's small ops cost as much as its matmuls."""
 
     def __init__(self, head: EagleHead, max_len: int):
         self.head = head.fuse(max_len)
@@ -69,6 +71,16 @@ class HeadRunner:
             # row 0 holds no pair: a query past it reads rows 1.. (and a sliding layer its last w rows): slices of
             # the keys, not a mask (a masked attention and the mask's ops cost more than the rest of the step)
             first = 1 if S > 1 else 0
+            if head.native is not None and kv.read_rows is None:  # the layers as one native call
+                lo = [first if L.window is None else max(first, S - L.window) for L in head.layers]
+                nat, row = head.native, int(positions[0, 0])
+                logits, state = nat["ops"].eagle3_step(
+                    input_ids, head.embed_tokens.weight, hidden_in.reshape(1, -1).to(head.embed_tokens.weight.dtype),
+                    nat["cos"][row:row + 1],
+                    nat["sin"][row:row + 1], nat["weights"], head.norm.weight, nat["lm_head"], nat["packed"], nat["parts"],
+                    nat["parts16"], nat["tiles"], kv.cache.k, kv.cache.v, kv.write_start,
+                    [kv.read_start + a for a in lo], [S - a for a in lo], *nat["args"])
+                return head.target_logits(logits.float()).unsqueeze(0), {"out": state.unsqueeze(0)}
 
             def attend(i, q, k, v):
                 K, V = kv.update(i, k, v)  # [1, S, nkv, D] in the cache's dtype

@@ -4,7 +4,8 @@ Parity: for each head variant in ``tests/data/eagle3/`` (small random heads whos
 a published style; ``make_vectors.py`` there recorded what vLLM 0.32's own EAGLE-3 proposer fed each
 head and the draft logits it computed), the reference drafting (``core.eagle3.EagleHead.draft``) and
 the drafter pool's engine (``drafter.eagle3_drafter``, the paged cache) compute the same draft logits
-from the same inputs, and the head resolves the same verifier layers vLLM captured.
+from the same inputs (its draft steps as one native call and as eager layers), and the head resolves the
+same verifier layers vLLM captured.
 
 Configs: each published style passes the app builder's check (``deployments.app.check_eagle3``, which
 ``build_app`` runs before anything starts); each field this project cannot run fails there with one
@@ -69,13 +70,19 @@ def test_draft_logits_equal_vllms(name):
     assert drafts[:-1] == [ids[0] for ids in v["input_ids"][1:]]  # the drafts vLLM fed back
     assert_same_logits(head.target_logits(logits), t["logits"])
 
-    dr = Eagle3Drafter(Eagle3Config(model=str(DATA / name), dtype="float32", cache_budget_mb=4,
-                                    verifier_model=str(VERIFIER)), eos_ids=set())
-    dr.runner = Recording(dr.runner)
-    (p,) = dr.propose([DraftRequest("s", 0, None, tokens, k=v["k"], sampling=SamplingParams(temperature=0), seed=1,
-                                    full=True, aux=t["aux"], aux_start=0)])
-    assert p.tokens == drafts
-    assert_same_logits(torch.cat(dr.runner.logits), t["logits"])
+    # the engine's draft steps after the first: one native call where it builds, else the eager layers
+    for native in (True, False):
+        dr = Eagle3Drafter(Eagle3Config(model=str(DATA / name), dtype="float32", cache_budget_mb=4,
+                                        verifier_model=str(VERIFIER)), eos_ids=set())
+        if not native:
+            dr.head.native = None
+        elif dr.head.native is None:
+            continue  # no native build here
+        dr.runner = Recording(dr.runner)
+        (p,) = dr.propose([DraftRequest("s", 0, None, tokens, k=v["k"], sampling=SamplingParams(temperature=0),
+                                        seed=1, full=True, aux=t["aux"], aux_start=0)])
+        assert p.tokens == drafts
+        assert_same_logits(torch.cat(dr.runner.logits), t["logits"])
 
 
 # ------------------------------------------------------------------ configs at build time

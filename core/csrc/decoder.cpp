@@ -1002,6 +1002,89 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
   return out;
 }
 
+
+// An EAGLE-3 head's decoder layers for one new token of one sequence (core/eagle3.py EagleLayer.forward, the
+// same arithmetic as its eager ops; the drafter's runner, drafter/eagle3_drafter.py, calls it for each draft
+// step of a lone stream, where the ~30 small ops of the eager layer cost as much as its matmuls). The first layer
+// reads cat(input_layernorm(embedding), hidden_norm(state)) with the normalised or the raw state as its residual
+// (norm_before_residual), later layers the residual stream. Per layer l: weights E_* below, its keys the cache
+// rows read_start[l] .. read_start[l] + S[l] (row 0 and a sliding window's earlier rows left out by the caller),
+// the new K/V written at write_row. Returns [logits [1, V], the state for the next step [1, hidden]: the stream
+// before the final norm, or after it with norm_output].
+enum { E_LN_IN, E_HIDDEN_NORM, E_QKV, E_Q_NORM, E_K_NORM, E_O, E_LN2, E_GATE_UP, E_DOWN, E_PER_LAYER };
+
+std::vector<Tensor> eagle3_step(const Tensor& input_ids, const Tensor& embed, const Tensor& state, const Tensor& cos,
+                                const Tensor& sin, at::TensorList weights, const Tensor& final_norm, const Tensor& lm_head,
+                                bool packed, at::TensorList parts, at::TensorList parts16, at::TensorList tiles,
+                                at::TensorList k_cache, at::TensorList v_cache, int64_t write_row,
+                                at::IntArrayRef read_start, at::IntArrayRef S, bool norm_before_residual, bool norm_output,
+                                double eps, int64_t H, int64_t KV, int64_t D) {
+  at::NoGradGuard no_grad;
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * E_PER_LAYER, "eagle3_step: expected ", L * E_PER_LAYER,
+              " weights, got ", weights.size());
+  TORCH_CHECK(parts.empty() || static_cast<int64_t>(parts.size()) == L * PARTS_PER_LAYER + 1, "eagle3_step: parts");
+  TORCH_CHECK(parts16.empty() || parts16.size() == parts.size(), "eagle3_step: bf16 parts");
+  TORCH_CHECK(tiles.empty() || static_cast<int64_t>(tiles.size()) == L * TILES_PER_LAYER + 1, "eagle3_step: tiles");
+  TORCH_CHECK(input_ids.numel() == 1 && state.dim() == 2 && state.size(0) == 1, "eagle3_step: one token");
+  auto part = [&](at::TensorList ps, int64_t l, int64_t first, int64_t count) {
+    return ps.empty() ? at::TensorList() : ps.slice(l * PARTS_PER_LAYER + first, count);
+  };
+  auto tile = [&](int64_t l, int64_t i) { return tiles.empty() ? Tensor() : tiles[l * TILES_PER_LAYER + i]; };
+  const int64_t heads_all = H + 2 * KV;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const Tensor e = at::embedding(embed, input_ids.reshape({1}));  // [1, hidden]
+  Tensor h = state.contiguous(), residual;
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor* w = weights.data() + l * E_PER_LAYER;
+    Tensor x;
+    if (l == 0) {
+      const Tensor hn = rms_norm(h, w[E_HIDDEN_NORM], eps);
+      residual = norm_before_residual ? hn : h.clone();
+      x = at::cat({rms_norm(e, w[E_LN_IN], eps), hn}, 1);  // [1, 2 * hidden]
+    } else {
+      residual.add_(h);
+      x = rms_norm(residual, w[E_LN_IN], eps);
+    }
+    Tensor qkv = linear(x, w[E_QKV], Tensor(), packed, part(parts, l, P_Q, 3), tile(l, T_QKV),
+                        part(parts16, l, P_Q, 3)).contiguous();  // [1, heads_all * D]
+    const Tensor &Kc = k_cache[l], &Vc = v_cache[l];
+    TORCH_CHECK(Kc.is_contiguous() && Vc.is_contiguous() && Kc.scalar_type() == Vc.scalar_type() &&
+                (Kc.scalar_type() == at::kFloat || Kc.scalar_type() == at::kBFloat16), "eagle3_step: the KV cache");
+    Tensor a = at::empty({1, H * D}, x.options());
+    on_dtype(x.scalar_type(), [&](auto t) {
+      using scalar_t = decltype(t);
+      norm_rotate<scalar_t>(qkv.mutable_data_ptr<scalar_t>(), cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
+                            present(w[E_Q_NORM]) ? w[E_Q_NORM].const_data_ptr<scalar_t>() : nullptr,
+                            present(w[E_K_NORM]) ? w[E_K_NORM].const_data_ptr<scalar_t>() : nullptr, 1, heads_all, H, KV,
+                            D, static_cast<float>(eps));
+      on_dtype(Kc.scalar_type(), [&](auto c) {
+        using cache_t = decltype(c);
+        const scalar_t* q = qkv.const_data_ptr<scalar_t>();
+        write_kv<scalar_t, cache_t>(q, Kc.mutable_data_ptr<cache_t>(), Vc.mutable_data_ptr<cache_t>(), nullptr, write_row,
+                                    1, heads_all, H, KV, D);
+        attention<scalar_t, cache_t>(q, Kc.const_data_ptr<cache_t>(), Vc.const_data_ptr<cache_t>(), nullptr,
+                                     read_start[l], S[l], nullptr, 1, 1, heads_all, H, KV, D, scale,
+                                     a.mutable_data_ptr<scalar_t>());
+      });
+    });
+    residual.add_(linear(a, w[E_O], Tensor(), packed, part(parts, l, P_O, 1), tile(l, T_O), part(parts16, l, P_O, 1)));
+    Tensor gu = linear(rms_norm(residual, w[E_LN2], eps), w[E_GATE_UP], Tensor(), packed, part(parts, l, P_GATE, 2),
+                       tile(l, T_GATE_UP), part(parts16, l, P_GATE, 2)).contiguous();  // [1, 2I]
+    const int64_t I = gu.size(1) / 2;
+    Tensor act = at::empty({1, I}, x.options());
+    on_dtype(x.scalar_type(), [&](auto t) {
+      using scalar_t = decltype(t);
+      silu_mul<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), 1, I);
+    });
+    h = linear(act, w[E_DOWN], Tensor(), packed, part(parts, l, P_DOWN, 1), tile(l, T_DOWN), part(parts16, l, P_DOWN, 1));
+  }
+  Tensor out = residual.add_(h);
+  Tensor normed = rms_norm(out, final_norm, eps);
+  Tensor logits = linear(normed, lm_head, Tensor(), packed, part(parts, L, 0, 1), tile(L, 0), part(parts16, L, 0, 1));
+  return {logits, norm_output ? normed : out};
+}
+
 }  // namespace
 
 // Registered as catch-all kernels: the packed weights are oneDNN tensors, whose dispatch key a CPU-only
@@ -1026,4 +1109,10 @@ TORCH_LIBRARY(splitspec, m) {
   m.def("amx_linear(Tensor x, Tensor tiles, Tensor bias) -> Tensor", &amx_linear);
   m.def("amx_pack(Tensor w) -> Tensor", &amx_pack);
   m.def("amx_supported() -> bool", []() { return amx_supported(); });
+  m.def(
+      "eagle3_step(Tensor input_ids, Tensor embed, Tensor state, Tensor cos, Tensor sin, Tensor[] weights, "
+      "Tensor final_norm, Tensor lm_head, bool packed, Tensor[] parts, Tensor[] parts16, Tensor[] tiles, "
+      "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, int write_row, int[] read_start, int[] S, bool norm_before_residual, "
+      "bool norm_output, float eps, int H, int KV, int D) -> Tensor[]",
+      &eagle3_step);
 }
