@@ -204,7 +204,7 @@ def test_a_cluster_serves_ids_from_each_nodes_own_cache(tmp_path):
     drafter node's the head and the target's metadata, the head node's (the router, the app builder) the
     metadata of both. A head-only config by ids serves greedy text equal to the target's own."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "model_refs_scenario.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
