@@ -56,7 +56,8 @@ class HeadRunner:
     with ``core.llama``'s runner interface plus ``hidden_in`` (the first layer's second input per
     position: fc(g) or the head's own output). A lone stream's one-token steps (each draft token of a
     chain) run the same arithmetic as one native call (``core/csrc/decoder.cpp`` ``eagle3_step``) where
-    it builds: the eager layer's small ops cost as much as its matmuls."""
+    it builds: at one token the eager layer's small ops cost about as much as its matmuls, the reason the
+    target's forward is one native call (docs/decisions/0001-native-forward.md)."""
 
     def __init__(self, head: EagleHead, max_len: int):
         self.head = head.fuse(max_len)
@@ -69,7 +70,7 @@ class HeadRunner:
         S = mask.shape[-1] if mask is not None else (kv.S if kv.read_rows is None else kv.read_rows.shape[1])
         if mask is None:  # one token of one sequence (every draft step of a lone stream): keys are rows 0..S-1
             # row 0 holds no pair: a query past it reads rows 1.. (and a sliding layer its last w rows): slices of
-            # the keys, not a mask (a masked attention and the mask's ops cost more than the rest of the step)
+            # the keys, not a mask (no mask to build, and the attention without one)
             first = 1 if S > 1 else 0
             if head.native is not None and kv.read_rows is None:  # the layers as one native call
                 lo = [first if L.window is None else max(first, S - L.window) for L in head.layers]

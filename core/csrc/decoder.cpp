@@ -1005,7 +1005,8 @@ std::vector<Tensor> forward(const Tensor& input_ids, const Tensor& positions, co
 
 // An EAGLE-3 head's decoder layers for one new token of one sequence (core/eagle3.py EagleLayer.forward, the
 // same arithmetic as its eager ops; the drafter's runner, drafter/eagle3_drafter.py, calls it for each draft
-// step of a lone stream, where the ~30 small ops of the eager layer cost as much as its matmuls). The first layer
+// step of a lone stream, where the eager layer's small ops cost about as much as its matmuls, as in
+// docs/decisions/0001-native-forward.md). The first layer
 // reads cat(input_layernorm(embedding), hidden_norm(state)) with the normalised or the raw state as its residual
 // (norm_before_residual), later layers the residual stream. Per layer l: weights E_* below, its keys the cache
 // rows read_start[l] .. read_start[l] + S[l] (row 0 and a sliding window's earlier rows left out by the caller),
