@@ -96,7 +96,7 @@ BENCH_OUT ?= build/bench
 endif
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
 .PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-gap bench-load bench-cost bench-report \
-	bench-acceptance bench-plan \
+	bench-acceptance bench-plan bench-plan-check \
 	bench-policy bench-ab bench-corun bench-prediction bench-predraft bench-vllm bench-vllm-prefix bench-vllm-eagle3 \
 	bench-check-out
 
@@ -104,7 +104,8 @@ bench-check-out:
 	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
 
 bench: $(STAMP) bench-check-out
-	$(MAKE) bench-engine bench-latency bench-breakdown bench-load bench-cost bench-report BENCH_OUT=$(BENCH_OUT)
+	$(MAKE) bench-engine bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-report \
+		BENCH_OUT=$(BENCH_OUT)
 
 # The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).
 bench-engine: $(STAMP) bench-check-out
@@ -132,6 +133,16 @@ bench-load: $(STAMP) bench-check-out
 # workload, greedy and at 0.8, in process (URL=<server> measures a running server's drafter); about 1 minute.
 bench-acceptance: $(STAMP) bench-check-out
 	$(PY) -m bench.acceptance --out $(BENCH_OUT) $(if $(URL),--url $(URL))
+
+# The planner: deployment shapes' latency and $ per million tokens on the GPU catalogue (bench/gpus.yaml), from the
+# acceptance curve (measured first when $(BENCH_OUT)/acceptance.json is missing); PLAN_ARGS for the traffic
+# (python -m bench.plan --help). bench-plan-check: the projection against bench.latency's served ms/token on this CPU.
+bench-plan: $(STAMP) bench-check-out
+	@test -f $(BENCH_OUT)/acceptance.json || $(MAKE) bench-acceptance BENCH_OUT=$(BENCH_OUT)
+	$(PY) -m bench.plan --out $(BENCH_OUT) $(PLAN_ARGS)
+
+bench-plan-check: $(STAMP) bench-check-out
+	$(PY) -m bench.plan check --out $(BENCH_OUT)
 
 bench-cost: $(STAMP) bench-check-out
 	$(PY) -m bench.cost --out $(BENCH_OUT)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
 
-SCENARIOS = ("latency", "breakdown", "load", "cost")
+SCENARIOS = ("latency", "breakdown", "load", "cost", "acceptance", "plan_check")
 GOAL_SPEEDUP = 2.0
 GOAL_BOUND_FRACTION = 0.85
 GOAL_EXPOSED = 0.20
@@ -305,6 +305,26 @@ def workload_section(data: dict) -> list[str]:
     return L
 
 
+def acceptance_section(acc: dict | None) -> list[str]:
+    """bench.acceptance's figures: per workload, drafter and temperature, E(k) and the distribution."""
+    if not acc:
+        return []
+    c = acc["config"]
+    L = ["## Acceptance per workload", "", _cmd(acc),
+         f"{acc['source'].replace('_', ' ')}, {c['prompts'] or 'all'} prompts per workload x {c['max_tokens']} tokens, "
+         f"k-max {c['k_max']}; mean acceptance length (tokens per drafting step) at k = 1..{c['k_max']} derived from the "
+         "k-max run, with the length measured at " + (", ".join(f"k = {k}" for k in c["measure_ks"]) or "no other k")
+         + " beside it.", "",
+         "| workload | drafter | T | acceptance rate | per-token a | E(k), k = 1.. | measured | accepted 0..k-max (share of steps) |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in acc["results"]:
+        meas = ", ".join(f"k={k}: {v:.2f}" for k, v in (r.get("measured_mean_acceptance_length") or {}).items())
+        L.append(f"| {r['workload']} | {r['drafter']} | {r['temperature']:g} | {_f(r['acceptance_rate'], 3)} | "
+                 f"{_f(r['per_token_acceptance'], 3)} | {', '.join(f'{x:.2f}' for x in r['mean_acceptance_length_by_k'])} | "
+                 f"{meas or 'n/a'} | {', '.join(f'{x:.2f}' for x in r['accepted_length_distribution'] if x is not None)} |")
+    return L + [""]
+
+
 def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None) -> str:
     m = m or meta(data)
     known = m["cpu_model"] != UNKNOWN
@@ -333,6 +353,11 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
                      f"{g.get('to_close', '')} |")
         L.append("")
     L += workload_section(data)
+    L += acceptance_section(data.get("acceptance"))
+    if data.get("plan_check"):
+        from bench.plan import check_markdown
+
+        L += ["## " + check_markdown(data["plan_check"]).lstrip("# ").replace("\n## ", "\n### "), ""]
     lat = data.get("latency")
     if lat:
         c = lat["config"]

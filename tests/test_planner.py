@@ -1,0 +1,152 @@
+"""The planner (bench.plan): model shapes, the roofline's monotone sanity, the plan's JSON, the
+recommendation's response to the drafter pool's price, the serve config it writes, and the check on
+this CPU (a real probe; the comparison's arithmetic on a given latency JSON)."""
+
+import copy
+import json
+import math
+
+import pytest
+import yaml
+
+from bench import plan as P
+
+
+def test_model_shapes_match_the_published_parameter_counts():
+    v, d = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b")
+    assert v["params"] == pytest.approx(8.03e9, rel=0.005) and d["params"] == pytest.approx(1.236e9, rel=0.005)
+    assert v["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 and v["layers"] == 32
+    # the shipped pair (docs/models.md: 27.8M and 0.74M parameters)
+    assert P.load_shape(P.TARGET)["params"] == pytest.approx(27.8e6, rel=0.01)
+    assert P.load_shape(P.DRAFTER)["params"] == pytest.approx(0.74e6, rel=0.01)
+    # float32 doubles every byte, not the FLOPs
+    v4 = P.load_shape("llama-3.1-8b", 4)
+    assert v4["read_bytes"] == 2 * v["read_bytes"] and v4["flops_per_token"] == v["flops_per_token"]
+
+
+def _machines():
+    return P.gpu_machines(P.load_catalogue())
+
+
+def test_more_bandwidth_is_faster_and_a_wide_pass_turns_compute_bound():
+    v, m = P.load_shape("llama-3.1-8b"), _machines()
+    slow, fast = m["H100-SXM"], copy.copy(m["H100-SXM"])
+    fast.bandwidth_points = [(1.0, 2 * slow.bandwidth_points[0][1])]
+    assert P.forward_s(v, fast, 1, 1, 512) < P.forward_s(v, slow, 1, 1, 512)
+    # decoding reads the weights once whatever the batch: 8 sequences cost far less than 8 times one
+    assert P.forward_s(v, slow, 8, 1, 512) < 2 * P.forward_s(v, slow, 1, 1, 512)
+    # a 4096-token prefill is compute-bound: twice the FLOP rate, about half the time
+    quick = copy.copy(slow)
+    quick.flops = 2 * slow.flops
+    assert P.forward_s(v, quick, 1, 4096, 2048) < 0.6 * P.forward_s(v, slow, 1, 4096, 2048)
+    # the H200 (more bandwidth, the same FLOPs) decodes faster than the H100
+    assert P.forward_s(v, m["H200"], 1, 1, 512) < P.forward_s(v, m["H100-SXM"], 1, 1, 512)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_higher_acceptance_never_lowers_the_best_k(placement):
+    v, d, m = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b"), _machines()
+    h100, dm = m["H100-SXM"], m["A100-80GB"] if placement == "split" else m["H100-SXM"]
+    ks = [P.best_k(v, d, h100, dm, P.Curve.geometric(a), placement, 8, 768) for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    assert ks == sorted(ks) and ks[-1] > ks[0], ks
+    # and more tokens per step at the same cost is less time per token
+    s_lo = P.step(placement, 4, 8, 768, v, h100, d, dm, P.Curve.geometric(0.6))
+    s_hi = P.step(placement, 4, 8, 768, v, h100, d, dm, P.Curve.geometric(0.9))
+    assert s_hi["step_s"] / s_hi["tokens_per_step"] < s_lo["step_s"] / s_lo["tokens_per_step"]
+
+
+def test_the_curve_comes_from_the_acceptance_json():
+    acc = {"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0, "k_max": 3,
+                        "tokens_per_step_by_k": [1.7, 2.2, 2.5], "per_position_acceptance_rate": [0.7, 0.5, 0.3]}]}
+    c = P.Curve.from_acceptance(acc, "humaneval", "draft_model", 0.0)
+    assert c.at(0) == (1.0, 0.0) and c.at(2) == (2.2, 0.5) and c.at(8) == (2.5, 0.3)
+    with pytest.raises(ValueError, match="no acceptance row"):
+        P.Curve.from_acceptance(acc, "held-out", "draft_model", 0.0)
+
+
+def test_the_plan_covers_every_shape_and_its_json_holds_the_figures(tmp_path):
+    acc = tmp_path / "acceptance.json"
+    acc.write_text(json.dumps({"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
+                                            "tokens_per_step_by_k": [1.8, 2.5, 3.0, 3.4, 3.7, 3.9, 4.0, 4.1],
+                                            "per_position_acceptance_rate": [.8, .65, .5, .4, .3, .2, .15, .1]}]}))
+    P.main(["--acceptance", str(acc), "--out", str(tmp_path), "--concurrency", "16", "--tpot-ms", "20"])
+    data = json.loads((tmp_path / "plan.json").read_text())
+    n = len(P.load_catalogue()["gpus"])
+    assert len(data["shapes"]) == n + n + n * n  # plain, colocated, split (every verifier x drafter type)
+    assert data["validated"] is False and "humaneval" in data["acceptance"]
+    for r in data["shapes"]:
+        if not r["fits"]:
+            continue
+        assert (r["k"] == 0) == (r["placement"] == "plain") and 1 <= r["tokens_per_step"] <= r["k"] + 1
+        assert r["tpot_ms"] == pytest.approx(r["step_ms"] / r["tokens_per_step"], rel=1e-3)
+        assert r["usd_per_m_tokens"] == pytest.approx(r["usd_per_hour"] / (r["demand_tokens_per_s"] * 3600) * 1e6, rel=1e-3)
+        assert r["verifier_replicas"] * r["batch"] >= 16 and (r["drafter_replicas"] > 0) == (r["placement"] == "split")
+    met = [r for r in data["shapes"] if r["meets_target"]]
+    rec = data["recommendation"]
+    assert rec == min(met, key=lambda r: r["usd_per_m_tokens"]) and rec["tpot_ms"] <= 20
+    # the serve config the recommendation writes is one the app accepts
+    from configs import AppConfig
+
+    cfg = yaml.safe_load((tmp_path / "plan_serve.yaml").read_text())
+    AppConfig(**cfg["applications"][0]["args"])
+    assert (tmp_path / "plan.md").read_text().count("\n|") == len(data["shapes"]) + 2  # the header, its rule, a row a shape
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_recommendation_follows_the_drafter_pools_price():
+    """A verifier GPU too small for the drafter beside the verifier: speculation needs a drafter pool,
+    which pays while its GPU is cheap and stops paying when its price rises."""
+    cat = {"defaults": P.load_catalogue()["defaults"],
+           "gpus": {"V": {"memory_gb": 20, "bandwidth_gbs": 2000, "bf16_tflops": 400, "price_per_hour": 4.0},
+                    "D": {"memory_gb": 24, "bandwidth_gbs": 1000, "bf16_tflops": 200, "price_per_hour": 0.5}}}
+    v, d = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b")
+    traffic, curve = P.Traffic(512, 256, 4), P.Curve.geometric(0.8)
+
+    def rec(price_d):
+        m = P.gpu_machines(cat)
+        m["D"].price_per_hour = price_d
+        m["D"].memory_bytes = 3e9  # the drafter fits on D, the verifier does not
+        return next(r for r in P.plan(v, d, m, curve, traffic, tpot_ms=20.0) if r["meets_target"])
+
+    cheap, dear = rec(0.5), rec(40.0)
+    assert (cheap["placement"], cheap["verifier_gpu"], cheap["drafter_gpu"]) == ("split", "V", "D")
+    assert dear["placement"] != "split" or dear["drafter_gpu"] != "D"
+    assert cheap["usd_per_m_tokens"] < dear["usd_per_m_tokens"]
+
+
+def test_the_cpu_probe_measures_this_machine():
+    probe = P.probe_cpu([1 << 16, 1 << 24], "float32", seconds=0.05)
+    (s0, b0), (s1, b1) = probe["bandwidth"]
+    assert (s0, s1) == (1 << 16, 1 << 24) and b0 > 0 and b1 > 0
+    assert probe["flops"] > 1e8 and 0 < probe["forward_overhead_s"] < 1.0
+    m = P.cpu_machine(probe, 0.7, 0.0)
+    assert m.bandwidth(1 << 20) == pytest.approx(b0 + (b1 - b0) * (4 / 8), rel=1e-6)  # log-size interpolation
+
+
+def test_the_check_sets_projection_beside_measurement():
+    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4, "load_average": [1, 1, 1]}
+    acc = {"results": [{"workload": w, "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
+                        "tokens_per_step_by_k": [1.7, 2.2, 2.6, 2.9, 3.1, 3.3, 3.4, 3.5],
+                        "per_position_acceptance_rate": [.7, .5, .4, .3, .25, .2, .15, .1]} for w in ("humaneval", "held-out")]}
+
+    def systems(scale):
+        sy = {"splitspec_off": {"k": 0, "ms_per_token": 5.0 * scale, "ms_per_token_runs": [4.9 * scale, 5.1 * scale]}}
+        for k in (2, 4):
+            sy[f"splitspec_k{k}"] = {"k": k, "ms_per_token": 3.0 * scale, "ms_per_token_runs": [3.0 * scale]}
+        sy["reference_off"] = {"k": 0, "ms_per_token": 1.0}
+        return {"0": {"systems": sy}}
+
+    lat = {"config": {"dtype": "bfloat16", "max_tokens": 256, "prompt_tokens": [100]},
+           "workloads": {"humaneval": {"workload": {"prompt_tokens": [80, 120]}, "temperatures": systems(1.0)},
+                         "held-out": {"workload": {"prompt_tokens": [150]}, "temperatures": systems(100.0)}},
+           "environment": {"load_average_at_start": [2.0, 2.0, 2.0]}}
+    out = P.check_cpu(lat, acc, probe, 0.7, 0.0)
+    assert set(out["workloads"]) == {"humaneval", "held-out"}
+    for name, w in out["workloads"].items():
+        assert [r["k"] for r in w["rows"]] == [0, 2, 4] and 1 <= w["projected_best_k"] <= 8
+        for r in w["rows"]:
+            assert r["error"] == pytest.approx(r["projected_ms_per_token"] / r["measured_ms_per_token"] - 1, abs=1e-3)
+            assert r["within_bound"] == (abs(r["error"]) <= 0.2)
+    # the same projection against measurements 100x slower: never within the bound
+    assert not any(r["within_bound"] for r in out["workloads"]["held-out"]["rows"])
+    assert "## humaneval" in P.check_markdown(out)
