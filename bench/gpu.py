@@ -244,7 +244,25 @@ def run(args) -> dict:
     for forward in args.forwards:
         result["by_forward"].append(measure(args, forward))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["planner_check"] = planner_check(result)
     return result
+
+
+def planner_check(result: dict) -> dict:
+    """What ``python -m bench.plan check --gpu-json`` sets beside its projection for this GPU: per forward,
+    the measured 1-token decode forward and, per k, the (k + 1)-token verify forward and the k drafting
+    passes (medians over the acceptance levels: their shapes do not depend on a)."""
+    out = []
+    for fw in result["by_forward"]:
+        by_k: dict[int, list] = {}
+        for r in fw["rows"]:
+            by_k.setdefault(r["k"], []).append(r["step_ms"])
+        out.append({"forward": fw["forward"], "plain_forward_ms": fw["decode_forward_ms"],
+                    "verify_ms_by_k": {str(k): round(_median([x["verify"] for x in v]), 4) for k, v in sorted(by_k.items())},
+                    "draft_ms_by_k": {str(k): round(_median([x["draft"] for x in v]), 4) for k, v in sorted(by_k.items())}})
+    return {"verifier_shape": result["shapes"]["verifier"], "drafter_shape": result["shapes"]["drafter"],
+            "dtype": result["dtype"], "prompt_tokens": result["prompt_tokens"], "tokens": result["tokens"],
+            "by_forward": out}
 
 
 def machine(device: str) -> str:

@@ -278,6 +278,16 @@ gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--accept
             assert row["bound_ms_per_token"] > 0 and row["ratio_to_bound"] > 0
             assert 1 <= row["tokens_per_step"] <= row["k"] + 1
             assert row["same_tokens_as_plain"] is True  # float32: greedy speculation is the target's greedy
+    # what the planner's check needs, in the same run: every forward's measured step parts per k
+    pc = r["planner_check"]
+    assert (pc["verifier_shape"], pc["drafter_shape"], pc["dtype"]) == ("tiny-verifier", "tiny-drafter", "float32")
+    for f in pc["by_forward"]:
+        assert f["plain_forward_ms"] > 0 and set(f["verify_ms_by_k"]) == set(f["draft_ms_by_k"]) == {"2", "4"}
+    from bench import plan
+
+    chk = plan.check_gpu(r, plan.gpu_machines(plan.load_catalogue()), "H100-SXM")
+    assert len(chk["rows"]) == 2 * (1 + 2 + 2)
+    assert all(row["projected_ms"] > 0 and row["measured_ms"] > 0 for row in chk["rows"])
 
 
 CPUINFO = """processor\t: 0
