@@ -83,22 +83,21 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
     from core.hub import pin
 
     bases = (Path.cwd(), PROJECT_ROOT)
-    update, drafter, verifier = {}, config.drafter, config.verifier
+    drafter, verifier = config.drafter, config.verifier
     if drafter.method in ("draft_model", "eagle3"):
         drafter = drafter.model_copy(update={"model": pin(drafter.model, "drafter.model", bases)})
+    if verifier.model is not None:
+        verifier = verifier.model_copy(update={"model": pin(verifier.model, "verifier.model", bases)})
     if drafter.method == "eagle3":
         head = head_defaults(local_model(drafter.model))
         if verifier.model is None:
-            if not head.get("verifier"):
+            if not head["verifier"]:
                 raise ValueError(f"verifier.model is not set and the eagle3 head {config.drafter.model!r} names no "
                                  "verifier (speculators_config.verifier.name_or_path)")
             field = "verifier.model (the head's speculators_config.verifier.name_or_path)"
             verifier = verifier.model_copy(update={"model": pin(head["verifier"], field, (*bases, head["dir"].parent))})
         if drafter.num_speculative_tokens is None:
             drafter = drafter.model_copy(update={"num_speculative_tokens": head["k"]})
-    if verifier.model is not None and verifier is config.verifier:
-        verifier = verifier.model_copy(update={"model": pin(verifier.model, "verifier.model", bases)})
-    if drafter.method == "eagle3":
         drafter = drafter.model_copy(update={"verifier_model": verifier.model})
     update = {"verifier": verifier, "drafter": drafter}
     # validated again: the validators see the filled-in verifier and k
