@@ -258,3 +258,19 @@ def test_greedy_with_a_published_style_head_is_the_targets(tmp_path, llama_verif
         assert seq.output_ids == hf_greedy(ver.model, prompt, 24)
         drafted += seq.stats.as_dict()["num_draft_tokens"]
     assert drafted > 0
+
+
+def test_a_smaller_draft_vocabulary_without_d2t_maps_draft_id_i_to_target_id_i(tmp_path):
+    """vLLM keeps d2t's zeros when a head with a smaller draft vocabulary has none: draft id i is target id i."""
+    from safetensors.torch import save_file
+
+    head_dir = copy_head("llama31", tmp_path / "head")
+    state = {k: v for k, v in load_file(str(head_dir / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+    save_file(state, str(head_dir / "model.safetensors"))
+    head = load_head(head_dir, verifier=VERIFIER)
+    Vd = head.spec.draft_vocab_size
+    assert Vd < head.spec.vocab_size
+    assert head.to_target(torch.arange(Vd)).tolist() == list(range(Vd))
+    assert head.t2d.nonzero().flatten().tolist() == list(range(Vd))
+    logits = head.target_logits(torch.randn(Vd))
+    assert torch.isfinite(logits[:Vd]).all() and torch.isinf(logits[Vd:]).all()
