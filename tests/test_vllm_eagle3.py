@@ -97,6 +97,8 @@ def test_the_proposer_keeps_the_states_of_the_kept_positions():
     assert prop.states["a"].n == 7  # positions 0..n-2: the last token's states come with the next step
     assert prop.states["b"].rows(0, 9)[:, 0].tolist() == list(range(9))
     assert prop.states["a"].rows(0, 8) is None  # not computed yet
+    sent = prop.states["a"].rows(5, 7)  # what a draft request carries: those rows only, not the buffer they are in
+    assert sent.untyped_storage().nbytes() == sent.numel() * sent.element_size()
     # row 0 all 3 drafts accepted (4 sampled): positions 7..10 kept; row 1 recomputed from 0 (preempted)
     step = _step(prop, [list(range(7, 11)), list(range(10))], [3, 0])
     prop._keep_states("a", 0, 4, 12, step)
@@ -217,7 +219,8 @@ def _app(ray_cluster, name: str, args: dict, overrides: dict):
 def target():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(TARGET)), AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()  # (its config says bf16)
+    return AutoTokenizer.from_pretrained(str(TARGET)), model
 
 
 def _complete(url, text, n=N):
@@ -298,7 +301,8 @@ def test_served_head_on_the_pool_is_the_target_and_survives_a_drafter_death(ray_
 def test_served_head_in_vllms_engine_is_the_target_with_its_acceptance(ray_cluster, target):
     """drafter_placement verifier with the vllm backend: vLLM's own EAGLE-3 in the verifier replica, no
     drafter pool; greedy is the target's, and the speculation block reports vLLM's acceptance, within
-    0.05 of the head on the pool with the same states (vLLM's own drafting: tests/test_eagle3.py)."""
+    0.05 of the head's through splitspec's drafter (vLLM drafts with its own implementation of the
+    head: tests/test_eagle3.py holds it to the reference within 0.05 too)."""
     from ray import serve
 
     from tests.test_processors import hf_greedy
@@ -322,6 +326,7 @@ def test_served_head_in_vllms_engine_is_the_target_with_its_acceptance(ray_clust
     finally:
         serve.delete("vllm_eagle_in")
     want, _ = _transformers_path(CODE, tok)
-    ref = sum(a for _, steps in want for _, a in steps) / sum(k for _, steps in want for k, _ in steps)
+    full = [a for _, steps in want for k, a in steps if k == K]  # vLLM drafts K at every step, the loop fewer at the end
+    ref = sum(full) / (K * len(full))
     print("vLLM in-engine acceptance", accepted / drafted, "head on the pool", ref)
     assert abs(accepted / drafted - ref) <= 0.05, (accepted / drafted, ref)

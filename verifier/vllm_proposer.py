@@ -105,10 +105,11 @@ class States:
         return self.chunks[0]
 
     def rows(self, lo: int, hi: int) -> torch.Tensor | None:
-        """Positions lo..hi-1, or None when they are not all kept."""
+        """Positions lo..hi-1 (a copy: a view would pickle the whole buffer), or None when they are
+        not all kept."""
         if self.broken or hi > self.n or not self.chunks:
             return None
-        return self.all()[lo:hi]
+        return self.all()[lo:hi].clone()
 
 
 class SplitspecProposer:
@@ -219,6 +220,8 @@ class SplitspecProposer:
         req_ids = runner.input_batch.req_ids
         self._forget(runner.requests)
         step, self._step = self._step, None
+        if step is not None:  # to the host in one copy (on GPUs), the rows of every sequence sliced from it
+            step = (step[0][: int(runner.query_start_loc.np[len(sampled_token_ids)])].to("cpu"), step[1])
         rows = []  # (row, vLLM request id, settings, context length) of the rows that want drafts
         for i, sampled in enumerate(sampled_token_ids):
             state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
@@ -344,7 +347,7 @@ class SplitspecProposer:
             start = n - 1 - kept
         else:  # a prefill chunk, more to come: all kept, after those kept before
             kept, start = fed, states.n
-        states.put(start, aux[lo: lo + kept].to("cpu", copy=True))
+        states.put(start, aux[lo: lo + kept].clone())  # (not a view of the step's buffer)
 
     def _held_prefix(self, seq: str, ctx: list[int]) -> int:
         """How many of ctx's tokens the bound drafter replica holds. ctx only grows, so its first n
