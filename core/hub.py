@@ -33,8 +33,8 @@ def parse(ref: str) -> tuple[str, str | None] | None:
     """``(repo_id, revision)`` when ``ref`` has the form of a repo id, ``org/name[@revision]``, else None
     (absolute paths, ``./x``, ``a/b/c``). A relative directory such as ``models/x`` has the form too:
     callers look for a local directory first."""
-    repo, _, revision = ref.partition("@")
-    if not _REPO_ID.fullmatch(repo) or ".." in repo or repo.endswith(".") or (_ and not revision):
+    repo, at, revision = ref.partition("@")
+    if not _REPO_ID.fullmatch(repo) or ".." in repo or repo.endswith(".") or (at and not revision):
         return None
     return repo, revision or None
 
