@@ -507,6 +507,21 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
                          "error": rnd(p / meas - 1, 4), "within_bound": abs(p / meas - 1) <= TOLERANCE,
                          "projected_best_k": k == kbest})
         rows.sort(key=lambda r: r["k"])
+        # the parts behind a miss: the verify forward and the drafting on the critical path, projected and measured
+        # (the reference loop's engine timings; the served steps' drafting on the path)
+        t1 = (sy.get("reference_off") or {}).get("forward_ms_decode")
+        for r in rows:
+            if r["k"] == 0 or not t1:
+                continue
+            s = step("split", r["k"], 1, ctx, v, m, d, m, curve)
+            ref = sy.get(f"reference_k{r['k']}") or {}
+            served = sy.get(f"splitspec_k{r['k']}") or {}
+            r["parts"] = {"verify_vs_plain_projected": rnd(s["verify_s"] / forward_s(v, m, 1, 1, ctx), 3),
+                          "verify_vs_plain_measured": rnd(ref["forward_ms_decode"] / t1, 3) if ref.get("forward_ms_decode") else None,
+                          "draft_on_path_ms_projected": rnd(1e3 * (s["exposed_draft_s"] + m.rpc_s), 3),
+                          "draft_on_path_ms_measured": served.get("median_mean_draft_ms"),
+                          "tokens_per_step_projected": rnd(s["tokens_per_step"], 3),
+                          "tokens_per_step_measured": served.get("median_mean_acceptance_length")}
         fixed = [r for r in rows if r["k"] > 0]
         measured_best = min(fixed, key=lambda r: r["measured_ms_per_token"])["k"] if fixed else None
         out[name] = {"rows": rows, "projected_best_k": kbest, "measured_best_k": measured_best,
@@ -555,12 +570,18 @@ def check_markdown(data: dict) -> str:
     for name, w in data["workloads"].items():
         L += [f"## {name}", "", f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured best "
               f"fixed k {w['measured_best_k']}.", "",
-              "| system | k | projected ms/token | measured (median; range) | error | within the bound |", "|---|---|---|---|---|---|"]
+              "| system | k | projected ms/token | measured (median; range) | error | within the bound | verify / plain, "
+              "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in w["rows"]:
             rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
+            p = r.get("parts") or {}
             L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
                      f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
-                     f"{'yes' if r['within_bound'] else '**no**'} |")
+                     f"{'yes' if r['within_bound'] else '**no**'} | "
+                     + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
+                        f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
+                        if p else "| | |"))
         L.append("")
     return "\n".join(L)
 
@@ -599,8 +620,9 @@ def parse(argv: list[str]):
             p.add_argument("--latency", default=None, help="bench.latency's JSON (default: <out>/latency.json)")
             p.add_argument("--step-overhead-ms", type=float, default=0.7,
                            help="per served step (the exposed time per step measured in docs/decisions/0005-verify-inline.md)")
-            p.add_argument("--rpc-ms", type=float, default=0.0,
-                           help="a drafter round trip per step not already in --step-overhead-ms")
+            p.add_argument("--rpc-ms", type=float, default=0.63,
+                           help="a drafter round trip per step (the direct channel's empty round trip measured in "
+                                "docs/decisions/0003-direct-drafter-channel.md)")
             p.add_argument("--threads", type=int, default=1)
             p.add_argument("--gpu-json", default=None, help="the GPU kit's gpu.json: check its measured step times")
             p.add_argument("--gpu", default="H100-SXM", help="with --gpu-json: the catalogue entry it ran on")
