@@ -34,6 +34,7 @@ compares the projections with the GPU kit's measured step times (``bench.gpu``'s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -105,7 +106,7 @@ class Machine:
         pts = self.bandwidth_points
         if nbytes <= pts[0][0]:
             return pts[0][1]
-        for (s0, b0), (s1, b1) in zip(pts, pts[1:]):
+        for (s0, b0), (s1, b1) in itertools.pairwise(pts):
             if nbytes <= s1:
                 f = math.log(nbytes / s0) / math.log(s1 / s0)
                 return b0 + f * (b1 - b0)
@@ -155,13 +156,13 @@ class Curve:
         return self.tokens_per_step[k - 1], self.p_all[k - 1]
 
     @classmethod
-    def geometric(cls, a: float, k_max: int = 8) -> "Curve":
+    def geometric(cls, a: float, k_max: int = 8) -> Curve:
         e = [(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0 for k in range(1, k_max + 1)]
         return cls(e, [a ** k for k in range(1, k_max + 1)], f"geometric, a = {a}")
 
     @classmethod
     def from_acceptance(cls, data: dict, workload: str | None = None, drafter: str = "draft_model",
-                        temperature: float = 0.0) -> "Curve":
+                        temperature: float = 0.0) -> Curve:
         rows = [r for r in data["results"] if (workload is None or r["workload"] == workload)
                 and r["drafter"] in (drafter, "server") and float(r["temperature"]) == float(temperature)]
         if not rows:
@@ -281,8 +282,11 @@ def _label(placement: str, gv: str, gd: str | None) -> str:
 def best_k(v: dict, d: dict | None, m: Machine, md: Machine | None, curve: Curve, placement: str, batch: int,
            context: float, ks=range(1, 9)) -> int:
     """The k with the least time per token at ``batch`` sequences."""
-    return min(ks, key=lambda k: (lambda s: s["step_s"] / s["tokens_per_step"])(
-        step(placement, k, batch, context, v, m, d, md, curve)))
+    def per_token(k: int) -> float:
+        s = step(placement, k, batch, context, v, m, d, md, curve)
+        return s["step_s"] / s["tokens_per_step"]
+
+    return min(ks, key=per_token)
 
 
 def serve_config(rec: dict, verifier_model: str, drafter_model: str | None, machines: dict[str, Machine],
@@ -333,10 +337,10 @@ def markdown(data: dict) -> str:
          + (f"{t['concurrency']} concurrent streams" if t["rate_rps"] is None else f"{t['rate_rps']} requests/s")
          + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens; target {data['tpot_ms']} ms per "
          "output token.", "",
-         "**Unvalidated**: GPU figures are projections from datasheets and the catalogue's assumed efficiencies and "
-         "overheads; prices are examples (bench/gpus.yaml).", "",
-         "| shape | meets target | k | batch / replica | step ms | tokens/step | ms/token | tok/s / replica | "
-         "verifier replicas | drafter replicas | $/h | $ / 1M output tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         ("**Unvalidated**: GPU figures are projections from datasheets and the catalogue's assumed efficiencies and "
+          "overheads; prices are examples (bench/gpus.yaml)."), "",
+         ("| shape | meets target | k | batch / replica | step ms | tokens/step | ms/token | tok/s / replica | "
+          "verifier replicas | drafter replicas | $/h | $ / 1M output tokens |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["shapes"]:
         if not r["fits"]:
             L.append(f"| {r['shape']} | does not fit | | | | | | | | | | |")
@@ -362,9 +366,9 @@ def plot_plan(data: dict, path: Path) -> Path | None:
     rows = [r for r in data["shapes"] if r["fits"]]
     fig, ax = plt.subplots(figsize=(9, 5))
     marks = {"plain": "o", "colocated": "s", "split": "^"}
-    for placement in marks:
+    for placement, mark in marks.items():
         rs = [r for r in rows if r["placement"] == placement]
-        ax.scatter([r["tpot_ms"] for r in rs], [r["usd_per_m_tokens"] for r in rs], marker=marks[placement], label=placement)
+        ax.scatter([r["tpot_ms"] for r in rs], [r["usd_per_m_tokens"] for r in rs], marker=mark, label=placement)
     for r in rows[:6]:
         ax.annotate(r["shape"], (r["tpot_ms"], r["usd_per_m_tokens"]), fontsize=6)
     ax.axvline(data["tpot_ms"], color="grey", ls="--", lw=1)
@@ -422,7 +426,7 @@ def probe_cpu(sizes: list[int], dtype: str, threads: int = 1, seconds: float = 0
     bw = []
     for size in sorted(set(sizes)):
         buf = torch.ones(max(1, size // 4), dtype=torch.float32)
-        bw.append((size, rate(lambda: buf.sum(), buf.numel() * 4)))
+        bw.append((size, rate(buf.sum, buf.numel() * 4)))
     a, b = torch.randn(256, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
     flops = rate(lambda: torch.mm(a, b), 2 * 256 * 1024 * 1024)
     return {"bandwidth": [(s, rnd(x, 0)) for s, x in bw], "flops": rnd(flops, 0), "threads": threads, "dtype": dtype,
@@ -485,7 +489,7 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         n_out = cfg["max_tokens"]
         ctx = prompt + n_out / 2
 
-        def projected(k: int) -> float:
+        def projected(k: int, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out) -> float:
             s = step("plain" if k == 0 else "split", k, 1, ctx, v, m, d, m, curve)
             prefill = forward_s(v, m, 1, int(prompt), prompt / 2) + m.step_overhead_s
             return 1e3 * (prefill + n_out * s["step_s"] / s["tokens_per_step"]) / n_out
@@ -561,17 +565,17 @@ def check_markdown(data: dict) -> str:
     mc = data["machine"]
     bw = ", ".join(f"{s / 2**20:.1f} MiB: {b / 1e9:.1f} GB/s" for s, b in mc["bandwidth_bytes_per_s"])
     L = ["# The planner against measurement, on this CPU", "",
-         f"Machine model from probes: bandwidth by working set ({bw}); matmul {mc['flops'] / 1e9:.1f} GFLOP/s; "
-         f"{mc['forward_overhead_ms']} ms per forward (a tiny model through the engine); a step adds "
-         f"{mc['step_overhead_ms']} ms and a drafter round trip {mc['rpc_ms']} ms (parameters). Load average at the "
-         f"probe {', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
-         f"{data.get('latency_load_average_at_start')}.", "",
+         (f"Machine model from probes: bandwidth by working set ({bw}); matmul {mc['flops'] / 1e9:.1f} GFLOP/s; "
+          f"{mc['forward_overhead_ms']} ms per forward (a tiny model through the engine); a step adds "
+          f"{mc['step_overhead_ms']} ms and a drafter round trip {mc['rpc_ms']} ms (parameters). Load average at the "
+          f"probe {', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
+          f"{data.get('latency_load_average_at_start')}."), "",
          f"Projected against served ms/token (greedy, prefill included; bound: within {data['tolerance']:.0%}).", ""]
     for name, w in data["workloads"].items():
-        L += [f"## {name}", "", f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured best "
-              f"fixed k {w['measured_best_k']}.", "",
-              "| system | k | projected ms/token | measured (median; range) | error | within the bound | verify / plain, "
-              "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured |",
+        L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
+                                 f"best fixed k {w['measured_best_k']}."), "",
+              ("| system | k | projected ms/token | measured (median; range) | error | within the bound | verify / plain, "
+               "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured |"),
               "|---|---|---|---|---|---|---|---|---|"]
         for r in w["rows"]:
             rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"

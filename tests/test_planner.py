@@ -4,7 +4,6 @@ this CPU (a real probe; the comparison's arithmetic on a given latency JSON)."""
 
 import copy
 import json
-import math
 
 import pytest
 import yaml
@@ -142,7 +141,7 @@ def test_the_check_sets_projection_beside_measurement():
            "environment": {"load_average_at_start": [2.0, 2.0, 2.0]}}
     out = P.check_cpu(lat, acc, probe, 0.7, 0.0)
     assert set(out["workloads"]) == {"humaneval", "held-out"}
-    for name, w in out["workloads"].items():
+    for w in out["workloads"].values():
         assert [r["k"] for r in w["rows"]] == [0, 2, 4] and 1 <= w["projected_best_k"] <= 8
         for r in w["rows"]:
             assert r["error"] == pytest.approx(r["projected_ms_per_token"] / r["measured_ms_per_token"] - 1, abs=1e-3)
