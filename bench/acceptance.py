@@ -260,7 +260,8 @@ def run(args) -> dict:
             "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts, "workload_seed": args.workload_seed,
                        "drafters": ["server"] if args.url else args.drafters, "k_max": args.k_max,
                        "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
-                       "seed": args.seed, "threads": args.threads, "dtype": args.dtype, "url": args.url,
+                       "seed": args.seed, "threads": args.threads, "url": args.url,
+                       "dtype": None if args.url else args.dtype,  # a server's is its own
                        "target": TARGET if not args.url else None},
             "workloads": {wl.name: wl.describe() for wl in wls},
             "environment": environment(args.threads), "results": rows,

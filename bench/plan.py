@@ -96,6 +96,9 @@ class Machine:
     forward_overhead_s: float
     step_overhead_s: float
     rpc_s: float
+    # (rows, the time of a pass of that many rows over a working set's weights / a one-row pass), measured on
+    # a CPU with the engine's own matmul kernel; a GPU's narrow passes cost their bytes (the roofline's max)
+    row_factor_points: list[tuple[int, float]] = field(default_factory=lambda: [(1, 1.0)])
     memory_bytes: float = math.inf
     price_per_hour: float = 0.0
     validated: bool = False
@@ -110,6 +113,17 @@ class Machine:
             if nbytes <= s1:
                 f = math.log(nbytes / s0) / math.log(s1 / s0)
                 return b0 + f * (b1 - b0)
+        return pts[-1][1]
+
+
+    def row_factor(self, rows: int) -> float:
+        """How much longer than a one-row pass a pass of ``rows`` rows streams its weights (linear between probes)."""
+        pts = self.row_factor_points
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, f0), (r1, f1) in itertools.pairwise(pts):
+            if rows <= r1:
+                return f0 + (rows - r0) / (r1 - r0) * (f1 - f0)
         return pts[-1][1]
 
 
@@ -138,7 +152,7 @@ def forward_s(shape: dict, m: Machine, batch: int, new_tokens: int, context: flo
     """One forward of ``batch`` sequences with ``new_tokens`` each at ``context`` positions."""
     nbytes = shape["read_bytes"] + batch * context * shape["kv_bytes_per_token"]
     flops = batch * new_tokens * (shape["flops_per_token"] + shape["attn_flops_per_position"] * context)
-    return max(nbytes / m.bandwidth(nbytes), flops / m.flops) + m.forward_overhead_s
+    return max(nbytes / m.bandwidth(nbytes) * m.row_factor(batch * new_tokens), flops / m.flops) + m.forward_overhead_s
 
 
 @dataclass
@@ -429,8 +443,52 @@ def probe_cpu(sizes: list[int], dtype: str, threads: int = 1, seconds: float = 0
         bw.append((size, rate(buf.sum, buf.numel() * 4)))
     a, b = torch.randn(256, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
     flops = rate(lambda: torch.mm(a, b), 2 * 256 * 1024 * 1024)
+    kernel, factors = _row_factors(max(sizes), dt, seconds)
     return {"bandwidth": [(s, rnd(x, 0)) for s, x in bw], "flops": rnd(flops, 0), "threads": threads, "dtype": dtype,
+            "matmul_kernel": kernel, "row_factors": factors,
             "forward_overhead_s": _tiny_forward_s(dtype, threads), "load_average": list(os.getloadavg())}
+
+
+def _row_factors(nbytes: int, dt, seconds: float, rows=(1, 2, 3, 5, 9, 16)) -> tuple[str, list[tuple[int, float]]]:
+    """A matmul of 1..16 rows over a ``nbytes`` weight (the target's, out of cache), with the kernel the engine
+    runs such a pass with (its AMX tiles or its few-row kernel, where the CPU has them; else torch's): each width's
+    time over one row's. A kernel that streams the weights once for every few rows shows here."""
+    import statistics
+
+    import torch
+
+    w = torch.randn(max(16, nbytes // (2 * 512) // 16 * 16), 512).to(dt)  # rows in whole AMX tiles
+    none = torch.empty(0, dtype=dt)
+    try:
+        from core import native
+
+        ops = native.load()
+        tiles = ops.amx_pack(w.contiguous()) if dt == torch.bfloat16 and ops.amx_supported() else none
+        gemv = ops.gemv_supported() if dt == torch.bfloat16 else ops.fma_supported()
+        kernel = "AMX tiles" if tiles.numel() else ("few-row kernel" if gemv else "torch")
+
+        def mm(x):
+            return ops.linear(x, w, none, False, [w] if gemv else [], tiles, [])
+    except Exception:  # noqa: BLE001 - no native op here: torch's matmul, as the engine then runs
+        kernel = "torch"
+
+        def mm(x):
+            return x @ w.t()
+
+    times = []
+    for r in rows:
+        x = torch.randn(r, 512).to(dt)
+        mm(x)
+        t = []
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2 or len(t) < 3:
+            t1 = time.perf_counter()
+            mm(x)
+            t.append(time.perf_counter() - t1)
+        times.append(statistics.median(t))
+    # more rows never stream less: a width timed below a narrower one is noise, and takes the narrower's time
+    times = list(itertools.accumulate(times, max))
+    return kernel, [(r, rnd(t / times[0], 4)) for r, t in zip(rows, times)]
 
 
 def _tiny_forward_s(dtype: str, threads: int) -> float:
@@ -466,6 +524,7 @@ def _tiny_forward_s(dtype: str, threads: int) -> float:
 
 def cpu_machine(probe: dict, step_overhead_ms: float, rpc_ms: float) -> Machine:
     return Machine(name="this CPU", flops=probe["flops"], bandwidth_points=[tuple(p) for p in probe["bandwidth"]],
+                   row_factor_points=[tuple(p) for p in probe.get("row_factors") or [(1, 1.0)]],
                    forward_overhead_s=probe["forward_overhead_s"], step_overhead_s=step_overhead_ms / 1e3,
                    rpc_s=rpc_ms / 1e3, validated=True, info={"probe": probe})
 
@@ -531,6 +590,7 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         out[name] = {"rows": rows, "projected_best_k": kbest, "measured_best_k": measured_best,
                      "acceptance": curve.source, "prompt_tokens_mean": rnd(prompt, 1), "output_tokens": n_out}
     return {"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": probe["flops"],
+                        "matmul_kernel": probe.get("matmul_kernel"), "row_factors": probe.get("row_factors"),
                         "forward_overhead_ms": rnd(1e3 * probe["forward_overhead_s"], 4),
                         "step_overhead_ms": step_overhead_ms, "rpc_ms": rpc_ms},
             "tolerance": TOLERANCE, "workloads": out, "load_average_at_probe": probe["load_average"],
@@ -566,6 +626,8 @@ def check_markdown(data: dict) -> str:
     bw = ", ".join(f"{s / 2**20:.1f} MiB: {b / 1e9:.1f} GB/s" for s, b in mc["bandwidth_bytes_per_s"])
     L = ["# The planner against measurement, on this CPU", "",
          (f"Machine model from probes: bandwidth by working set ({bw}); matmul {mc['flops'] / 1e9:.1f} GFLOP/s; "
+          f"a pass of 1, 2, 3, 5, 9, 16 rows over the target's weights with the engine's kernel ({mc.get('matmul_kernel')}) "
+          f"takes {', '.join(f'{f:.2f}' for _, f in mc.get('row_factors') or [])} times one row's; "
           f"{mc['forward_overhead_ms']} ms per forward (a tiny model through the engine); a step adds "
           f"{mc['step_overhead_ms']} ms and a drafter round trip {mc['rpc_ms']} ms (parameters). Load average at the "
           f"probe {', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
