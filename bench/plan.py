@@ -548,9 +548,12 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         n_out = cfg["max_tokens"]
         ctx = prompt + n_out / 2
 
-        def projected(k: int, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out) -> float:
-            s = step("plain" if k == 0 else "split", k, 1, ctx, v, m, d, m, curve)
-            prefill = forward_s(v, m, 1, int(prompt), prompt / 2) + m.step_overhead_s
+        def projected(k: int, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out, served=True) -> float:
+            """Served: the drafter pool, the step's overhead and round trip. Not served: the in-process loop,
+            the same engines one after the other with neither (``core.loop.generate``)."""
+            mm = m if served else Machine(**{**m.__dict__, "step_overhead_s": 0.0, "rpc_s": 0.0})
+            s = step("plain" if k == 0 else ("split" if served else "colocated"), k, 1, ctx, v, mm, d, mm, curve)
+            prefill = forward_s(v, mm, 1, int(prompt), prompt / 2) + mm.step_overhead_s
             return 1e3 * (prefill + n_out * s["step_s"] / s["tokens_per_step"]) / n_out
 
         rows = []
@@ -569,6 +572,12 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
                          "measured_range": [min(runs), max(runs)] if runs else None,
                          "error": rnd(p / meas - 1, 4), "within_bound": abs(p / meas - 1) <= TOLERANCE,
                          "projected_best_k": k == kbest})
+            ref = sy.get("reference_off" if k == 0 else f"reference_k{k}")
+            if ref:
+                pr = projected(k, served=False)
+                rows[-1]["in_process"] = {"projected_ms_per_token": rnd(pr, 3), "measured_ms_per_token": ref["ms_per_token"],
+                                          "error": rnd(pr / ref["ms_per_token"] - 1, 4),
+                                          "within_bound": abs(pr / ref["ms_per_token"] - 1) <= TOLERANCE}
         rows.sort(key=lambda r: r["k"])
         # the parts behind a miss: the verify forward and the drafting on the critical path, projected and measured
         # (the reference loop's engine timings; the served steps' drafting on the path)
@@ -637,17 +646,21 @@ def check_markdown(data: dict) -> str:
         L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
                                  f"best fixed k {w['measured_best_k']}."), "",
               ("| system | k | projected ms/token | measured (median; range) | error | within the bound | verify / plain, "
-               "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+               "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured | "
+               "in-process loop: projected / measured ms/token (error) |"),
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for r in w["rows"]:
             rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
             p = r.get("parts") or {}
+            ip = r.get("in_process")
+            ip_cell = (f" {ip['projected_ms_per_token']:.2f} / {ip['measured_ms_per_token']:.2f} ({ip['error']:+.1%}"
+                       f"{'' if ip['within_bound'] else ', outside'}) |" if ip else " |")
             L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
                      f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
                      f"{'yes' if r['within_bound'] else '**no**'} | "
                      + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
                         f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
-                        if p else "| | |"))
+                        if p else "| | |") + ip_cell)
         L.append("")
     return "\n".join(L)
 

@@ -130,6 +130,22 @@ def test_bench_smoke(bench_urls, tmp_path):
         assert lv["spec_off"]["mean_k"] == 0 and lv["spec_on"]["tokens_per_chunk"] >= 1
         assert lv["throughput_ratio_on_vs_off"] > 0
 
+    assert set(lat["workloads"]) == set(ld["workloads"]) == {"humaneval", "held-out"}
+    assert lat["temperatures"] == lat["workloads"]["humaneval"]["temperatures"] and ld["levels"] == ld["workloads"]["humaneval"]["levels"]
+    assert lat["workloads"]["humaneval"]["workload"]["task_ids"][0].startswith("HumanEval/")
+
+    # --- acceptance through the running server: its drafter, from the responses' speculation blocks
+    from bench import acceptance
+
+    acc = acceptance.run(acceptance.parse(["--url", bench_urls["fixed"], "--workload", "humaneval", "--prompts", "2",
+                                           "--max-tokens", str(TOKENS), "--k-max", "2", "--temperatures", "0",
+                                           "--out", str(out)]))
+    (row,) = acc["results"]
+    assert acc["source"] == "server" and row["drafter"] == "server" and row["num_drafts"] > 0
+    assert sum(row["accepted_length_counts"]) == row["num_drafts"] and len(row["mean_acceptance_length_by_k"]) == 2
+    assert 1 <= row["mean_acceptance_length_by_k"][0] <= row["mean_acceptance_length_by_k"][1] <= 3
+    (out / "acceptance.json").write_text(json.dumps(acc))
+
     # --- cost, from the measured throughput
     co = cost.compute(ld, verifier_price=3.0, drafter_price=1.0)
     (out / "cost.json").write_text(json.dumps(co))
@@ -147,11 +163,11 @@ def test_bench_smoke(bench_urls, tmp_path):
     m = json.loads((out / "meta.json").read_text())
     assert m["machine"] == machine_slug() and m["dtype"] == "float32" and m["torch_threads_per_engine"] == 1
     assert m["cpu_flags"] == cpu_info()["flags"] and m["commit"] not in (None, "unknown")
-    assert set(m["commands"]) == {"latency", "breakdown", "load"}
+    assert set(m["commands"]) == {"latency", "breakdown", "load", "acceptance"}
     md = (out / "report.md").read_text()
     assert md.startswith(f"# splitspec benchmark report: {machine_slug()}")
-    for heading in ("## Goals", "## Single-stream latency", "Zero-overhead bound", "## Where the time goes",
-                    "## Load", "## Cost per million output tokens"):
+    for heading in ("## Goals", "## Per workload", "## Acceptance per workload", "## Single-stream latency",
+                    "Zero-overhead bound", "## Where the time goes", "## Load", "## Cost per million output tokens"):
         assert heading in md, heading
     goal_names = " ".join(g["goal"] for g in merged["goals"])
     assert "speed-up" in goal_names and "zero-overhead bound" in goal_names and "exposed overhead" in goal_names
