@@ -669,13 +669,15 @@ def check_markdown(data: dict) -> str:
 def parse(argv: list[str]):
     """``plan`` (the default when the first argument is not a subcommand) or ``check``."""
     argv = list(argv)
-    if not argv or argv[0] not in ("plan", "check"):
+    if not argv or argv[0] not in ("plan", "check", "-h", "--help"):
         argv = ["plan", *argv]
     ap = argparse.ArgumentParser(description="Project deployment shapes' latency and cost (plan), or check the "
                                              "projection against this CPU's measurements (check).")
     sub = ap.add_subparsers(dest="cmd")
+    helps = {"plan": "deployment shapes on the GPU catalogue (the default)",
+             "check": "the projection against bench.latency's measurements on this CPU, or (--gpu-json) the GPU kit's"}
     for name in ("plan", "check"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, help=helps[name])
         p.add_argument("--out", default=str(DEFAULT_OUT))
         p.add_argument("--acceptance", default=None, help="bench.acceptance's JSON (default: <out>/acceptance.json)")
         p.add_argument("--catalogue", default=str(CATALOGUE))
