@@ -154,10 +154,10 @@ bench-report: $(STAMP) bench-check-out
 	$(PY) -m bench.report --out $(BENCH_OUT)
 
 # The default policy against fixed k on the same text: float32, where every greedy row decodes the
-# reference's tokens (in bf16 the text changes with k), 5 prompts x 3 x 256 (about 10 minutes);
+# reference's tokens (in bf16 the text changes with k), 5 held-out prompts x 3 x 256 (about 10 minutes);
 # then the offline policy replay on the recorded traces (bench/traces/, seconds).
 bench-policy: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.latency --dtype float32 --ks 4,8 --prompts 5 --repeats 3 --max-tokens 256 --no-hf \
+	$(BENCH_RUN) bench.latency --dtype float32 --ks 4,8 --workload held-out --prompts 5 --repeats 3 --max-tokens 256 --no-hf \
 		--out $(BENCH_OUT)/policy-f32
 	$(PY) -m bench.report --out $(BENCH_OUT)/policy-f32
 	$(PY) -m bench.policy_replay --out $(BENCH_OUT)/policy-f32
