@@ -362,8 +362,9 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
     if lat:
         c = lat["config"]
         L += ["## Single-stream latency", "", _cmd(lat),
-              f"{', '.join(c.get('workloads') or ['held-out'])}: {c['prompts'] or 'all'} prompts each "
-              f"(the tables below: the first) x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
+              (f"{', '.join(c['workloads'])}: {c['prompts'] or 'all'} prompts each (the tables below: the first)"
+               if c.get("workloads") else f"{c['prompts']} held-out prompts")  # a run from before workloads
+              + f" x {c['repeats']} repeats, {c['max_tokens']} new tokens (ignore_eos), "
               f"prompt lengths {c['prompt_tokens']} tokens; medians; speed-up = per-run ratio to the best plain system "
               f"in the same (repeat, prompt), then the median. vLLM {c.get('vllm_version') or 'n/a'}."
               + (f" Skipped: {lat['skipped']}." if lat.get("skipped") else ""), ""]
