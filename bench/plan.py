@@ -352,7 +352,9 @@ def markdown(data: dict) -> str:
          + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens; target {data['tpot_ms']} ms per "
          "output token.", "",
          ("**Unvalidated**: GPU figures are projections from datasheets and the catalogue's assumed efficiencies and "
-          "overheads; prices are examples (bench/gpus.yaml)."), "",
+          "overheads; prices are examples (bench/gpus.yaml). The acceptance curve is the one measured (by default the "
+          "shipped pair's on the workload): measure the pair being planned with `python -m bench.acceptance --url` on "
+          "a server running it, and pass its JSON."), "",
          ("| shape | meets target | k | batch / replica | step ms | tokens/step | ms/token | tok/s / replica | "
           "verifier replicas | drafter replicas | $/h | $ / 1M output tokens |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["shapes"]:
