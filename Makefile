@@ -26,10 +26,11 @@ install: $(STAMP)
 # The tests `make test` runs: pyproject.toml's default filter (addopts), which a -m on the command line replaces.
 TEST_FILTER := not slow and not gpu and not cluster and not long
 
-# Three steps, each stopping the build when it fails: the import contracts (pyproject.toml, docs/architecture.md),
+# Four steps, each stopping the build when it fails: ruff (pyflakes, import order, line length), the import contracts (pyproject.toml, docs/architecture.md),
 # then the unit tier (every test that starts no Ray), then the Ray tier (tests marked `ray` by tests/conftest.py:
 # the serve tests sharing one Ray cluster and one app, and any other test that starts Ray).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 -m "not ray and $(TEST_FILTER)"
 	$(PY) -m pytest -q --durations=15 -m "ray and $(TEST_FILTER)"

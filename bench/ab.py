@@ -21,8 +21,26 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_DTYPE, BENCH_OVERRIDES, DEFAULT_K, DEFAULT_OUT, ROOT, TARGET, app_args, complete, completion_body,
-                          environment, load_prompts, log, median, paired_ratio, rnd, serving, set_threads, write_json)
+from bench.common import (
+    BENCH_DTYPE,
+    BENCH_OVERRIDES,
+    DEFAULT_K,
+    DEFAULT_OUT,
+    ROOT,
+    TARGET,
+    app_args,
+    complete,
+    completion_body,
+    environment,
+    load_prompts,
+    log,
+    median,
+    paired_ratio,
+    rnd,
+    serving,
+    set_threads,
+    write_json,
+)
 
 SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
 

@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 
 from bench import workloads
-from bench.common import (BENCH_DTYPE, DEFAULT_OUT, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log,
-                          per_token_acceptance, rnd, set_threads, write_json)
+from bench.common import BENCH_DTYPE, DEFAULT_OUT, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log, per_token_acceptance, rnd, set_threads, write_json
 from bench.latency import floats, ints
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")

@@ -1,7 +1,8 @@
 """Where the time of a speculative step goes, per k (served, streaming, one stream), and where a
 served step loses to the in-process loop.
 
-``python -m bench.breakdown [options]`` (the per-k breakdown, ``breakdown.json``): each response's ``speculation`` stats give, per speculative step on the router's critical
+``python -m bench.breakdown [options]`` (the per-k breakdown, ``breakdown.json``): each response's ``speculation`` stats
+give, per speculative step on the router's critical
 path: the drafter's engine time when drafting was on the path (0 when the pipelined
 pre-draft hit), the verifier's batched forward pass, the rest of the step until the
 verify answer arrived (RPC, queueing, (de)serialisation, the verifier's accept/reject),
@@ -41,8 +42,25 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, TARGET, app_args, complete, completion_body, environment,
-                          load_prompts, log, median, paired_ratio, rnd, serving, set_threads, stream_completion, write_json)
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_K,
+    DEFAULT_OUT,
+    TARGET,
+    app_args,
+    complete,
+    completion_body,
+    environment,
+    load_prompts,
+    log,
+    median,
+    paired_ratio,
+    rnd,
+    serving,
+    set_threads,
+    stream_completion,
+    write_json,
+)
 from bench.latency import ints
 
 COMPONENTS = ("draft_ms", "verify_forward_ms", "rpc_queue_ms", "detok_stream_ms")

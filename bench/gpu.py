@@ -219,7 +219,7 @@ def measure(args, forward: str) -> dict:
                          "ratio_to_bound": round(ms / bound, 3), "same_tokens_as_plain": all(same),
                          "tokens_per_step": round(len(seq.output_ids) / max(n_steps, 1), 3),
                          "step_ms": {"verify": round(v_ms, 3), "draft": round(d_ms, 3), "rest": round(rest, 3)}})
-    del ver, inner, target, drafter_model
+    ver = inner = target = drafter_model = None  # free the models before the next forward's
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"forward": forward, "plain_ms_per_token": round(plain_ms, 3), "decode_forward_ms": round(decode_fwd, 3),

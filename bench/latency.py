@@ -28,9 +28,26 @@ import argparse
 import time
 
 from bench import workloads
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, MAX_MODEL_LEN, PEER_K, app_args, complete, completion_body,
-                          environment, expected_tokens, log, median, per_token_acceptance, rnd, serving, set_threads, vllm_python,
-                          write_json)
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_K,
+    DEFAULT_OUT,
+    MAX_MODEL_LEN,
+    PEER_K,
+    app_args,
+    complete,
+    completion_body,
+    environment,
+    expected_tokens,
+    log,
+    median,
+    per_token_acceptance,
+    rnd,
+    serving,
+    set_threads,
+    vllm_python,
+    write_json,
+)
 
 SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", "mean_handoff_ms", "mean_loop_ms",
                       "mean_transit_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",

@@ -23,8 +23,22 @@ import math
 import time
 
 from bench import workloads
-from bench.common import (BENCH_DTYPE, DEFAULT_K, DEFAULT_OUT, app_args, completion_body, environment, log, median,
-                          percentile, rnd, serving, set_threads, stream_completion, write_json)
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_K,
+    DEFAULT_OUT,
+    app_args,
+    completion_body,
+    environment,
+    log,
+    median,
+    percentile,
+    rnd,
+    serving,
+    set_threads,
+    stream_completion,
+    write_json,
+)
 from bench.latency import ints, max_prompt_tokens
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)

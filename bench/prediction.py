@@ -18,8 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_DTYPE, DEFAULT_OUT, TARGET, app_args, environment, load_prompts, log, serving,
-                          set_threads, write_json)
+from bench.common import BENCH_DTYPE, DEFAULT_OUT, TARGET, app_args, environment, load_prompts, log, serving, set_threads, write_json
 
 VARIANTS = ("none", "exact", "edited", "wrong")
 

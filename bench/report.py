@@ -184,7 +184,8 @@ def goals(data: dict) -> list[dict]:
         for lv in ld["levels"]:
             if lv["concurrency"] in (16, 64):
                 r = lv["throughput_ratio_on_vs_off"]
-                out.append({"kind": "throughput", "concurrency": lv["concurrency"], "goal": f"throughput at {lv['concurrency']} streams with default speculation >= off",
+                out.append({"kind": "throughput", "concurrency": lv["concurrency"],
+                            "goal": f"throughput at {lv['concurrency']} streams with default speculation >= off",
                             "measured": r, "target": 1.0, "met": r is not None and r >= 1.0,
                             "detail": f"{lv['spec_on']['throughput_tok_s']} vs {lv['spec_off']['throughput_tok_s']} tok/s; "
                                       f"mean k under load {lv['spec_on']['mean_k']}, acceptance "
@@ -332,7 +333,8 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
     L = [f"# splitspec benchmark report: {_listed(m['machine'])}", "",
          f"Measured {m['date']} at commit {_listed(m['commit'])} on {cpu} ("
          + ("" if known else "model name not recorded; ") + f"{m['host_cpus']} CPUs; the flags the "
-         f"engines pick kernels by: {_listed(m['cpu_flags'])}), {_listed(m['dtype'])} for every system, {_listed(m['torch_threads_per_engine'])} torch thread(s) per engine, "
+         f"engines pick kernels by: {_listed(m['cpu_flags'])}), {_listed(m['dtype'])} for every system, "
+         f"{_listed(m['torch_threads_per_engine'])} torch thread(s) per engine, "
          f"torch {_listed(m['torch'])}, transformers {_listed(m['transformers'])}."
          + (f" {m['notes']}" if m.get("notes") else ""), ""]
     load = [d["environment"]["load_average_at_start"] for d in data.values()

@@ -8,9 +8,9 @@ k = the number of speculative (draft) tokens proposed per step.
 
 from configs.app import AppConfig
 from configs.models import (
+    DrafterConfig,
     DraftModelConfig,
     Eagle3Config,
-    DrafterConfig,
     NgramConfig,
     SamplingParams,
     VerifierConfig,

@@ -20,16 +20,21 @@ class SamplingParams(_Config):
     drafter applies the same to its own logits to get q, so that q approximates p."""
 
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 means greedy (argmax) decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to at least top_p.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
+        "Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to at least top_p."))
     top_k: int = Field(0, ge=0, le=1_000_000, description="Keep only the top_k most likely tokens; 0 disables the cut.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of the request's random numbers; the same seed, prompt and parameters give the same output whatever else is batched with it.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
+        "Seed of the request's random numbers; the same seed, prompt and parameters give the same output whatever else is batched with it."))
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate (the context limit may end generation earlier).")
     stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end generation; the returned text excludes them.")
     ignore_eos: bool = Field(False, description="Keep generating after an end-of-sequence token.")
-    stop_token_ids: tuple[int, ...] = Field((), max_length=256, description="Token ids that end generation like EOS (even with ignore_eos); the id is returned, its text is not.")
-    min_tokens: int = Field(0, ge=0, le=1_000_000, description="Generate at least this many tokens: EOS and stop_token_ids are masked out, and stop strings are not searched, before then.")
+    stop_token_ids: tuple[int, ...] = Field((), max_length=256, description=(
+        "Token ids that end generation like EOS (even with ignore_eos); the id is returned, its text is not."))
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
+        "Generate at least this many tokens: EOS and stop_token_ids are masked out, and stop strings are not searched, before then."))
     logit_bias: dict[int, float] = Field(default_factory=dict, description="Added to the logits of these token ids (each in [-100, 100]) before the penalties.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Divides positive (multiplies negative) logits of tokens already in the prompt or the output; 1 is off.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description=(
+        "Divides positive (multiplies negative) logits of tokens already in the prompt or the output; 1 is off."))
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it occurs in the output.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token that occurs in the output.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="After temperature, drop tokens whose probability is below min_p times the most likely token's.")
@@ -71,17 +76,31 @@ class DraftModelConfig(_Config):
     """A small causal LM that shares the target's tokenizer proposes the draft tokens."""
 
     method: Literal["draft_model"] = Field("draft_model", description="Selects this drafter type.")
-    model: str = Field(..., min_length=1, description="A Hugging Face causal LM with the target's vocabulary: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references).")
+    model: str = Field(..., min_length=1, description=(
+        "A Hugging Face causal LM with the target's vocabulary: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model "
+        "references)."))
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
-    draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The drafter samples from its own top draft_top_k tokens, so q is exactly sparse and only these entries travel to the verifier.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere.")
-    forward: Literal["auto", "native", "compact", "transformers"] = Field("auto", description="Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures.")
+    draft_top_k: int = Field(64, ge=1, le=1_000_000, description=(
+        "The drafter samples from its own top draft_top_k tokens, so q is exactly sparse and only these entries travel to the verifier."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start)."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere."))
+    forward: Literal["auto", "native", "compact", "transformers"] = Field("auto", description=(
+        "Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, "
+        "built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any "
+        "architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures."))
     device: str = Field("cpu", description="torch device of the drafter model.")
-    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when full.")
+    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
+        "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is "
+        "evicted when full."))
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
-    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave it unset.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
+        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
+        "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
+        "it unset."))
 
 
 class NgramConfig(_Config):
@@ -92,7 +111,8 @@ class NgramConfig(_Config):
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step.")
     min_n: int = Field(1, ge=1, le=64, description="Shortest suffix n-gram to match.")
     max_n: int = Field(4, ge=1, le=64, description="Longest suffix n-gram to match (tried first).")
-    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description="Memory for the sequences' tokens and n-gram indexes (estimated); the least recently used sequence is dropped when full.")
+    cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
+        "Memory for the sequences' tokens and n-gram indexes (estimated); the least recently used sequence is dropped when full."))
 
     @model_validator(mode="after")
     def _n_range(self):
@@ -106,17 +126,32 @@ class Eagle3Config(_Config):
     which the verifier captures in its verification pass and sends with each draft request."""
 
     method: Literal["eagle3"] = Field("eagle3", description="Selects this drafter type.")
-    model: str = Field(..., min_length=1, description="A Speculators eagle3 head (config.json with speculators_model_type eagle3, safetensors weights) trained for the verifier's model: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references).")
-    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method (its speculators_config), else 4; the app builder sets it.")
-    draft_top_k: int = Field(64, ge=1, le=1_000_000, description="The head samples from its own top draft_top_k tokens (mapped to the target's vocabulary), so q is exactly sparse and only these entries travel to the verifier.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere.")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="The head's KV cache dtype; auto: float32 on CPUs, the compute dtype elsewhere.")
+    model: str = Field(..., min_length=1, description=(
+        "A Speculators eagle3 head (config.json with speculators_model_type eagle3, safetensors weights) trained for the verifier's model: a local "
+        "directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references)."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method "
+        "(its speculators_config), else 4; the app builder sets it."))
+    draft_top_k: int = Field(64, ge=1, le=1_000_000, description=(
+        "The head samples from its own top draft_top_k tokens (mapped to the target's vocabulary), so q is exactly sparse and only these entries "
+        "travel to the verifier."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "The head's KV cache dtype; auto: float32 on CPUs, the compute dtype elsewhere."))
     device: str = Field("cpu", description="torch device of the head.")
-    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description="Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full.")
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full."))
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence; default: the head's max_position_embeddings.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
-    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave it unset.")
-    verifier_model: str | None = Field(None, description="The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from verifier.model.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
+        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
+        "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
+        "it unset."))
+    verifier_model: str | None = Field(None, description=(
+        "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from "
+        "verifier.model."))
 
 
 DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Field(discriminator="method")]
@@ -125,26 +160,61 @@ DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Fi
 class VerifierConfig(_Config):
     """The target model that verifies drafts."""
 
-    model: str | None = Field(None, min_length=1, description="A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id `org/name[@revision]`, pinned to a commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the verifier the head's speculators_config names; required otherwise.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start).")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere.")
-    forward: Literal["auto", "native", "compact", "transformers"] = Field("auto", description="Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures.")
+    model: str | None = Field(None, min_length=1, description=(
+        "A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id `org/name[@revision]`, pinned to a "
+        "commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the verifier the head's "
+        "speculators_config names; required otherwise."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start)."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere."))
+    forward: Literal["auto", "native", "compact", "transformers"] = Field("auto", description=(
+        "Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, "
+        "built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any "
+        "architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures."))
     device: str = Field("cpu", description="torch device of the target model.")
-    cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description="Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when full.")
+    cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description=(
+        "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when "
+        "full."))
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence (prompt + output); default: the model's max_position_embeddings.")
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
     num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
-    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description="Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave it unset.")
-    backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, prefix caching), one per replica, with the same verify protocol and guarantees.")
-    vllm_kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description="vllm backend: memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it explicitly: vLLM's CPU default reserves a share of all RAM per engine.")
-    vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description="vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU backend prefers multiples of 32.")
-    vllm_max_num_seqs: int = Field(64, ge=1, le=4096, description="vllm backend: most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1).")
-    vllm_tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description="vllm backend: sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a forgotten sequence's next call is a cache miss.")
-    vllm_enforce_eager: bool | None = Field(None, description="vllm backend: run the model eagerly (no torch.compile or CUDA graphs). Default (None): eager on CPU, where compiling takes minutes; compiled with CUDA graphs on GPUs.")
-    vllm_loop: Literal["engine", "per_step"] = Field("engine", description="vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; 10x slower per step).")
-    vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description="vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it.")
-    vllm_speculate: Literal["measured", "always"] = Field("measured", description="vllm backend, engine loop: whether an engine step speculates. measured (default): per batch size (powers of two), by the tokens per second each choice measures in engine steps, each arm measured once it has run a few steps in a row (a switch costs the drafter its warm state); speculation goes off where verification saturates or the drafter pool cannot keep up, and is retried now and then. always: every step drafts for every request that asks. Pre-draft trees run only while at most 4 requests do.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the Verifier deployment a placement group of that many GPU bundles (configs/serve_gpu_vllm.yaml).")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
+        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
+        "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
+        "it unset."))
+    backend: Literal["transformers", "vllm"] = Field("transformers", description=(
+        "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, "
+        "prefix caching), one per replica, with the same verify protocol and guarantees."))
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description=(
+        "vllm backend: memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it explicitly: vLLM's CPU "
+        "default reserves a share of all RAM per engine."))
+    vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description=(
+        "vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU "
+        "backend prefers multiples of 32."))
+    vllm_max_num_seqs: int = Field(64, ge=1, le=4096, description=(
+        "vllm backend: most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1)."))
+    vllm_tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description=(
+        "vllm backend: sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a forgotten sequence's "
+        "next call is a cache miss."))
+    vllm_enforce_eager: bool | None = Field(None, description=(
+        "vllm backend: run the model eagerly (no torch.compile or CUDA graphs). Default (None): eager on CPU, where compiling takes minutes; compiled "
+        "with CUDA graphs on GPUs."))
+    vllm_loop: Literal["engine", "per_step"] = Field("engine", description=(
+        "vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's "
+        "proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify "
+        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; 10x slower per step)."))
+    vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description=(
+        "vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it."))
+    vllm_speculate: Literal["measured", "always"] = Field("measured", description=(
+        "vllm backend, engine loop: whether an engine step speculates. measured (default): per batch size (powers of two), by the tokens per second "
+        "each choice measures in engine steps, each arm measured once it has run a few steps in a row (a switch costs the drafter its warm state); "
+        "speculation goes off where verification saturates or the drafter pool cannot keep up, and is retried now and then. always: every step drafts "
+        "for every request that asks. Pre-draft trees run only while at most 4 requests do."))
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the Verifier deployment a placement group "
+        "of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
 
 
 _C = TypeVar("_C", bound=BaseModel)

@@ -27,8 +27,8 @@ import logging
 import pickle
 import secrets
 import struct
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct(">I")

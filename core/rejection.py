@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from core.protocol import DraftProbs, VerifyRequest, VerifyResult
-from core.sampling import (History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf,
-                           target_logits, uniform)
+from core.sampling import History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, target_logits, uniform
 
 PAD = -1  # marks positions after the last emitted token
 

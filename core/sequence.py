@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.detok import IncrementalDetokenizer
-from core.protocol import (DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len,
-                           cut_chain)
+from core.protocol import DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len, cut_chain
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams

@@ -32,7 +32,8 @@ def metrics():
                               tag_keys=("endpoint", "status")),
         "request_latency": m.Histogram("splitspec_request_latency_s", description="End-to-end request seconds.",
                                        boundaries=LATENCY_BOUNDARIES_S, tag_keys=("endpoint",)),
-        "exposed_rpc": m.Histogram("splitspec_exposed_rpc_s", description="Per speculative step: seconds on the router's critical path outside drafter and verifier engine time (network, queueing, serialisation).",
+        "exposed_rpc": m.Histogram("splitspec_exposed_rpc_s", description=(
+            "Per speculative step: seconds on the router's critical path outside drafter and verifier engine time (network, queueing, serialisation)."),
                                    boundaries=LATENCY_BOUNDARIES_S),
         "num_drafts": m.Counter("spec_decode_num_drafts", description="Speculative steps that proposed tokens."),
         "num_draft_tokens": m.Counter("spec_decode_num_draft_tokens", description="Draft tokens proposed."),
@@ -40,12 +41,16 @@ def metrics():
         "num_accepted_tokens_per_pos": m.Counter("spec_decode_num_accepted_tokens_per_pos",
                                                  description="Draft tokens accepted, by position in the draft.",
                                                  tag_keys=("position",)),
-        "pre_draft": m.Counter("splitspec_pre_drafts", description="Blocks drafted while the previous one was verified, by outcome (hit: used; miss: discarded).",
+        "pre_draft": m.Counter("splitspec_pre_drafts", description=(
+            "Blocks drafted while the previous one was verified, by outcome (hit: used; miss: discarded)."),
                                tag_keys=("outcome",)),
         "cancelled": m.Counter("splitspec_cancelled_requests", description="Requests stopped because the client disconnected."),
-        "deadline_exceeded": m.Counter("splitspec_deadline_exceeded", description="Requests stopped at their deadline (request_timeout_s or the request's timeout)."),
+        "deadline_exceeded": m.Counter("splitspec_deadline_exceeded", description=(
+            "Requests stopped at their deadline (request_timeout_s or the request's timeout).")),
         "active_requests": m.Gauge("splitspec_active_requests", description="Requests running on a router replica (admitted, not yet finished)."),
-        "drafter_calls": m.Counter("splitspec_drafter_calls", description="Drafter calls made by verifier replicas, by transport (direct: down the channel to the sequence's bound replica; serve: through a Serve handle) and outcome (ok; fallback: the channel broke and the call went through Serve).",
+        "drafter_calls": m.Counter("splitspec_drafter_calls", description=(
+            "Drafter calls made by verifier replicas, by transport (direct: down the channel to the sequence's bound replica; serve: through a Serve "
+            "handle) and outcome (ok; fallback: the channel broke and the call went through Serve)."),
                                    tag_keys=("transport", "outcome")),
         "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
     }

@@ -29,8 +29,7 @@ from core.sequence import Sequence
 from deployments.batcher import Overloaded
 from deployments.edge import EdgeMiddleware, configure_edge, count_status
 from deployments.metrics import Tally, metrics
-from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults,
-                                    to_sampling_params)
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults, to_sampling_params
 
 log = logging.getLogger("ray.serve")
 
@@ -393,7 +392,8 @@ class Router:
         often the replica sends the steps (None: its ``stream_interval_ms``)."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {}, "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
+        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {},
+                  "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
                   "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
                   "verify_rest_s": 0.0, "handoff_s": 0.0, "loop_s": 0.0, "transit_s": 0.0, "split_steps": 0,
                   "plain_from_token": None}

@@ -12,7 +12,6 @@ from deployments.autoscaling import LoadWindow
 from deployments.batcher import ContinuousBatcher
 from deployments.metrics import metrics, where
 
-
 log = logging.getLogger(__name__)
 FAULT_INJECTION_ENV = "SPLITSPEC_FAULT_INJECTION"  # "1" enables ``inject_fault`` (tests, chaos drills)
 

@@ -239,7 +239,8 @@ class VerifierServer(EngineServer):
 
         eng = self.engine
         proposer = await eng.proposer_status() if getattr(eng, "speculative", False) and not getattr(eng, "in_engine", False) else None
-        return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls), "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
+        return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls),
+                "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
 
     def check_health(self):

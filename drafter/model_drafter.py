@@ -18,8 +18,7 @@ from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import eos_token_ids, pin_process
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import (History, NoiseCache, Stream, gumbel_argmax, processed_probs, sample_inverse_cdf,
-                           target_logits, uniform)
+from core.sampling import History, NoiseCache, Stream, gumbel_argmax, processed_probs, sample_inverse_cdf, target_logits, uniform
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig

@@ -9,8 +9,7 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from core.protocol import DraftRequest, VerifyRequest
-from deployments.autoscaling import (BATCH_FILL, BATCH_TOKENS, BUSY, QUEUED, LoadWindow, PoolPolicy, drafter_policy,
-                                     pool_decision, verifier_policy, work_tokens)
+from deployments.autoscaling import BATCH_FILL, BATCH_TOKENS, BUSY, QUEUED, LoadWindow, PoolPolicy, drafter_policy, pool_decision, verifier_policy, work_tokens
 
 pytestmark = pytest.mark.cpu
 

@@ -7,9 +7,8 @@ are marked long."""
 import json
 import math
 import os
-import struct
-
 import shutil
+import struct
 from pathlib import Path
 
 import pytest

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
-
 import ray
+import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.autoscaling import PoolPolicy

@@ -6,8 +6,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from configs import (DraftModelConfig, DrafterConfig, NgramConfig, SamplingParams, VerifierConfig, from_yaml,
-                     to_yaml)
+from configs import DrafterConfig, DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig, from_yaml, to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 

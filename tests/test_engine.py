@@ -303,15 +303,15 @@ def test_memoised_prefix_hash_equals_the_definition():
 
     rng = random.Random(0)
     tokens, chain = [], [b""]
-    for step in range(300):
+    for n_step in range(300):
         tokens += [rng.randrange(4096) for _ in range(rng.randint(1, 40))]
-        if step % 37 == 36:  # a rollback past a block boundary, then different tokens
+        if n_step % 37 == 36:  # a rollback past a block boundary, then different tokens
             cut = rng.randrange(len(tokens))
             del tokens[cut:]
             cut_chain(chain, cut)
             tokens += [rng.randrange(4096) for _ in range(5)]
         n = rng.randint(0, len(tokens))
-        assert prefix_hash(tokens, n, chain) == prefix_hash(tokens[:n]), step
+        assert prefix_hash(tokens, n, chain) == prefix_hash(tokens[:n]), n_step
         assert len(chain) <= len(tokens) // HASH_BLOCK + 1
     guess = tokens + [1] * 600
     before = list(chain)
@@ -340,8 +340,8 @@ def test_per_step_overhead_is_flat_up_to_8192_positions(tiny_pair):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seqs = [Sequence([5 + i % 300 for i in range(n)], params, 0, None, set(), ver.max_len) for n in (64, 8000)]
     per_step = [[], []]
-    for step in range(params.max_tokens):
-        for i in (0, 1) if step % 2 else (1, 0):
+    for n_step in range(params.max_tokens):
+        for i in (0, 1) if n_step % 2 else (1, 0):
             t0 = time.perf_counter()
             (res,) = ver.verify([seqs[i].verify_request()])
             seqs[i].apply(res)

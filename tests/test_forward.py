@@ -10,7 +10,8 @@ import torch
 from core.kv_cache import PagedKVCache, batched_forward
 from core.llama import CompactLlama, HFRunner, NativeLlama, compact_unsupported, make_runner
 from core.models import cpu_has_fast_bf16, resolve_dtype, resolve_kv_dtype
-from core.native import load as load_native, why_unavailable
+from core.native import load as load_native
+from core.native import why_unavailable
 from core.protocol import prefix_hash
 
 

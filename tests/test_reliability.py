@@ -12,8 +12,6 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import _free_port
-
 pytestmark = pytest.mark.serve
 
 

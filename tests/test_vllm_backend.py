@@ -379,8 +379,7 @@ def test_serve_vllm_config_and_bounds():
     import yaml
     from pydantic import ValidationError
 
-    from configs import VerifierConfig
-    from configs import AppConfig
+    from configs import AppConfig, VerifierConfig
 
     cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
     app = AppConfig.model_validate(cfg["applications"][0]["args"])
@@ -509,6 +508,7 @@ def test_the_proposer_keeps_each_sequences_context_and_hash_chain_as_they_grow()
 
     prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
     prop.ctx, prop.chains, prop.held = {}, {}, {}
+    held = []  # the drafter's tokens after the previous step
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, 4000, (2, 3 * HASH_BLOCK + 48), generator=g)
     for n in (10, HASH_BLOCK + 5, 2 * HASH_BLOCK + 7, 3 * HASH_BLOCK + 40):
