@@ -57,7 +57,7 @@ class HeadRunner:
     position: fc(g) or the head's own output). A lone stream's one-token steps (each draft token of a
     chain) run the same arithmetic as one native call (``core/csrc/decoder.cpp`` ``eagle3_step``) where
     it builds: at one token the eager layer's small ops cost about as much as its matmuls, the reason the
-    target's forward is one native call (docs/decisions/0001-native-forward.md)."""
+    target's forward is one native call (docs/decisions/0001-native-forward.md, 0026-eagle3-native-step.md)."""
 
     def __init__(self, head: EagleHead, max_len: int):
         self.head = head.fuse(max_len)
