@@ -26,21 +26,22 @@ install: $(STAMP)
 # The tests `make test` runs: pyproject.toml's default filter (addopts), which a -m on the command line replaces.
 TEST_FILTER := not slow and not gpu and not cluster and not long
 
-# Four steps, each stopping the build when it fails: ruff (pyflakes, import order, line length), the import contracts (pyproject.toml, docs/architecture.md),
-# then the unit tier (every test that starts no Ray), then the Ray tier (tests marked `ray` by tests/conftest.py:
-# the serve tests sharing one Ray cluster and one app, and any other test that starts Ray).
+# Four steps, each stopping the build when it fails: ruff (pyflakes, import order, line length), the import
+# contracts (pyproject.toml, docs/architecture.md), the unit tier (every test that starts no Ray and is not
+# `heavy`), then the Ray tier (tests marked `ray` by tests/conftest.py: the serve tests sharing one Ray cluster
+# and one app, any other test that starts Ray; and the `heavy` unit tests, which take several seconds each).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=15 -m "not ray and $(TEST_FILTER)"
-	$(PY) -m pytest -q --durations=15 -m "ray and $(TEST_FILTER)"
+	$(PY) -m pytest -q --durations=15 -m "not ray and not heavy and $(TEST_FILTER)"
+	$(PY) -m pytest -q --durations=15 -m "(ray or heavy) and $(TEST_FILTER)"
 
 # One tier of `make test` alone.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -m "not ray and $(TEST_FILTER)"
+	$(PY) -m pytest -q --durations=15 -m "not ray and not heavy and $(TEST_FILTER)"
 
 test-ray: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -m "ray and $(TEST_FILTER)"
+	$(PY) -m pytest -q --durations=15 -m "(ray or heavy) and $(TEST_FILTER)"
 
 # Everything, the long soak/load scenarios included.
 test-all: $(STAMP)

@@ -204,20 +204,17 @@ def test_operators_k_is_the_ceiling(serve_app):
 
 
 def test_every_status_is_counted(ray_cluster, serve_app):
+    """A refused request is counted under its status (a stream that ends in an in-band deadline error
+    is counted as a 504: tests/test_reliability.py, where the verifier can be slowed)."""
     base, *_ = serve_app
 
     def count(status):
         return sum(v for n, lab, v in scrape(ray_cluster)
                    if n == "ray_splitspec_requests_total" and lab.get("status") == status)
 
-    before_400, before_504 = count("400"), count("504")
+    before_400 = count("400")
     assert post(base, prompt="x", top_k=2_000_000).status_code == 400
-    # a stream that ends in an in-band deadline error (headers already sent) is a 504, not a 200
-    # 0.12 s: the tiny model decodes its 256-token context in about 0.25 s, so the deadline falls mid-stream
-    events = sse(base, prompt=PROMPTS[0], max_tokens=400, temperature=0, ignore_eos=True, timeout=0.12,
-                 num_speculative_tokens=0)
-    assert events[-1].get("error", {}).get("code") == "deadline_exceeded", events[-1]
-    assert wait_for(lambda: count("400") > before_400 and count("504") > before_504), (count("400"), count("504"))
+    assert wait_for(lambda: count("400") > before_400), count("400")
 
 
 def test_generation_config_defaults_apply_when_a_request_omits_them(tmp_path):

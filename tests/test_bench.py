@@ -221,6 +221,7 @@ def test_vllm_peer_smoke():
             assert r["spec"]["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.heavy
 def test_engine_bench_quick(tmp_path, capsys):
     """bench.engine at its quick setting: the forward against the model's own linear layers."""
     from bench import engine

@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from offline.training import distill
 from tests.helpers import tiny_llama, tiny_tokenizer
 
 
+@pytest.mark.heavy
 def test_distill_runs_resumes_and_lowers_kl(tmp_path, capsys):
     tok = tiny_tokenizer()
     target_dir = tmp_path / "target"

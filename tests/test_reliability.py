@@ -72,6 +72,32 @@ def test_full_verifier_queue_answers_503_quickly_then_serves(strict_app):
     assert post(strict_app, prompt="x", max_tokens=3).status_code == 200
 
 
+def test_a_stream_ended_by_its_deadline_is_counted_as_504(ray_cluster, strict_app):
+    """Headers are sent before the deadline falls, so the status line says 200; the metric counts the
+    request as what it was, a 504. The verifier is slowed (injected: 50 ms more per batch), so the
+    deadline falls mid-stream whatever the machine."""
+    from ray import serve
+
+    from tests.test_metrics_cancel import scrape, wait_for
+
+    def count():
+        return sum(v for n, lab, v in scrape(ray_cluster)
+                   if n == "ray_splitspec_requests_total" and lab.get("status") == "504")
+
+    before = count()
+    verifier = serve.get_deployment_handle("Verifier", app_name="strict")
+    verifier.inject_fault.remote("slow", 0.05).result()
+    try:
+        with httpx.stream("POST", f"{strict_app}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "class A:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+                "stream": True, "timeout": 1.0, "num_speculative_tokens": 0}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        verifier.inject_fault.remote("slow", 0).result()
+    assert r.status_code == 200 and json.loads(lines[-2][6:])["error"]["code"] == "deadline_exceeded"
+    assert wait_for(lambda: count() > before), (before, count())
+
+
 def test_deadline_stops_the_request_with_504(strict_app):
     """A request past its deadline stops mid-generation: 504, or in a stream the tokens so far, then an
     error event. The verifier is slowed (injected: 50 ms more per batch), so the 252 tokens the context

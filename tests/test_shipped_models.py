@@ -62,6 +62,7 @@ def test_greedy_speculation_equals_target_generate(pair):
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
 
 
+@pytest.mark.heavy
 def test_pair_reaches_the_acceptance_its_model_card_reports(pair):
     from offline.training.distill import measure_acceptance
 

@@ -239,7 +239,8 @@ V, N = 8, 2000
 
 
 # Most of a minute each on one core: the gumbel case runs in `make test-long`, so `make test` stays short
-@pytest.mark.parametrize("verification", ["rejection", pytest.param("gumbel", marks=pytest.mark.long)])
+@pytest.mark.parametrize("verification", [pytest.param("rejection", marks=pytest.mark.heavy),
+                                          pytest.param("gumbel", marks=pytest.mark.long)])
 def test_sampled_outputs_with_trees_are_token_for_token_those_without(verification, monkeypatch):
     """A branch's drafts and q are those its context gets when drafted on its own (randomness is keyed
     by seed and position), so pre-draft trees change no sampled token: every seed's output equals the
