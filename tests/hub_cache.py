@@ -72,3 +72,12 @@ def head_files(head: str | Path, verifier: str) -> dict[str, Path | bytes]:
     cfg["speculators_config"]["verifier"]["name_or_path"] = verifier
     files["config.json"] = (json.dumps(cfg, indent=2) + "\n").encode()
     return files
+
+
+def offline_home(tmp_path: Path, monkeypatch) -> Path:
+    """An empty hub cache under ``tmp_path``, offline, as this process's ``HF_HOME`` (a test's fixture)."""
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return home

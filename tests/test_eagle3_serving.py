@@ -209,6 +209,20 @@ def _kill_drafters(app="eagle"):
     return len(names)
 
 
+def _kill_drafter_mid_stream(handle, app: str, results: list, failures0: int, more: int) -> None:
+    """Kills the app's one drafter replica while clients stream, then waits (2 minutes at most) until
+    the verifier's proposer has counted a lost drafter and ``more`` requests have finished since."""
+    import time
+
+    assert _kill_drafters(app) == 1
+    deadline = time.time() + 120
+    while handle.stats.remote().result()["proposer"][0]["failures"] == failures0 and time.time() < deadline:
+        time.sleep(0.2)
+    n_at_failure = len(results)
+    while len(results) < n_at_failure + more and time.time() < deadline:
+        time.sleep(0.2)
+
+
 def _greedy_is_the_targets(url: str, ver) -> list[dict]:
     """Two code prompts, 64 greedy tokens each over HTTP: the target's own tokens, with the head's
     drafts mostly accepted. -> each response's speculation stats."""

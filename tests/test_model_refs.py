@@ -22,7 +22,7 @@ import pytest
 
 from configs import AppConfig
 from core import hub
-from tests.hub_cache import SHIPPED, commit_of, head_files, lay_out, model_files
+from tests.hub_cache import SHIPPED, commit_of, head_files, lay_out, model_files, offline_home
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET, DRAFTER, HEAD = "test-org/tiny-code-target", "test-org/tiny-code-drafter", "test-org/tiny-code-eagle3"
@@ -34,10 +34,7 @@ COPIES = {"original/consolidated.00.pth": 1000, "original/params.json": 10, "ori
 @pytest.fixture
 def hf_home(tmp_path, monkeypatch):
     """An empty hub cache, offline, as this process's ``HF_HOME``; the working directory elsewhere."""
-    home = tmp_path / "hf"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    home = offline_home(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     return home
 

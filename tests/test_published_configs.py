@@ -22,7 +22,7 @@ import torch
 import transformers
 import yaml
 
-from tests.hub_cache import head_files, lay_out, model_files
+from tests.hub_cache import head_files, lay_out, model_files, offline_home
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {  # config -> the family of its verifier
@@ -113,11 +113,7 @@ def cached_ids(home: Path, name: str, stand_ins) -> dict:
 
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
-    home = tmp_path / "hf"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    return home
+    return offline_home(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
