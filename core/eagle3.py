@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.layers import RMSNorm, rotate, signed_sin
+
 SPECULATORS_VERSION = "0.3.0"
 LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3LlamaForCausalLM and Eagle3Qwen3ForCausalLM
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -201,24 +203,6 @@ class Eagle3Spec:
             "norm_before_residual": self.norm_before_residual, "norm_before_fc": self.norm_before_fc,
             "fc_norm": self.fc_norm, "norm_output": self.norm_output, "embed_requires_grad": False,
         }
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x):
-        # normalised in float32 and rounded to x's dtype, then the weight (vLLM's and transformers' order;
-        # torch's rms_norm computes a bf16 input in float32 and rounds once, as x.float()'s norm .to(bf16))
-        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
-
-
-def rotate(x, cos, sin):
-    """The rotary embedding (Llama's half-split form) with ``sin`` signed as ``EagleHead.rope`` returns it:
-    x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = roll(x, D/2) * cat(-sin1, sin2) exactly."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def rope_frequencies(spec: Eagle3Spec) -> tuple[torch.Tensor, float]:
@@ -439,9 +423,7 @@ class EagleHead(nn.Module):
         parts16 = [p for m in fused for p in m.parts16] if parts and all(m.parts16 for m in fused) else []
         tiles = [m.tiles for m in fused] if any(m.tiles.numel() for m in fused) else []
         # cos and the plain sin by cache row (the native rotary is rotate_half's)
-        cos, sin = self._row_rope[0][:, 0], self._row_rope[1][:, 0]
-        half = sin.shape[-1] // 2
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        cos, sin = self._row_rope[0][:, 0], signed_sin(self._row_rope[1][:, 0])
         s = self.spec
         return {"ops": ops, "weights": [t.detach() for t in weights], "parts": parts, "parts16": parts16, "tiles": tiles,
                 "packed": fused[0].linear.packed, "lm_head": self._lm_head.linear.weight, "cos": cos, "sin": sin,
@@ -457,9 +439,7 @@ class EagleHead(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         f = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((f, f), dim=-1)
-        sign = torch.ones(emb.shape[-1], device=emb.device)
-        sign[: emb.shape[-1] // 2] = -1
-        return emb.cos() * self.rope_scale, emb.sin() * (self.rope_scale * sign)
+        return emb.cos() * self.rope_scale, signed_sin(emb.sin() * self.rope_scale)
 
     def row_rope(self, rows: torch.Tensor):
         """cos, signed sin [B, n, 1, D] for paged-cache rows [B, n] (row t: position t - 1; needs ``fuse``)."""

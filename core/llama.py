@@ -30,6 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from core.layers import rms_norm, rotate, signed_sin
+
 log = logging.getLogger(__name__)
 
 COMPACT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -53,11 +55,6 @@ def layer_windows(text_config) -> list[int | None]:
         return [window if t == "sliding_attention" else None for t in types[:c.num_hidden_layers]]
     use = getattr(c, "use_sliding_window", True)
     return [window if window and use else None] * c.num_hidden_layers
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's Llama RMSNorm: normalised in float32 (one fused kernel), scaled in the weight's dtype."""
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def packed_linear_available(weight: torch.Tensor) -> bool:
@@ -94,11 +91,6 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def compact_unsupported(model, max_len: int) -> str | None:
@@ -153,7 +145,7 @@ class CompactLlama:
         # cos/sin for every position once, from the model's own rotary module (rope scaling included)
         pos = torch.arange(max_len, device=self.embed.device).unsqueeze(0)
         cos, sin = inner.rotary_emb(self.embed[:1].unsqueeze(0), pos)  # [1, max_len, head_dim]
-        self.cos, self.sin = cos[0], sin[0]
+        self.cos, self.sin = cos[0], signed_sin(sin[0])  # sin signed, as ``rotate`` takes it
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv, mask, keep: int, capture: tuple[int, ...] = ()):
@@ -167,24 +159,24 @@ class CompactLlama:
         for i, w in enumerate(self.layers):
             if i in capture:
                 hidden[i] = x
-            h = _rms_norm(x, w["ln1"], self.eps)
+            h = rms_norm(x, w["ln1"], self.eps)
             qkv = w["qkv"](h)  # [B, n, (H + 2 KV) D]
             qk, v = qkv.view(B, n, H + 2 * KV, D).split([H + KV, KV], dim=2)  # [B, n, heads, D]
             if w["q_norm"] is not None:
                 q, k = qk.split([H, KV], dim=2)
-                qk = torch.cat([_rms_norm(q, w["q_norm"], self.eps), _rms_norm(k, w["k_norm"], self.eps)], dim=2)
-            qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated together: one set of kernels
+                qk = torch.cat([rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)], dim=2)
+            qk = rotate(qk, cos, sin)  # q and k rotated together: one set of kernels
             q, k = qk.split([H, KV], dim=2)
             K, V = kv.update(i, k, v)  # [B, S, KV, D], in the cache's dtype
             # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are 3-8x slower
             a = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
                                                attn_mask=mask, enable_gqa=KV != H)  # [B, H, n, D]
             x = x + w["o"](a.transpose(1, 2).reshape(B, n, H * D).to(x.dtype))
-            gate, up = w["gate_up"](_rms_norm(x, w["ln2"], self.eps)).chunk(2, dim=-1)
+            gate, up = w["gate_up"](rms_norm(x, w["ln2"], self.eps)).chunk(2, dim=-1)
             x = x + w["down"](F.silu(gate) * up)
         if self.num_layers in capture:
             hidden[self.num_layers] = x
-        logits = self.lm_head(_rms_norm(x[:, n - keep:], self.norm, self.eps))  # [B, keep, V]
+        logits = self.lm_head(rms_norm(x[:, n - keep:], self.norm, self.eps))  # [B, keep, V]
         return logits, hidden
 
 
@@ -239,7 +231,8 @@ class NativeLlama(CompactLlama):
             self.tiles.append(tiles(model.lm_head.weight))
         # attention over the cache in place (core/csrc/decoder.cpp); SPLITSPEC_ATTENTION=aten: ATen's, for A/B runs
         self.aten_attention = os.environ.get("SPLITSPEC_ATTENTION", "own") == "aten"
-        self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        # the native rotary takes the plain sin (rotate_half's)
+        self.cos, self.sin = self.cos.contiguous(), signed_sin(self.sin).contiguous()
         self._none_rows = torch.empty(0, dtype=torch.long)
 
     def matmuls(self) -> list[tuple[Linear, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]]:
