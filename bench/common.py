@@ -337,10 +337,15 @@ def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, 
     return body
 
 
+# asks the served app for the per-step time breakdown in each response's speculation block
+# (docs/serving.md); a header, not a body field: an older checkout's app (bench.ab) ignores it
+TIMING_HEADERS = {"x-splitspec-timing": "1"}
+
+
 def complete(client, url: str, body: dict) -> tuple[float, int, dict | None, list[int] | None]:
     """One non-streaming completion: (wall seconds, output tokens, speculation stats, token ids)."""
     t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/completions", json=body)
+    r = client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
     dt = time.perf_counter() - t0
     r.raise_for_status()
     data = r.json()
@@ -352,7 +357,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
     chunks: list[tuple[float, int]] = []  # (seconds since send, tokens in the chunk)
     spec, n_usage, ids = None, None, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=TIMING_HEADERS) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: "):

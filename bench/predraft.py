@@ -36,6 +36,7 @@ from bench.common import (
     DEFAULT_OUT,
     EAGLE3,
     TARGET,
+    TIMING_HEADERS,
     app_args,
     completion_body,
     environment,
@@ -134,7 +135,8 @@ def served(args) -> dict:
                 for name in names[r0:] + names[:r0]:
                     t0 = time.perf_counter()
                     r = client.post(f"{urls[name]}/v1/completions",
-                                    json=completion_body(ids, args.max_tokens, args.temperature, 500 + i, args.k))
+                                    json=completion_body(ids, args.max_tokens, args.temperature, 500 + i, args.k),
+                                    headers=TIMING_HEADERS)
                     r.raise_for_status()
                     data = r.json()
                     rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * (time.perf_counter() - t0)

@@ -65,6 +65,9 @@ class _Common(BaseModel):
     timeout: float | None = Field(
         None, gt=0, le=3600, description="splitspec extension: seconds this request may run; beyond it the request "
         "ends with a 504 (or an in-band error event when streaming). The server's request_timeout_s caps it.")
+    return_timing: bool = Field(
+        False, description="splitspec extension: add the per-step time breakdown to the response's speculation block "
+        "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
 
     @field_validator("top_k", mode="before")
@@ -223,6 +226,15 @@ class ChatCompletionRequest(_Common):
 
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+TIMING_HEADER = "x-splitspec-timing"
+
+
+def wants_timing(body: _Common, request) -> bool:
+    """Whether a response's speculation block carries the time breakdown: the request field
+    ``return_timing`` or the header ``x-splitspec-timing`` (1 or true)."""
+    return body.return_timing or request.headers.get(TIMING_HEADER, "").strip().lower() in ("1", "true")
 
 
 # Sampling fields a model's generation_config.json may default (as vLLM's `--generation-config auto`):

@@ -26,10 +26,11 @@ from core.loop import own_cancel
 from core.models import context_limit, eos_token_ids
 from core.protocol import StepInfo, VerifyResult
 from core.sequence import Sequence
+from core.stats import RequestStats, exposed_s
 from deployments.batcher import Overloaded
 from deployments.edge import EdgeMiddleware, configure_edge, count_status
 from deployments.metrics import Tally, metrics
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults, to_sampling_params
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults, to_sampling_params, wants_timing
 
 log = logging.getLogger("ray.serve")
 
@@ -81,43 +82,24 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return JSONResponse(OpenAIError(400, msg, param=param, code=first.get("type")).body(), status_code=400)
 
 
-def _spec_stats(seq: Sequence, timing: dict) -> dict:
-    """A finished request's speculation statistics (the ``speculation`` field of responses)."""
-    n = max(1, timing["spec_steps"])
-    return {**seq.stats.as_dict(), "pre_draft_hits": timing["pre_draft_hits"],
-            "pre_draft_misses": timing["pre_draft_misses"],
-            # branches per pre-draft tree, and per outcome j (drafts accepted) [hits, pre-drafts]
-            "mean_pre_branches": round(timing["pre_branches"] / max(1, timing["pre_draft_hits"] + timing["pre_draft_misses"]), 2),
-            "pre_draft_by_outcome": dict(sorted(timing["pre_draft_by_outcome"].items(), key=lambda kv: int(kv[0]))),
-            "degraded_steps": timing["degraded_steps"],
-            # steps per number of drafts k the policy chose (degraded steps excluded)
-            "steps_by_k": dict(sorted(timing["steps_by_k"].items(), key=lambda kv: int(kv[0]))),
-            "drafter_recomputes": seq.cache_misses["drafter"],
-            "verifier_recomputes": seq.cache_misses["verifier"],
-            "state_recomputes": seq.cache_misses["states"],
-            # EAGLE-3 drafters: the target's hidden states sent to the drafter pool per output token
-            "aux_bytes_per_token": round(timing["aux_bytes"] / max(1, seq.num_output), 1),
-            # output tokens before the policy handed the request to plain decoding (None: it never did)
-            "plain_from_token": timing.get("plain_from_token"),
-            "mean_step_ms": round(1000 * timing["step_s"] / n, 3),
-            "mean_exposed_ms": round(1000 * timing["exposed_s"] / n, 3),
-            # per speculative step: verify forward pass, drafting on the critical path
-            # (0 when the pre-draft hit), and the step's apply/detokenise/stream time
-            "mean_forward_ms": round(1000 * timing["forward_s"] / n, 3),
-            "mean_draft_ms": round(1000 * timing["draft_s"] / n, 3),
-            "mean_draft_engine_ms": round(1000 * timing["draft_engine_s"] / n, 3),  # of which in the drafter engine
-            # the exposed time of a speculative step, part by part: the verifier engine's call outside its forward
-            # pass, the hand-offs to its thread and back, the replica loop's own work, and the way from the
-            # replica to the router (their sum is mean_exposed_ms; absent where the replica's loop is vLLM's)
-            **({f"mean_{part}_ms": round(1000 * timing[f"{part}_s"] / timing["split_steps"], 3)
-                for part in ("verify_rest", "handoff", "loop", "transit")} if timing["split_steps"] else {}),
-            # speculative steps by how their drafts came: a pre-draft "hit", a "miss" (discarded), "none" pre-drafted
-            "by_pre_draft": {o: {"steps": c, "mean_draft_ms": round(1000 * d / c, 3), "mean_step_ms": round(1000 * w / c, 3)}
-                             for o, (c, d, w) in sorted(timing["by_pre_draft"].items())},
-            "mean_emit_ms": round(1000 * timing["emit_s"] / max(1, timing["emit_n"]), 3),
-            # chunks the verifier replica(s) sent the router (stream_interval_ms, collect_interval_ms); the last
-            # one, being handled as this is written, included
-            "replica_chunks": timing["emit_n"] + 1}
+def _tally(seq: Sequence, info: StepInfo, wall_s: float, tally: Tally):
+    """One step's recomputes (on the sequence) and metrics; counters go to ``tally``, sent once
+    per stream item."""
+    for pool, n in info.recomputes.items():
+        seq.cache_misses[pool] += n
+    if info.degraded:
+        tally.inc("degraded")
+    if info.pre_draft is not None:
+        tally.inc("pre_draft", tags={"outcome": info.pre_draft})
+    if not info.k:
+        return
+    tally.inc("num_drafts")
+    tally.inc("num_draft_tokens", info.k)
+    if info.accepted:
+        tally.inc("num_accepted_tokens", info.accepted)
+    for pos in range(info.accepted):
+        tally.inc("num_accepted_tokens_per_pos", tags={"position": str(pos)})
+    metrics()["exposed_rpc"].observe(exposed_s(info, wall_s))
 
 
 def _overloaded(e: Exception) -> OpenAIError:
@@ -328,7 +310,7 @@ class Router:
         choices = [self._generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
                                   params if params.seed is None or i == 0
                                   else params.model_copy(update={"seed": (params.seed + i) % 2**63}), k, logprobs,
-                                  prediction, predicted, interval_s)
+                                  prediction, predicted, interval_s, wants_timing(body, request))
                    for i in range(body.n)]
         steps = self._until_deadline(_merged(choices), timeout_s)
         echo = ""
@@ -383,7 +365,8 @@ class Router:
             await steps.aclose()
 
     async def _generate(self, rid: str, prompt_ids, params: SamplingParams, k: int, logprobs: int | None,
-                        prediction: list[int] = (), predicted: dict | None = None, interval_s: float | None = None):
+                        prediction: list[int] = (), predicted: dict | None = None, interval_s: float | None = None,
+                        timing: bool = False):
         """The request's steps. Its loop runs on a verifier replica (``VerifierServer.speculate``:
         draft, verify, accept beside the engine, no router round trip per step), which streams
         each step's tokens; the router keeps the text (detokenisation, stop strings), the
@@ -392,11 +375,7 @@ class Router:
         often the replica sends the steps (None: its ``stream_interval_ms``)."""
         seq = Sequence(prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=logprobs)
-        timing = {"steps_by_k": {}, "pre_draft_hits": 0, "pre_draft_misses": 0, "pre_branches": 0, "pre_draft_by_outcome": {}, "by_pre_draft": {},
-                  "exposed_s": 0.0, "step_s": 0.0, "spec_steps": 0,
-                  "degraded_steps": 0, "forward_s": 0.0, "draft_s": 0.0, "draft_engine_s": 0.0, "aux_bytes": 0, "emit_s": 0.0, "emit_n": 0,
-                  "verify_rest_s": 0.0, "handoff_s": 0.0, "loop_s": 0.0, "transit_s": 0.0, "split_steps": 0,
-                  "plain_from_token": None}
+        stats = RequestStats(k)
         deadline = time.monotonic() + self.config.verifier_retry_s
         attempt = 0
         try:
@@ -436,18 +415,18 @@ class Router:
                             new, delta = seq.apply(VerifyResult(rid, tokens=ids, num_accepted=info.accepted,
                                                                 num_drafts=info.k,
                                                                 logprobs=lps if logprobs is not None else None))
-                            self._record(seq, info, timing, walls[j], tally)
+                            stats.record(info, walls[j], len(seq.output_ids))
+                            _tally(seq, info, walls[j], tally)
                             if predicted is not None and info.predicted:
                                 predicted["accepted_prediction_tokens"] += info.accepted
                                 predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
                             out_ids += new
                             text += delta
                         tally.flush()
-                        stats = _spec_stats(seq, timing) if seq.done else None
-                        yield StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], stats)
+                        report = stats.report(seq, timing) if seq.done else None
+                        yield StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report)
                         t_prev = time.perf_counter()
-                        timing["emit_s"] += t_prev - t_got  # apply, detokenise and stream, on the router
-                        timing["emit_n"] += 1
+                        stats.emitted(t_prev - t_got)
                     if not ended and seq.detok.stopped_at is None:
                         # done for the same reason as the replica's loop (EOS, length): let it end by
                         # itself rather than cancel it (Serve cancels a request's related calls too)
@@ -483,56 +462,6 @@ class Router:
                     await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
         finally:
             self._release(rid)
-
-    def _record(self, seq: Sequence, info: StepInfo, timing: dict, wall_s: float, tally: Tally):
-        """One step's statistics and metrics; ``wall_s``: the step as the router saw it (between
-        two stream items), so exposed time is measured from outside the verifier; counters go to
-        ``tally``, sent once per stream item."""
-        for pool, n in info.recomputes.items():
-            seq.cache_misses[pool] += n
-        if info.degraded:
-            timing["degraded_steps"] += 1
-            tally.inc("degraded")
-        if info.pre_draft is not None:
-            timing["pre_draft_hits" if info.pre_draft == "hit" else "pre_draft_misses"] += 1
-            tally.inc("pre_draft", tags={"outcome": info.pre_draft})
-            timing["pre_branches"] += info.pre_branches
-            if info.pre_outcome is not None:  # per outcome j of the block it was drafted for: [hits, pre-drafts]
-                row = timing["pre_draft_by_outcome"].setdefault(str(info.pre_outcome), [0, 0])
-                row[0] += info.pre_draft == "hit"
-                row[1] += 1
-        timing["aux_bytes"] += info.aux_bytes
-        if not info.degraded:  # what the policy chose, step by step
-            timing["steps_by_k"][str(info.k)] = timing["steps_by_k"].get(str(info.k), 0) + 1
-        if not info.k:
-            if seq.k > 0 and not info.degraded and timing["plain_from_token"] is None:
-                timing["plain_from_token"] = len(seq.output_ids) - 1  # the policy chose plain decoding
-            return
-        tally.inc("num_drafts")
-        tally.inc("num_draft_tokens", info.k)
-        if info.accepted:
-            tally.inc("num_accepted_tokens", info.accepted)
-        for pos in range(info.accepted):
-            tally.inc("num_accepted_tokens_per_pos", tags={"position": str(pos)})
-        # critical-path time outside the engines' compute: network, queueing, (de)serialisation
-        exposed = max(0.0, wall_s - info.forward_s - info.draft_s)
-        metrics()["exposed_rpc"].observe(exposed)
-        timing["exposed_s"] += exposed
-        if info.verify_s and info.engine_s:  # where it went (a loop that timed its verify call, an engine its own)
-            timing["verify_rest_s"] += max(0.0, info.engine_s - info.forward_s)
-            timing["handoff_s"] += max(0.0, info.verify_s - info.engine_s)
-            timing["loop_s"] += max(0.0, info.step_s - info.draft_s - info.verify_s)
-            timing["transit_s"] += max(0.0, wall_s - info.step_s)
-            timing["split_steps"] += 1
-        timing["step_s"] += wall_s
-        timing["spec_steps"] += 1
-        timing["forward_s"] += info.forward_s
-        timing["draft_s"] += info.draft_s
-        timing["draft_engine_s"] += info.draft_engine_s
-        row = timing["by_pre_draft"].setdefault(info.pre_draft or "none", [0, 0.0, 0.0])  # [steps, draft_s, step_s]
-        row[0] += 1
-        row[1] += info.draft_s
-        row[2] += wall_s
 
     def _release(self, rid: str):
         # fire and forget: the request is done, its caches on both pools can go

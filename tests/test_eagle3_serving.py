@@ -228,7 +228,8 @@ def _greedy_is_the_targets(url: str, ver) -> list[dict]:
     drafts mostly accepted. -> each response's speculation stats."""
     from tests.test_processors import hf_greedy
 
-    body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
+    body = {"model": "tiny-code", "temperature": 0, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True,
+            "return_timing": True}
     specs = []
     for text in CODE[:2]:
         r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": text}, timeout=120)

@@ -36,7 +36,7 @@ def test_greedy_completions_match_target_generate(serve_app, k):
     for text in PROMPTS:
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "num_speculative_tokens": k, "return_token_ids": True})
+            "num_speculative_tokens": k, "return_token_ids": True, "return_timing": True})
         assert r.status_code == 200, r.text
         body = r.json()
         choice = body["choices"][0]

@@ -109,7 +109,7 @@ def test_non_streaming_requests_come_in_two_chunks_unless_they_have_stop_strings
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 16,
                     "num_threads": 1, "num_speculative_tokens": 2}}) as base:
         body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}
+                "return_token_ids": True, "return_timing": True}
 
         def post(**extra):
             r = httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=120)
