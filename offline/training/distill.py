@@ -18,14 +18,14 @@ import argparse
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from offline.training.corpus import held_out_prompts, load_split
-from offline.training.pretrain import batch_at, encode_documents, load_checkpoint, lr_at, save_checkpoint
+from offline.training.loop import Schedule, add_model_args, add_schedule_args, batch_at, train
+from offline.training.pretrain import encode_documents
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -161,19 +161,8 @@ def write_model_card(out: Path, target_dir: Path, args, history: list, acceptanc
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=Path("models/tiny-code-target"))
-    ap.add_argument("--out", type=Path, default=Path("models/tiny-code-drafter"))
-    ap.add_argument("--work", type=Path, default=Path("build/distill"), help="checkpoints and token cache")
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=700)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--ckpt-every", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=100)
+    add_model_args(ap, out="models/tiny-code-drafter", work="build/distill", layers=1, hidden=128, heads=2, intermediate=384)
+    add_schedule_args(ap, steps=700, lr=3e-3, warmup=50, ckpt_every=50, eval_every=100, seq_len=512, batch=8)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--generated-every", type=int, default=0,
                     help="every N steps train on target-generated continuations instead of corpus text (0: never)")
@@ -181,7 +170,6 @@ def main(argv=None):
     add_training_args(ap, "run the target's forward pass under bf16 autocast (faster on CPUs with AVX512-BF16)")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -203,18 +191,10 @@ def main(argv=None):
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     train_ids, held_ids = corpus_ids(tokenizer, args.work, args.corpus_files)
-    ckpt = args.work / "last.pt"
-    step, history = load_checkpoint(ckpt, drafter, opt, gen)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16_target)
-    if not history:
-        history.append({"step": 0, "held_out_kl": held_out_kl(target, drafter, held_ids, args.seq_len,
-                                                               args.eval_windows, autocast)})
-        print(json.dumps(history[-1]))
-
     seq_len = min(args.seq_len, len(train_ids) - 2)
-    bar = tqdm(total=args.steps, initial=step, desc="distill", disable=args.no_progress)
-    t0, first_step = time.time(), step
-    while step < args.steps:
+
+    def loss_at(step):
         starts = torch.randint(0, len(train_ids) - seq_len - 1, (args.batch,), generator=gen)
         x = batch_at(train_ids, starts, seq_len)[:, :-1].to(device)
         if args.generated_every and step % args.generated_every == args.generated_every - 1:
@@ -222,22 +202,13 @@ def main(argv=None):
         with torch.no_grad(), autocast:
             target_logits = target(input_ids=x).logits
         loss = kl_loss(target_logits, drafter(input_ids=x).logits)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{args.batch * seq_len * (step - first_step) / (time.time() - t0):.0f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            history.append({"step": step, "train_kl": loss.item(),
-                            "held_out_kl": held_out_kl(target, drafter, held_ids, seq_len, args.eval_windows, autocast)})
-            tqdm.write(json.dumps(history[-1]))
-        if step % args.ckpt_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, drafter, opt, gen, step, history)
-    bar.close()
+        return loss, loss.item()
+
+    run = train(drafter, opt, gen, args.work / "last.pt",
+                Schedule(args.steps, args.lr, args.warmup, args.ckpt_every, args.eval_every, name="kl",
+                         tokens_per_step=args.batch * seq_len, progress=not args.no_progress),
+                loss_at, lambda: held_out_kl(target, drafter, held_ids, args.seq_len, args.eval_windows, autocast))
+    history = run.history
 
     drafter.to(torch.bfloat16).save_pretrained(args.out)  # 16-bit storage; engines compute in float32
     for name in TOKENIZER_FILES:

@@ -15,12 +15,12 @@ import json
 import math
 import os
 import random
-import time
 from pathlib import Path
 
 import torch
 
 from offline.training.corpus import load_split
+from offline.training.loop import Schedule, add_model_args, add_schedule_args, batch_at, train
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -74,11 +74,6 @@ def tokenized_corpus(tokenizer, cache_dir: Path) -> tuple[torch.Tensor, torch.Te
     return d["train"], d["held_out"]
 
 
-def batch_at(ids: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
-    # [batch, seq_len + 1]: inputs and shifted labels come from one window
-    return torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()]).long()
-
-
 @torch.no_grad()
 def held_out_loss(model, ids: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
     """Mean next-token cross-entropy (nats/token) on non-overlapping held-out windows."""
@@ -95,56 +90,18 @@ def held_out_loss(model, ids: torch.Tensor, seq_len: int, max_windows: int = 64)
     return sum(losses) / (n * seq_len)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def load_checkpoint(path: Path, model, opt, gen: torch.Generator) -> tuple[int, list]:
-    """Restore model, optimiser and data-order generator; (step, history), or (0, []) when new."""
-    if not path.exists():
-        return 0, []
-    state = torch.load(path, weights_only=False)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    gen.set_state(state["gen"])
-    print(f"resumed from step {state['step']}")
-    return state["step"], state["history"]
-
-
-def save_checkpoint(path: Path, model, opt, gen: torch.Generator, step: int, history: list):
-    tmp = path.with_suffix(".tmp")  # write then rename: a crash never leaves a torn checkpoint
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                "step": step, "history": history}, tmp)
-    tmp.replace(path)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("models/tiny-code-target"))
-    ap.add_argument("--work", type=Path, default=Path("build/pretrain"), help="checkpoints and token cache")
+    add_model_args(ap, out="models/tiny-code-target", work="build/pretrain", layers=8, hidden=512, heads=8, intermediate=1408)
     ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=1408)
     ap.add_argument("--context", type=int, default=1024, help="max_position_embeddings")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--ckpt-every", type=int, default=50)
-    ap.add_argument("--eval-every", type=int, default=250)
+    add_schedule_args(ap, steps=1000, lr=1.5e-3, warmup=100, ckpt_every=50, eval_every=250, seq_len=512, batch=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast for matmuls (fp32 master weights)")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -172,34 +129,21 @@ def main(argv=None):
     model = LlamaForCausalLM(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
-    ckpt = args.work / "last.pt"
-    step, history = load_checkpoint(ckpt, model, opt, gen)
-
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16)
-    t0 = time.time()
-    bar = tqdm(total=args.steps, initial=step, desc="pretrain")
-    while step < args.steps:
+
+    def loss_at(step):
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch,), generator=gen)
         x = batch_at(train_ids, starts, args.seq_len).to(device)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         with autocast:
             logits = model(input_ids=x[:, :-1]).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{args.batch * args.seq_len * (bar.n - bar.initial) / (time.time() - t0):.0f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            history.append({"step": step, "train_loss": loss.item(),
-                            "held_out_loss": held_out_loss(model, held_ids, args.seq_len)})
-            tqdm.write(json.dumps(history[-1]))
-        if step % args.ckpt_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, model, opt, gen, step, history)
-    bar.close()
+        return loss, loss.item()
+
+    run = train(model, opt, gen, args.work / "last.pt",
+                Schedule(args.steps, args.lr, args.warmup, args.ckpt_every, args.eval_every, name="loss",
+                         tokens_per_step=args.batch * args.seq_len),
+                loss_at, lambda: held_out_loss(model, held_ids, args.seq_len))
+    history = run.history
 
     model.to(torch.bfloat16).save_pretrained(args.out)  # 16-bit storage; the engines compute in float32
     # loadable by transformers 4.x and 5.x (and so by vLLM) alike; the context it was built for

@@ -1,0 +1,193 @@
+"""Training data for the trainers that learn from a frozen target (``eagle3``, ``distill``).
+
+Every source becomes one ``TokenData``: a stream of token ids, a loss mask over it (which tokens are
+learned) and the positions a training window may start at.
+
+- **Chat** (JSONL, one conversation a line): ShareGPT's ``{"conversations": [{"from", "value"}]}`` or
+  OpenAI's ``{"messages": [{"role", "content"}]}``. Each conversation is rendered with the target's chat
+  template, as the server renders a chat request; a tokenizer without one gets the server's plain
+  template (``role: content`` lines, the generation prompt ``assistant:``: ``PLAIN_CHAT_TEMPLATE``).
+  The loss mask covers exactly the assistant turns: for assistant message i, the text the template
+  adds after rendering messages[:i] with the generation prompt (the reply and its end-of-turn marker,
+  what the target writes when it serves that prompt); a template that does not render prefixes that
+  way (one that rewrites earlier turns) falls back to the message's content found in the rendered
+  text. A token is learned when its characters overlap such a span.
+- **Plain text** (JSONL ``{"text": ...}`` lines, or ``.txt``/``.py`` files, or the standard library's
+  source, the default): documents as ``<bos> text <eos>``, every token learned.
+- **Captured traffic** (``verifier.capture`` shards): the tokens of served requests with the target's
+  states recorded by the verifier, read by ``offline.training.eagle3`` directly (``captured``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # the router's, for a tokenizer without a chat template
+PLAIN_GENERATION_PROMPT = "assistant:"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system", "tool": "tool"}
+
+
+@dataclass
+class TokenData:
+    ids: torch.Tensor  # [N] int32: every example, one after another
+    mask: torch.Tensor  # [N] bool: the tokens the loss learns
+    starts: torch.Tensor | None = None  # [n] int64: where a window may begin (examples' starts); None: anywhere
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def window_starts(self, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+        """``batch`` window starts drawn with ``gen`` (the same draws in every process of a distributed run)."""
+        last = len(self.ids) - seq_len - 1
+        if self.starts is None:
+            return torch.randint(0, last, (batch,), generator=gen)
+        pick = self.starts[torch.randint(0, len(self.starts), (batch,), generator=gen)]
+        return pick.clamp(max=last)
+
+    def eval_starts(self, seq_len: int, windows: int) -> torch.Tensor:
+        """Non-overlapping windows, or the examples' starts, deterministically."""
+        last = len(self.ids) - seq_len - 1
+        if self.starts is None:
+            return torch.arange(min(windows, (len(self.ids) - 1) // seq_len)) * seq_len
+        return self.starts[:windows].clamp(max=max(last, 0))
+
+
+def concat(parts: list[tuple[list[int], list[bool]]], starts: bool) -> TokenData:
+    ids, mask, first = [], [], []
+    for tokens, m in parts:
+        first.append(len(ids))
+        ids.extend(tokens)
+        mask.extend(m)
+    return TokenData(torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool),
+                     torch.tensor(first, dtype=torch.long) if starts else None)
+
+
+def normalise(record: dict) -> list[dict] | str:
+    """A JSONL record as OpenAI-style messages, or as plain text ({"text": ...})."""
+    if "messages" in record:
+        return [{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]]
+    if "conversations" in record:
+        out = []
+        for turn in record["conversations"]:
+            who = str(turn.get("from", turn.get("role", ""))).lower()
+            if who not in SHAREGPT_ROLES:
+                raise ValueError(f"conversations: unknown speaker {who!r} (known: {', '.join(sorted(SHAREGPT_ROLES))})")
+            out.append({"role": SHAREGPT_ROLES[who], "content": turn.get("value", turn.get("content")) or ""})
+        return out
+    if "text" in record:
+        return str(record["text"])
+    raise ValueError(f"a record needs 'messages', 'conversations' or 'text'; got keys {sorted(record)}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The conversation as the server renders a chat request (``deployments.router``)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages)
+    return text + (PLAIN_GENERATION_PROMPT if add_generation_prompt else "")
+
+
+def encode(tokenizer, text: str, offsets: bool = False):
+    """Token ids as the server encodes a rendered chat (a template that writes BOS gets no second one)."""
+    has_bos = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+    enc = tokenizer(text, add_special_tokens=not has_bos, return_offsets_mapping=offsets)
+    return (enc["input_ids"], enc["offset_mapping"]) if offsets else enc["input_ids"]
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the character spans of its assistant turns)."""
+    full = render(tokenizer, messages)
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else None
+        upto = render(tokenizer, messages[: i + 1])
+        if before is not None and upto.startswith(before) and full.startswith(upto) and len(before) >= cursor:
+            spans.append((len(before), len(upto)))
+            cursor = len(upto)
+            continue
+        at = full.find(m["content"], cursor)  # a template that rewrites earlier turns
+        if at < 0 or not m["content"]:
+            continue
+        spans.append((at, at + len(m["content"])))
+        cursor = at + len(m["content"])
+    return full, spans
+
+
+def chat_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask): the mask is true exactly on tokens overlapping an assistant span."""
+    text, spans = assistant_spans(tokenizer, messages)
+    ids, offsets = encode(tokenizer, text, offsets=True)
+    mask = [any(a < e and b > s for s, e in spans) and b > a for a, b in offsets]
+    return ids, mask
+
+
+def text_example(tokenizer, text: str) -> tuple[list[int], list[bool]]:
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return ids, [True] * len(ids)
+
+
+def is_held_out(i: int, record: dict, percent: int) -> bool:
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode() + str(i).encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < percent
+
+
+def load(paths: list[Path], tokenizer, held_out: list[Path] | None = None,
+         held_out_percent: int = 5) -> tuple[TokenData, TokenData, list]:
+    """(train, held-out, the held-out records: conversations as messages, texts as strings) from JSONL
+    conversations or text, or text files.
+    Without ``held_out`` files, ``held_out_percent`` of the records (by a hash, at least one) are held out."""
+    def records(ps):
+        out = []
+        for p in ps:
+            p = Path(p)
+            out += [normalise(r) for r in read_jsonl(p)] if p.suffix == ".jsonl" else [p.read_text()]
+        return out
+
+    train = records(paths)
+    if held_out:
+        held = records(held_out)
+    else:
+        flags = [is_held_out(i, {"r": r}, held_out_percent) for i, r in enumerate(train)]
+        if not any(flags) and len(train) > 1:
+            flags[-1] = True
+        held = [r for r, f in zip(train, flags) if f]
+        train = [r for r, f in zip(train, flags) if not f]
+
+    def tokens(recs):
+        parts = [chat_example(tokenizer, r) if isinstance(r, list) else text_example(tokenizer, r) for r in recs]
+        return concat(parts, starts=any(isinstance(r, list) for r in recs))
+
+    return tokens(train), tokens(held), held
+
+
+def prompts(tokenizer, records: list, n: int, prompt_chars: int = 400) -> list[list[int]]:
+    """Up to ``n`` prompts from held-out records: a conversation up to its first assistant turn, rendered
+    with the generation prompt as a chat request to the server would be; a text's first ``prompt_chars``
+    characters, cut at a line end."""
+    out = []
+    for r in records:
+        if isinstance(r, list):
+            i = next((j for j, m in enumerate(r) if m["role"] == "assistant"), None)
+            if i:
+                out.append(encode(tokenizer, render(tokenizer, r[:i], add_generation_prompt=True)))
+        elif len(r) > prompt_chars // 4:
+            cut = r.rfind("\n", 0, prompt_chars)
+            out.append(tokenizer(r[: cut + 1 if cut > 0 else prompt_chars])["input_ids"])
+        if len(out) == n:
+            break
+    return out
