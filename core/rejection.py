@@ -23,6 +23,8 @@ draws its proposal with the same noise (argmax(log q + g)) to be accepted often.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -31,84 +33,104 @@ from core.sampling import History, Stream, gumbel_argmax, gumbel_noise, processe
 
 PAD = -1  # marks positions after the last emitted token
 
+# The rules, one sequence at a time, position by position until the first rejection: each draws its random
+# numbers (Gumbel noise, uniforms) and builds dense q rows only for the positions it reaches. On a whole
+# block most of the verification time went to noise for positions after a rejection and to small tensors,
+# and the noise grows with the vocabulary (docs/decisions/0013-decide-fast-paths.md). ``decide`` runs
+# them with draws keyed by (seed, position); the batched forms below run them row by row with given draws.
+# Each returns (the emitted tokens: the accepted drafts, then the recovered or bonus token; drafts accepted).
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> tuple[list[int], int]:
+    """Greedy verification: accept while the draft equals the target's token (target: k+1 argmaxes)."""
+    k = len(draft)
+    n = next((i for i in range(k) if draft[i] != target[i]), k)
+    return target[: n + 1], n  # accepted drafts equal the target's; the next one is the recovered/bonus token
+
+
+def accept_gumbel(draft: list[int], p: torch.Tensor, noise: Callable[[int], torch.Tensor]) -> tuple[list[int], int]:
+    """Coupled verification: the greedy rule applied to the target's Gumbel-max tokens argmax(log p + g).
+    p [k+1, V] the target's processed distributions; noise(i): the Gumbel noise [1, V] of draft i's position."""
+    out = []
+    for i in range(len(draft) + 1):
+        out.append(int(gumbel_argmax(p[i: i + 1], noise(i))[0]))
+        if i == len(draft) or out[i] != draft[i]:
+            return out, i
+    raise AssertionError("unreachable")
+
+
+def accept_rejection(draft: list[int], p: torch.Tensor, q: DraftProbs | torch.Tensor | None,
+                     u_accept: Callable[[int], float], u_sample: Callable[[int], float]) -> tuple[list[int], int]:
+    """Stochastic verification: accept draft x with probability min(1, p(x) / q(x)), the test u q(x) < p(x)
+    in float32; at the first rejection draw from the residual norm(max(0, p - q)) (p itself where it is
+    empty, p == q), after k acceptances the bonus token from p[k]. p [k+1, V] float32; q: the drafter's
+    distributions (sparse ``DraftProbs`` or dense [k, V]), None for one-hot drafts (n-gram lookup);
+    u_accept(i), u_sample(i): the uniforms of draft i's position."""
+    for i, x in enumerate(draft):
+        if np.float32(u_accept(i)) * np.float32(_q_prob(q, i, x)) < p[i, x].item():  # u < p(x) / q(x)
+            continue
+        final = (p[i] - _q_row(q, i, x, p.shape[-1])).clamp_min(0.0)  # [V] the residual, unnormalised
+        if final.sum() <= 0:  # empty residual (p == q): rejection has probability 0 there; p keeps the draw valid
+            final = p[i]
+        return draft[:i] + [_draw(final, u_sample(i))], i
+    return list(draft) + [_draw(p[len(draft)], u_sample(len(draft)))], len(draft)  # all accepted: the bonus token
+
+
+def _q_prob(q: DraftProbs | torch.Tensor | None, i: int, x: int) -> float:
+    """q_i(x)."""
+    if q is None:
+        return 1.0
+    if isinstance(q, torch.Tensor):
+        return q[i, x].item()
+    return next((pr for t, pr in zip(q.ids[i], q.probs[i]) if t == x), 0.0)
+
+
+def _q_row(q: DraftProbs | torch.Tensor | None, i: int, x: int, V: int) -> torch.Tensor:
+    """q_i as a dense row [V] (one-hot at the draft x without probabilities)."""
+    if q is None:
+        row = torch.zeros(V)
+        row[x] = 1.0
+        return row
+    if isinstance(q, torch.Tensor):
+        return q[i]
+    return DraftProbs(q.ids[i: i + 1], q.probs[i: i + 1]).dense(V)[0]  # row i of q.dense(V)
+
+
+def _draw(dist: torch.Tensor, u: float) -> int:
+    """sample_inverse_cdf of one row dist [V] with the uniform u."""
+    return int(sample_inverse_cdf(dist.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
+
+
+# The batched forms: the same rules over B sequences with the draws given as tensors, as the distribution
+# tests drive them (tests/test_rejection.py, tests/test_gumbel.py). Each returns (tokens [B, k+1] with PAD
+# after the last emitted token, num_accepted [B]).
 
 def greedy_verify(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy fast path: accept while the draft equals the target's argmax.
-
-    draft [B, k] token ids; target_argmax [B, k+1] argmax of the target's logits.
-    Returns (tokens [B, k+1] with PAD after the last emitted token, num_accepted [B]).
-    """
-    B, k = draft.shape
-    mismatch = draft != target_argmax[:, :k]  # [B, k]
-    num_accepted = _first_true_or(mismatch, k)  # [B]
-    tokens = target_argmax.clone()  # accepted drafts equal the argmax; the next one is the recovered/bonus token
-    return _pad_after(tokens, num_accepted), num_accepted
+    """``accept_greedy`` per row: draft [B, k] token ids; target_argmax [B, k+1] argmax of the target's logits."""
+    return _batched(draft, [accept_greedy(d, t) for d, t in zip(draft.tolist(), target_argmax.tolist())])
 
 
-def rejection_sample(
-    draft: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_sample: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stochastic verification.
-
-    draft    [B, k]      draft token ids, drawn from q
-    q        [B, k, V]   drafter's processed distributions, or None for one-hot drafts
-    p        [B, k+1, V] target's processed distributions (position k+1 for the bonus token)
-    u_accept [B, k]      uniforms for the accept tests
-    u_sample [B, k+1]    uniforms for drawing the recovered or bonus token
-    Returns (tokens [B, k+1] with PAD after the last emitted token, num_accepted [B]).
-    """
-    B, k = draft.shape
-    p_draft = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, k] p(x_i)
-    if q is None:
-        q = torch.nn.functional.one_hot(draft, p.shape[-1]).to(p.dtype)  # [B, k, V]
-    q_draft = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, k] q(x_i) > 0
-    accepted = u_accept.to(p.dtype) * q_draft < p_draft  # [B, k] u < p/q without dividing
-    num_accepted = _first_true_or(~accepted, k)  # [B]
-
-    residual = (p[:, :k] - q).clamp_min(0.0)  # [B, k, V] unnormalised norm(max(0, p - q))
-    final_dists = torch.cat([residual, p[:, k:]], dim=1)  # [B, k+1, V]
-    rows = torch.arange(B)
-    final_dist = final_dists[rows, num_accepted]  # [B, V] residual at the rejection, or p for the bonus
-    # Rejection has probability 0 where the residual is empty (p <= q everywhere means p == q);
-    # fall back to p there so float round-off can never yield an invalid token.
-    empty = final_dist.sum(-1) <= 0
-    if empty.any():
-        final_dist[empty] = p[rows, num_accepted][empty]
-    final_token = sample_inverse_cdf(final_dist, u_sample[rows, num_accepted])  # [B]
-
-    tokens = torch.cat([draft, torch.full((B, 1), PAD, dtype=draft.dtype)], dim=1)  # [B, k+1]
-    tokens[rows, num_accepted] = final_token
-    return _pad_after(tokens, num_accepted), num_accepted
+def rejection_sample(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, u_accept: torch.Tensor,
+                     u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_rejection`` per row: draft [B, k] drawn from q [B, k, V] (None: one-hot drafts); p [B, k+1, V]
+    the target's processed distributions; uniforms u_accept [B, k] for the accept tests, u_sample [B, k+1]
+    for the recovered or bonus token."""
+    ua, us = u_accept.tolist(), u_sample.tolist()
+    return _batched(draft, [accept_rejection(d, p[b], None if q is None else q[b], ua[b].__getitem__, us[b].__getitem__)
+                            for b, d in enumerate(draft.tolist())])
 
 
 def gumbel_verify(draft: torch.Tensor, p: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coupled verification: the greedy rule applied to the target's Gumbel-max tokens.
-
-    draft [B, k] draft token ids; p [B, k+1, V] target's processed distributions;
-    noise [B, k+1, V] Gumbel noise of those positions.
-    Returns (tokens [B, k+1] with PAD after the last emitted token, num_accepted [B]).
-    """
-    B, k1, V = p.shape
-    target = gumbel_argmax(p.reshape(B * k1, V), noise.reshape(B * k1, V)).reshape(B, k1)  # [B, k+1]
-    return greedy_verify(draft, target)
+    """``accept_gumbel`` per row: draft [B, k]; p [B, k+1, V] the target's processed distributions; noise
+    [B, k+1, V] the Gumbel noise of those positions."""
+    return _batched(draft, [accept_gumbel(d, p[b], lambda i, b=b: noise[b, i: i + 1]) for b, d in enumerate(draft.tolist())])
 
 
-def _first_true_or(mask: torch.Tensor, default: int) -> torch.Tensor:
-    """Index of the first True per row of mask [B, k], or default where none is."""
-    if mask.shape[-1] == 0:  # k = 0: nothing to accept
-        return torch.full(mask.shape[:-1], default, dtype=torch.long)
-    first = mask.int().argmax(-1)
-    return torch.where(mask.any(-1), first, torch.full_like(first, default))
-
-
-def _pad_after(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    """Keep tokens [B, k+1] up to and including index num_accepted, PAD after it."""
-    cols = torch.arange(tokens.shape[1])
-    return tokens.masked_fill(cols.unsqueeze(0) > num_accepted.unsqueeze(1), PAD)
+def _batched(draft: torch.Tensor, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (emitted tokens, accepted) as tokens [B, k+1], PAD after the last emitted, and num_accepted [B]."""
+    width = draft.shape[1] + 1
+    tokens = torch.tensor([out + [PAD] * (width - len(out)) for out, _ in rows], dtype=torch.long).view(-1, width)
+    return tokens, torch.tensor([n for _, n in rows], dtype=torch.long)
 
 
 def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = None,
@@ -122,67 +144,19 @@ def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = No
     if r.sampling.processed:
         stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(eos_ids))
         history = History(tokens, r.num_prompt, frozenset(stop))
-    if r.sampling.greedy and history is None:  # greedy_verify's rule on lists: no small tensors per sequence
-        target = target_logits(logits, r.sampling, None).argmax(-1).tolist()  # [k+1] the target's tokens
-        k = len(r.draft_tokens)
-        n = next((i for i in range(k) if r.draft_tokens[i] != target[i]), k)  # drafts accepted
-        return _result(r, logits, target[: n + 1], n)
-    if r.sampling.greedy:  # argmax of the processed logits
-        draft = torch.tensor([r.draft_tokens], dtype=torch.long)  # [1, k]
-        tokens, n_acc = greedy_verify(draft, target_logits(logits, r.sampling, history).argmax(-1).unsqueeze(0))
-        return _result(r, logits, [t for t in tokens[0].tolist() if t != PAD], int(n_acc[0]))
+    if r.sampling.greedy:  # the argmax of the processed logits, compared as lists: no small tensors per sequence
+        return _result(r, logits, *accept_greedy(r.draft_tokens, target_logits(logits, r.sampling, history).argmax(-1).tolist()))
     first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
     p = processed_probs(logits, r.sampling, history)  # [k+1, V]
+    V, seed = p.shape[-1], r.seed
     if r.sampling.verification == "gumbel":
-        return _result(r, logits, *_gumbel_by_position(r, p, first))
-    return _result(r, logits, *_rejection_by_position(r, p, first))
-
-
-# One sequence's sampled verification, position by position until the first rejection: the rules of
-# gumbel_verify and rejection_sample (the batched definitions, which tests hold these to, exactly), with
-# the random numbers, Gumbel noise and dense q rows computed only for the positions reached. On the whole
-# block most of decide's time went to noise for positions after a rejection and to small tensors, and the
-# noise grows with the vocabulary (docs/decisions/0013-decide-fast-paths.md).
-
-def _gumbel_by_position(r: VerifyRequest, p: torch.Tensor, first: int) -> tuple[list[int], int]:
-    """gumbel_verify for one sequence: p [k+1, V]; draft i sits at position first + i."""
-    out = []
-    for i in range(r.k + 1):
-        noise = gumbel_noise(r.seed, [first + i], p.shape[-1])  # [1, V] the same row gumbel_noise draws in a block
-        out.append(int(gumbel_argmax(p[i: i + 1], noise)[0]))
-        if i == r.k or out[i] != r.draft_tokens[i]:
-            return out, i
-    raise AssertionError("unreachable")
-
-
-def _rejection_by_position(r: VerifyRequest, p: torch.Tensor, first: int) -> tuple[list[int], int]:
-    """rejection_sample for one sequence: p [k+1, V] float32; draft i sits at position first + i, q is
-    ``r.draft_probs`` (sparse rows) or one-hot. The accept test is rejection_sample's, in float32."""
-    V, q = p.shape[-1], r.draft_probs
+        return _result(r, logits, *accept_gumbel(r.draft_tokens, p, lambda i: gumbel_noise(seed, [first + i], V)))
+    q = r.draft_probs
     if q is not None and (len(q.ids) < r.k or any(t < 0 or t >= V for row in q.ids[: r.k] for t in row)):
         # (checked whole, so a bad q fails whichever position the drafts are rejected at)
         raise ValueError(f"draft_probs must give q for each of the {r.k} drafts over token ids below {V}")
-    for i, x in enumerate(r.draft_tokens):
-        q_x = 1.0 if q is None else next((pr for t, pr in zip(q.ids[i], q.probs[i]) if t == x), 0.0)
-        u = uniform(r.seed, first + i, Stream.ACCEPT)
-        if np.float32(u) * np.float32(q_x) < p[i, x].item():  # u < p(x) / q(x), in p's float32
-            continue
-        if q is None:
-            q_row = torch.zeros(V)  # [V] one-hot, as rejection_sample's q
-            q_row[x] = 1.0
-        else:
-            q_row = DraftProbs(q.ids[i: i + 1], q.probs[i: i + 1]).dense(V)[0]  # [V] row i of q.dense(V)
-        final = (p[i] - q_row).clamp_min(0.0)  # [V] the residual norm(max(0, p - q)), unnormalised
-        if final.sum() <= 0:  # empty residual (p == q): p itself, as rejection_sample falls back
-            final = p[i]
-        return r.draft_tokens[:i] + [_draw(final, r.seed, first + i)], i
-    return list(r.draft_tokens) + [_draw(p[r.k], r.seed, first + r.k)], r.k  # all accepted: the bonus token
-
-
-def _draw(dist: torch.Tensor, seed: int, position: int) -> int:
-    """sample_inverse_cdf of one row dist [V] with the position's SAMPLE uniform."""
-    u = torch.tensor([uniform(seed, position, Stream.SAMPLE)], dtype=torch.float64)  # [1]
-    return int(sample_inverse_cdf(dist.unsqueeze(0), u)[0])
+    return _result(r, logits, *accept_rejection(r.draft_tokens, p, q, lambda i: uniform(seed, first + i, Stream.ACCEPT),
+                                                lambda i: uniform(seed, first + i, Stream.SAMPLE)))
 
 
 def _result(r: VerifyRequest, logits: torch.Tensor, out: list[int], num_accepted: int) -> VerifyResult:

@@ -110,6 +110,7 @@ def min_p_value_of(tokens, expected_marginals) -> float:
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)]
 
 
+@pytest.mark.heavy  # 40,000 sequences through the per-sequence rule: several seconds each
 @pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.7-top_p0.9"])
 @pytest.mark.parametrize("one_hot", [False, True], ids=["model-q", "ngram-one-hot"])
 def test_rejection_sampler_preserves_target_distribution(params, one_hot):
@@ -164,9 +165,9 @@ def test_decide_greedy_fast_path_is_greedy_verify():
 
 @pytest.mark.parametrize("verification", ["rejection", "gumbel"])
 def test_decide_sampled_position_by_position_is_the_batched_rule(verification):
-    """``decide`` verifies a sampled request position by position, drawing noise and uniforms only
-    for the positions it reaches; it must emit exactly what the batched rules (``rejection_sample``,
-    ``gumbel_verify``, which the distribution tests check) emit with every position's draws: every k
+    """``decide`` verifies a sampled request with draws keyed by (seed, position), made only for the
+    positions it reaches; it must emit exactly what the batched forms (``rejection_sample``,
+    ``gumbel_verify``, which the distribution tests check) emit with every position's draws given: every k
     from 0, drafts the target likes and dislikes, sparse q, one-hot q (no probabilities), q equal to p
     (an empty residual), top-k and top-p zeros in p, and a resent whole sequence (``full``)."""
     from core.protocol import DraftProbs, VerifyRequest
