@@ -154,7 +154,41 @@ class Eagle3Config(_Config):
         "verifier.model."))
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config], Field(discriminator="method")]
+class ParallelHeadConfig(_Config):
+    """A parallel draft head (Speculators' DFlash or DSpark format) on the drafter pool: like an EAGLE-3 head it
+    reads the target's hidden states, which the verifier sends with each draft request, and it drafts a whole
+    block in one forward pass (docs/parallel-drafters.md)."""
+
+    method: Literal["dflash", "dspark"] = Field(..., description="Selects this drafter type: dflash, or dspark (DFlash with a Markov head).")
+    model: str = Field(..., min_length=1, description=(
+        "A Speculators dflash or dspark head (config.json with speculators_model_type dflash or dspark, safetensors weights) trained for the "
+        "verifier's model: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references)."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the most draft tokens proposed per step (0 turns speculation off), at most the head's block (block_size - 1 mask positions). Default: "
+        "the speculative_tokens of the head's default proposal method, else the block's; the app builder sets it."))
+    draft_top_k: int = Field(64, ge=1, le=1_000_000, description=(
+        "The head samples from its own top draft_top_k tokens (mapped to the target's vocabulary), so q is exactly sparse and only these entries "
+        "travel to the verifier."))
+    confidence_stop: float | None = Field(None, ge=0.0, le=1.0, description=(
+        "dspark with a confidence head: end a block at the first position (after the first) whose confidence is below this; default: draft the "
+        "whole block (docs/parallel-drafters.md has the measurement)."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "The dtype of the context's keys and values; auto: float32 on CPUs, the compute dtype elsewhere."))
+    device: str = Field("cpu", description="torch device of the head.")
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
+    max_model_len: int | None = Field(None, ge=2, le=1_000_000, description="Longest sequence; default: the head's max_position_embeddings.")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on (as for the other drafters); default: the OS schedules."))
+    verifier_model: str | None = Field(None, description=(
+        "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from "
+        "verifier.model."))
+
+
+DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
 
 
 class VerifierConfig(_Config):

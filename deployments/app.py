@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING
 from configs import AppConfig
 
 if TYPE_CHECKING:
+    from core.dflash import ParallelSpec
     from core.eagle3 import Eagle3Spec
+
+HEADS = ("eagle3", "dflash", "dspark")  # drafters that read the verifier's hidden states
 
 
 def build_app(args: dict):
@@ -32,7 +35,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     from deployments.affinity import ROUTER_PATH
     from deployments.drafter import DrafterServer
     from deployments.router import Router
-    from deployments.verifier import VerifierServer
+    from deployments.verifier import VerifierOptions, VerifierServer
 
     config = resolve_model_paths(AppConfig.model_validate(args))  # ids pinned to commits
     aux_layers = check_models(local_view(config))
@@ -59,14 +62,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
             cfg["drafter"], max_batch=config.max_batch, max_queue=config.max_queue,
             stall_timeout_s=config.stall_timeout_s)
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
-        cfg["verifier"], max_batch=config.max_batch, max_queue=config.max_queue, drafter=drafter,
-        local_drafter=cfg["drafter"] if colocated else None,
-        pipeline_drafts=config.pipeline_drafts, pre_draft_alternatives=config.pre_draft_alternatives,
-        pre_draft_always=config.pre_draft == "always",
-        drafter_timeout_s=config.drafter_timeout_s,
-        stall_timeout_s=config.stall_timeout_s, drafter_transport=config.drafter_transport,
-        drafter_aux_layers=aux_layers, stream_interval_s=config.stream_interval_ms / 1000,
-        verify_inline=config.verify_inline)
+        cfg["verifier"], drafter=drafter, options=VerifierOptions.of(config, aux_layers))
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
 
 
@@ -84,15 +80,15 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
 
     bases = (Path.cwd(), PROJECT_ROOT)
     drafter, verifier = config.drafter, config.verifier
-    if drafter.method in ("draft_model", "eagle3"):
+    if drafter.method in ("draft_model", *HEADS):
         drafter = drafter.model_copy(update={"model": pin(drafter.model, "drafter.model", bases)})
     if verifier.model is not None:
         verifier = verifier.model_copy(update={"model": pin(verifier.model, "verifier.model", bases)})
-    if drafter.method == "eagle3":
+    if drafter.method in HEADS:
         head = head_defaults(local_model(drafter.model))
         if verifier.model is None:
             if not head["verifier"]:
-                raise ValueError(f"verifier.model is not set and the eagle3 head {config.drafter.model!r} names no "
+                raise ValueError(f"verifier.model is not set and the {drafter.method} head {config.drafter.model!r} names no "
                                  "verifier (speculators_config.verifier.name_or_path)")
             field = "verifier.model (the head's speculators_config.verifier.name_or_path)"
             verifier = verifier.model_copy(update={"model": pin(head["verifier"], field, (*bases, head["dir"].parent))})
@@ -119,7 +115,7 @@ def local_view(config: AppConfig) -> AppConfig:
     d = config.drafter
     if d.method == "draft_model":
         update["drafter"] = d.model_copy(update={"model": local_model(d.model)})
-    elif d.method == "eagle3":
+    elif d.method in HEADS:
         update["drafter"] = d.model_copy(update={"model": local_model(d.model, weights=True),
                                                  "verifier_model": update["verifier"].model})
     return config.model_copy(update=update)
@@ -136,14 +132,22 @@ def head_defaults(head: str) -> dict:
 
     path = Path(head)
     try:
-        spec = json.loads((path / "config.json").read_text()).get("speculators_config") or {}
+        cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        spec = {}  # check_eagle3 says what is wrong with the head
+        cfg = {}  # check_eagle3 says what is wrong with the head
+    spec = cfg.get("speculators_config") or {}
     methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
     default = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
                    methods[0] if methods else {})
     k = default.get("speculative_tokens")
     k = min(int(k), MAX_SPECULATIVE_TOKENS) if isinstance(k, int) and k >= 0 else 4
+    if cfg.get("speculators_model_type") in ("dflash", "dspark"):  # a parallel head: at most its block, else the block
+        from core.dflash import ParallelSpec
+        try:
+            block = ParallelSpec.from_config(cfg).max_k
+        except (KeyError, TypeError, ValueError):
+            block = k  # check_parallel says what is wrong with the head
+        k = min(k if default.get("speculative_tokens") is not None else block, block, MAX_SPECULATIVE_TOKENS)
     return {"verifier": (spec.get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
 
 
@@ -160,7 +164,11 @@ def check_models(config: AppConfig) -> tuple[int, ...]:
     paths = [("verifier", config.verifier.model)]
     if config.drafter.method == "draft_model":
         paths.append(("drafter", config.drafter.model))
-    aux_layers = tuple(check_eagle3(config).aux_layer_ids) if config.drafter.method == "eagle3" else ()
+    aux_layers = ()
+    if config.drafter.method == "eagle3":
+        aux_layers = tuple(check_eagle3(config).aux_layer_ids)
+    elif config.drafter.method in HEADS:
+        aux_layers = tuple(check_parallel(config).aux_layer_ids)
     sizes = {}
     for role, path in paths:
         if not (Path(path) / "config.json").exists():
@@ -218,6 +226,46 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
         problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
     if problems:
         raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
+    return spec
+
+
+def check_parallel(config: AppConfig) -> ParallelSpec:
+    """A DFlash or DSpark head must be one for this verifier (``check_eagle3``'s checks), and the verifier must
+    return its states: this package's engine (the vLLM backend's loop feeds vLLM's own drafters)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from core.dflash import check_head
+
+    d, path = config.drafter, Path(config.drafter.model)
+    try:
+        spec = check_head(path, config.verifier.model)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"{d.method} drafter {str(path)!r}: not a usable Speculators {d.method} head: {e}") from None
+    if config.verifier.backend == "vllm":
+        raise ValueError(f"a {d.method} drafter needs the verifier's hidden states on every step: use verifier.backend "
+                         "transformers")
+    verifier = AutoConfig.from_pretrained(config.verifier.model)
+    target = verifier.get_text_config()
+    problems = []
+    if spec.target_hidden_size != target.hidden_size:
+        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"its vocab_size {spec.vocab_size} is not the verifier's {target.vocab_size}")
+    bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
+    if bad:
+        problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
+    raw = json.loads((path / "config.json").read_text())
+    arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
+    if arch and getattr(target, "architectures", None) and set(arch) != set(verifier.architectures or []):
+        problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
+    if d.num_speculative_tokens and d.num_speculative_tokens > spec.max_k:
+        problems.append(f"drafter.num_speculative_tokens {d.num_speculative_tokens} exceeds the head's block "
+                        f"({spec.max_k} drafts)")
+    if problems:
+        raise ValueError(f"{d.method} drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
     return spec
 
 

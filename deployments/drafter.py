@@ -6,7 +6,7 @@ import logging
 
 from pydantic import TypeAdapter
 
-from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig
+from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig, ParallelHeadConfig
 from core.channel import ChannelServer, Endpoint
 from core.hub import localize
 from core.protocol import DraftRequest, Proposal
@@ -25,13 +25,16 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
-def build_drafter(config: DraftModelConfig | NgramConfig | Eagle3Config):
+def build_drafter(config: DraftModelConfig | NgramConfig | Eagle3Config | ParallelHeadConfig):
     if config.method == "ngram":
         from drafter.ngram import NgramDrafter
         return NgramDrafter(config)
     if config.method == "eagle3":
         from drafter.eagle3_drafter import Eagle3Drafter
         return Eagle3Drafter(config)
+    if config.method in ("dflash", "dspark"):
+        from drafter.dflash_drafter import ParallelDrafter
+        return ParallelDrafter(config)
     from drafter.model_drafter import ModelDrafter
     return ModelDrafter(config)
 

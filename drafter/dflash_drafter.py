@@ -1,0 +1,207 @@
+"""Parallel drafter: a DFlash or DSpark head on the drafter pool, a whole block in one forward pass.
+
+The head reads the target's aux states g_t (the EAGLE-3 transport: the verifier captures them in its
+verification pass and the loop sends them with the next draft request, ``DraftRequest.aux``) as keys
+and values only (``core.dflash``): a position's context row depends on its own state alone, so a
+sequence's rows are computed once, when its state arrives, and kept. A draft call then runs one
+pass over the block (the anchor and k mask queries) whatever k is: drafting depth costs no sequential
+passes, and the pool answers in one round trip.
+
+Cache. A sequence holds its tokens x_0..x_{c-1} and context rows for positions 0..c-1 (``cached`` = c:
+the loop then sends states from position c - 1 on). A call names its prefix (start, hash) as for any
+drafter; a prefix the replica does not hold, or states that do not cover the rows it needs, is a
+cache miss: the caller resends the whole sequence with every state. A pre-draft (``provisional``:
+the states of the block being verified do not exist yet) is declined, and trees are not drafted.
+
+q. Positions of a DFlash block are drafted independently, each from its own q_i(. | context) (its
+row's logits through the request's processors, ``ModelDrafter._draw``); a DSpark position's logits
+add the Markov bias of the token actually drafted at i - 1, so the block is drawn left to right and
+each q_i is conditioned on the drafts before it. Either way the draft at i is a sample of the q_i that
+travels with it, which is all rejection sampling needs to stay lossless; greedy draws are argmaxes
+(one-hot q).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from core.dflash import ParallelHead, load_head
+from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype, resolve_kv_dtype
+from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
+from core.sampling import NoiseCache
+from drafter.model_drafter import ModelDrafter
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import ParallelHeadConfig
+
+log = logging.getLogger(__name__)
+
+
+class _Rows:
+    """One sequence's tokens and context rows: per layer, keys and values [capacity, nkv, D] (grown by doubling)."""
+
+    def __init__(self, layers: int, nkv: int, D: int, dtype, device):
+        self.tokens: list[int] = []
+        self.chain: list[bytes] = [b""]
+        self.n = 0  # rows held: positions 0..n-1
+        self.k = torch.empty(layers, 0, nkv, D, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def cut(self, n: int) -> None:
+        if n < len(self.tokens):
+            del self.tokens[n:]
+            cut_chain(self.chain, n)
+        self.n = min(self.n, n)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows [layers, m, nkv, D] for positions n..n+m-1."""
+        m = k.shape[1]
+        if self.n + m > self.k.shape[1]:
+            cap = max(16, 2 * (self.n + m))
+            grown = self.k.new_empty(self.k.shape[0], cap, *self.k.shape[2:])
+            grown_v = torch.empty_like(grown)
+            grown[:, : self.n], grown_v[:, : self.n] = self.k[:, : self.n], self.v[:, : self.n]
+            self.k, self.v = grown, grown_v
+        self.k[:, self.n: self.n + m] = k
+        self.v[:, self.n: self.n + m] = v
+        self.n += m
+
+
+class _Cache:
+    """Sequences' rows, least recently used evicted beyond the budget."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.slots: OrderedDict[str, _Rows] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def release(self, seq_id: str) -> bool:
+        return self.slots.pop(seq_id, None) is not None
+
+    def fit(self, pinned: set[str]) -> None:
+        used = sum(s.nbytes() for s in self.slots.values())
+        for seq_id in list(self.slots):
+            if used <= self.budget:
+                break
+            if seq_id not in pinned:
+                used -= self.slots.pop(seq_id).nbytes()
+
+
+class ParallelDrafter(ModelDrafter):
+    """Drafts a block per call with a DFlash or DSpark head; sampling, penalties and q are the model
+    drafter's (``ModelDrafter._draw``) over the head's target-vocabulary logits."""
+
+    def __init__(self, config: ParallelHeadConfig, head: ParallelHead | None = None, eos_ids: set[int] | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        pin_process(config.cpu_affinity)
+        self.config = config
+        name = resolve_dtype(config.dtype, config.device)
+        self.dtype = DTYPES[name]
+        if head is None:
+            head = load_head(config.model, verifier=config.verifier_model)
+        self.head = head.to(device=config.device, dtype=self.dtype).eval()
+        if self.head.spec.markov and self.head.spec.confidence_head:
+            self.head.confidence_head.float()
+        self.spec = s = self.head.spec
+        self.aux_layers = tuple(s.aux_layer_ids)
+        self.max_len = config.max_model_len or s.max_position_embeddings
+        self.kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
+        self.cache = _Cache(int(config.cache_budget_mb * 2**20))
+        self.model = None
+        if eos_ids is None:
+            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
+        self.eos_ids = eos_ids
+        self.on_progress = None
+        self.noise = NoiseCache()
+        self.narrowed = {}  # (a head drafts no trees)
+        self.confidence_stop = getattr(config, "confidence_stop", None)
+        self.stats = {"passes": 0, "drafts": 0, "stopped": 0}  # DSpark's confidence stops, for the measurement
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out: dict[str, Proposal] = {}
+        pinned = self._pinned(requests)
+        for r in requests:
+            if r.branches:
+                out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
+                continue
+            if r.provisional:  # no states for the guessed block: the caller drafts once they exist
+                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+                continue
+            try:
+                out[r.seq_id] = self._one(r, pinned)
+            except Exception as e:  # noqa: BLE001 - this sequence decodes without drafts (still lossless)
+                log.warning("sequence %s failed drafting: %r", r.seq_id, e)
+                self.cache.release(r.seq_id)
+                out[r.seq_id] = Proposal(r.seq_id, [])
+            if self.on_progress:
+                self.on_progress()
+        self.cache.fit(pinned)
+        dt = time.perf_counter() - t0
+        for p in out.values():
+            p.draft_s = dt
+        return [out[r.seq_id] for r in requests]
+
+    def _one(self, r: DraftRequest, pinned: set[str]) -> Proposal:
+        s, dev = self.spec, self.config.device
+        slot = self.cache.slots.get(r.seq_id)
+        if r.full or slot is None:
+            if not r.full:
+                return Proposal(r.seq_id, [], cache_miss=True)
+            slot = _Rows(s.num_layers, s.num_key_value_heads, s.head_dim, self.kv_dtype, dev)
+            self.cache.slots[r.seq_id] = slot
+            tokens = list(r.new_tokens)
+        else:
+            if len(slot.tokens) < r.start or prefix_hash(slot.tokens, r.start, slot.chain) != r.prefix:
+                return Proposal(r.seq_id, [], cache_miss=True)
+            slot.cut(r.start)
+            tokens = slot.tokens + list(r.new_tokens)
+        self.cache.slots.move_to_end(r.seq_id)
+        n = len(tokens) - 1  # context rows needed: positions 0..n-1 (x_n is the anchor)
+        if slot.n < n:
+            lo = slot.n
+            if r.aux is None or r.aux_start > lo or r.aux_start + r.aux.shape[0] < n:
+                self.cache.release(r.seq_id)
+                return Proposal(r.seq_id, [], cache_miss=True)
+            g = r.aux[lo - r.aux_start: n - r.aux_start].to(device=dev)
+            kv = self.head.context_kv(g, torch.arange(lo, n, device=dev))
+            slot.append(torch.stack([k for k, _ in kv]).to(self.kv_dtype), torch.stack([v for _, v in kv]).to(self.kv_dtype))
+        slot.cut(n)
+        slot.tokens = tokens[:n]
+        prop = self._proposal(r, cached=n)
+        k = max(0, min(r.k, s.max_k, self.max_len - len(tokens)))
+        if k == 0:
+            return prop
+        ids = self.head.block_ids(torch.tensor([tokens[-1]], device=dev), k)
+        ctx = [(slot.k[i, :n].unsqueeze(0), slot.v[i, :n].unsqueeze(0)) for i in range(s.num_layers)]
+        hidden = self.head.block(ids, torch.tensor([n], device=dev), ctx, torch.arange(n, device=dev).unsqueeze(0))
+        rows = self.head.draft_rows(hidden)[0, :k]  # [k, H]
+        base = self.head.logits(rows).float()  # [k, Vd]
+        self.stats["passes"] += 1
+        history, prev = list(tokens), tokens[-1]
+        for i in range(k):
+            row = base[i]
+            if s.markov:  # q_i conditioned on the token drafted at i - 1
+                prev_t = torch.tensor(prev, device=dev)
+                if self.confidence_stop is not None and s.confidence_head and i > 0:
+                    if float(self.head.confidence(rows[i], prev_t)) < self.confidence_stop:
+                        self.stats["stopped"] += 1
+                        break
+                row = row + self.head.markov_bias(prev_t).float()
+            prev = self._draw(r, self.head.target_logits(row).unsqueeze(0), history, prop)
+            prop.tokens.append(prev)
+            history.append(prev)
+        self.stats["drafts"] += len(prop.tokens)
+        return prop
