@@ -1,14 +1,17 @@
 """OpenAI-compatible request schemas and error bodies.
 
 Unknown parameters are rejected with a 400 naming them, rather than silently ignored:
-a client that sets e.g. ``logit_bias`` would otherwise get output it did not ask for.
+a client that sets e.g. ``guided_json`` would otherwise get output it did not ask for. What
+vLLM's OpenAI protocol rejects (its request validators and ``SamplingParams``), these models
+reject too, with the same kind of 400 naming the parameter (docs/serving.md has the comparison).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from configs.models import MAX_SPECULATIVE_TOKENS
 
@@ -26,6 +29,54 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def invalid(param: str, message: str) -> PydanticCustomError:
+    """A request error raised by a validator that names its parameter (the 400's ``param``; a
+    combination of fields has no location of its own), as vLLM's ``VLLMValidationError``."""
+    return PydanticCustomError("invalid_request", "{message}", {"message": message, "param": param})
+
+
+# vLLM request fields this server does not serve, and why: a 400 that says so, never a silent ignore
+UNSUPPORTED = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"),
+                    "no guided or structured decoding"),
+    "prompt_logprobs": "no prompt logprobs; on completions, echo with logprobs returns the prompt's",
+    "max_completion_tokens": "completions take max_tokens",
+    "top_logprobs": "completions take logprobs: the number of alternatives",
+    "logprob_token_ids": "logprobs are the emitted token's and the top_logprobs alternatives'",
+    **dict.fromkeys(("use_beam_search", "length_penalty", "best_of"), "no beam search or best-of sampling"),
+    **dict.fromkeys(("bad_words", "allowed_token_ids"), "no banned or allowed token lists (logit_bias is served)"),
+    **dict.fromkeys(("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"),
+                    "detokenisation is fixed: stop strings left out, special tokens skipped"),
+    **dict.fromkeys(("truncate_prompt_tokens", "truncation_side"),
+                    "prompts are never truncated: one beyond the context is a 400"),
+    **dict.fromkeys(("continue_final_message", "chat_template", "chat_template_kwargs", "documents", "echo",
+                     "add_special_tokens"), "the model's own chat template, applied as it is"),
+    **dict.fromkeys(("reasoning_effort", "thinking_token_budget", "include_reasoning"), "no reasoning controls"),
+    "priority": "no priority scheduling",
+    **dict.fromkeys(("cache_salt", "kv_transfer_params"), "no prefix cache shared across requests"),
+    **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
+}
+
+
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """The 400 for a body the request models refused: the first error, its parameter named."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    named = (first.get("ctx") or {}).get("param")  # a validator's error (``invalid``): its message says it all
+    param = named or ".".join(loc) or None
+    if named:
+        msg = first.get("msg", "invalid request")
+    elif first.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":
+        reason = UNSUPPORTED.get(loc[-1]) if loc else None
+        msg = f"unsupported parameter: {param}" + (f" ({reason})" if reason else "")
+    else:
+        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+    return OpenAIError(400, msg, param=param, code=first.get("type"))
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -36,7 +87,6 @@ class _Common(BaseModel):
 
     model: str | None = Field(None, description="Model name; must be the served one when given.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (chat).")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000, description="vLLM extension; 0 or -1 disables; at most the vocabulary.")
@@ -53,7 +103,6 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=16, description="Choices per request, each its own speculative sequence (choice i seeded seed + i).")
     logprobs: bool | int | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating after EOS.")
     num_speculative_tokens: int | None = Field(
@@ -74,6 +123,13 @@ class _Common(BaseModel):
     @classmethod
     def _minus_one_disables(cls, v):
         return 0 if v == -1 else v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # as vLLM: options given (even all false) on a request that does not stream
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise invalid("stream_options", "stream_options can only be given when stream is true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -105,7 +161,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(..., description="Text, or token ids, or a list with one text.")
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # an integer, not a string of one (vLLM refuses "2" here, where pydantic would read it as 2)
+    logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs when asked).")
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: None = None
@@ -159,14 +216,16 @@ class PredictionContent(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens, as vLLM's.")
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Needs logprobs true, as vLLM's.")
     add_generation_prompt: bool = True
     # OpenAI chat fields clients send with neutral values (SDKs and agent frameworks fill them in):
     # accepted where they ask for nothing this server would not do, a 400 naming them otherwise
     response_format: ResponseFormat | None = Field(None, description="Only {\"type\": \"text\"} (no JSON or schema-guided decoding).")
     tools: list[dict] | None = Field(None, description="Must be empty: no tool calling.")
     tool_choice: str | dict | None = Field(
-        None, description="none, or auto with no tools (what OpenAI does then): no tool calling.")
+        None, description="Only none: anything else needs tools (as vLLM), and there is no tool calling.")
     parallel_tool_calls: bool | None = Field(None, description="Accepted; no effect without tools.")
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
@@ -195,12 +254,25 @@ class ChatCompletionRequest(_Common):
             raise ValueError("tool calling is not supported: leave it out or empty")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
     def _no_tool_choice(cls, v):
-        if v is not None and v not in ("none", "auto"):  # 'required', or a named tool
-            raise ValueError("tool calling is not supported: only 'none', or 'auto' without tools")
+        if v is not None and v != "none":  # vLLM: any other tool_choice needs tools
+            raise ValueError("tool_choice other than 'none' needs tools, and tool calling is not supported")
         return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, v):
+        if v is not None and v not in ("none", "auto"):  # the deprecated field: 'auto' with no functions is none
+            raise ValueError("function calling is not supported: only 'none', or 'auto' without functions")
+        return v
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as vLLM: 0 is no alternatives, allowed either way
+            raise invalid("top_logprobs", "top_logprobs needs logprobs true")
+        return self
 
     @field_validator("modalities")
     @classmethod

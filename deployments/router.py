@@ -30,7 +30,15 @@ from core.stats import RequestStats, exposed_s
 from deployments.batcher import Overloaded
 from deployments.edge import EdgeMiddleware, configure_edge, count_status
 from deployments.metrics import Tally, metrics
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, generation_defaults, to_sampling_params, wants_timing
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    generation_defaults,
+    to_sampling_params,
+    validation_error,
+    wants_timing,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -69,17 +77,7 @@ async def _internal_error(request: Request, e: Exception):
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, e: RequestValidationError):
     count_status(request.url.path, 400)
-    errs = e.errors()
-    first = errs[0] if errs else {}
-    loc = [str(x) for x in first.get("loc", []) if x != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        msg, param = "the request body is not valid JSON", None
-    elif first.get("type") == "extra_forbidden":
-        msg = f"unsupported parameter: {param}"
-    else:
-        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-    return JSONResponse(OpenAIError(400, msg, param=param, code=first.get("type")).body(), status_code=400)
+    return JSONResponse(validation_error(e.errors()).body(), status_code=400)
 
 
 def _tally(seq: Sequence, info: StepInfo, wall_s: float, tally: Tally):

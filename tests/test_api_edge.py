@@ -203,6 +203,53 @@ def test_operators_k_is_the_ceiling(serve_app):
     assert spec["num_draft_tokens"] <= 4 * spec["num_drafts"]
 
 
+def test_what_vllm_rejects_is_refused_over_http_with_the_parameter_named(serve_app):
+    """vLLM's combination rules through the official client (the full table: tests/test_edge_rules.py)."""
+    from openai import BadRequestError, OpenAI
+
+    base, *_ = serve_app
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    refused = [(client.completions.create, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+               (client.chat.completions.create, {"messages": messages, "stream_options": {"include_usage": True}},
+                "stream_options"),
+               (client.chat.completions.create, {"messages": messages, "top_logprobs": 2}, "top_logprobs"),
+               (client.chat.completions.create, {"messages": messages, "tool_choice": "auto"}, "tool_choice"),
+               (client.chat.completions.create, {"messages": messages, "extra_body": {"guided_json": {}}}, "guided_json"),
+               (client.completions.create, {"prompt": "x", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs")]
+    for create, kw, param in refused:
+        with pytest.raises(BadRequestError) as e:
+            create(model="tiny", max_tokens=4, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
+    # and the same fields where vLLM takes them
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_speculation_carries_counters_and_the_timing_breakdown_when_asked(serve_app):
+    """The speculation block: vLLM's counters by default; the per-step time breakdown with the
+    request field return_timing or the header x-splitspec-timing, streamed or not."""
+    from openai import OpenAI
+
+    base, *_ = serve_app
+    req = dict(prompt=PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True)
+    plain = post(base, **req).json()["speculation"]
+    assert plain["num_drafts"] > 0 and plain["k"] == 4 and sum(plain["steps_by_k"].values()) == plain["steps"]
+    assert plain["mean_acceptance_length"] == round(1 + plain["num_accepted_tokens"] / plain["num_drafts"], 4)
+    assert not {f for f in plain if f.startswith("mean_") and f.endswith("_ms")} and "by_pre_draft" not in plain
+    asked = post(base, **req, return_timing=True).json()["speculation"]
+    header = httpx.post(f"{base}/v1/completions", timeout=120, headers={"x-splitspec-timing": "1"},
+                        json={"model": "tiny", **req}).json()["speculation"]
+    streamed = next(e["speculation"] for e in sse(base, **req, return_timing=True) if e.get("speculation"))
+    for spec in (asked, header, streamed):
+        assert spec["mean_step_ms"] >= spec["mean_forward_ms"] > 0 and "by_pre_draft" in spec, spec
+        assert spec["num_drafts"] > 0 and set(plain) <= set(spec)  # the counters stay
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+    r = client.completions.create(model="tiny", extra_body={"return_timing": True, "ignore_eos": True},
+                                  prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    assert r.model_extra["speculation"]["mean_step_ms"] > 0
+
+
 def test_every_status_is_counted(ray_cluster, serve_app):
     """A refused request is counted under its status (a stream that ends in an in-band deadline error
     is counted as a 504: tests/test_reliability.py, where the verifier can be slowed)."""
