@@ -45,6 +45,10 @@ class SamplingParams(_Config):
         "output is identical whatever the drafter, k or replica did (and equals plain decoding); acceptance is "
         "somewhat lower. Both emit tokens distributed exactly as the target's p; greedy ignores this.")
 
+    capture: bool = Field(True, description=(
+        "Whether the verifier's traffic capture (VerifierConfig.capture, when configured) may record this request; the OpenAI API's "
+        "`store: false` sets it false."))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -191,6 +195,33 @@ class ParallelHeadConfig(_Config):
 DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
 
 
+class CaptureConfig(_Config):
+    """Recording served traffic for training a draft head (docs/training.md): for the sampled requests that do not opt out
+    (`store: false`), the tokens and the target's states an EAGLE-3 head reads, written as shards on the verifier replica's disk
+    (verifier/capture.py). This is user data on disk: the prompts and outputs of the requests recorded."""
+
+    dir: str = Field(..., min_length=1, description="Directory of the shards (created if missing), on each verifier replica's node.")
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=16, description=(
+        "The aux layers recorded (vLLM's layer ids: the residual stream entering layer L), those of the head to be trained; default vLLM's "
+        "(2, N // 2, N - 3). The last layer's output, from which the trainer computes the target's distribution, is always recorded."))
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0, description="The share of requests recorded (drawn per request).")
+    max_bytes: int = Field(..., ge=1, description="The byte budget of all shards in dir: the oldest shards are deleted to stay within it.")
+    shard_bytes: int = Field(64 * 2**20, ge=1, description=(
+        "A shard is written once the finished requests buffered in memory hold this many bytes (or flush_interval_s passed)."))
+    flush_interval_s: float = Field(60.0, ge=0.0, description="A shard is written once its oldest buffered request is this old (0: at each request's end).")
+    max_shards: int | None = Field(None, ge=1, description="Retention: the most shards kept (the oldest deleted first); default no limit.")
+    max_age_s: float | None = Field(None, gt=0, description="Retention: shards older than this are deleted; default no limit.")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="The dtype the states are stored in.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.shard_bytes > self.max_bytes:
+            raise ValueError(f"capture.shard_bytes {self.shard_bytes} exceeds capture.max_bytes {self.max_bytes}")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"capture.layers {self.layers} repeats a layer")
+        return self
+
+
 class VerifierConfig(_Config):
     """The target model that verifies drafts."""
 
@@ -249,6 +280,14 @@ class VerifierConfig(_Config):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
         "vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the Verifier deployment a placement group "
         "of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
+    capture: CaptureConfig | None = Field(None, description=(
+        "Record served traffic for training a draft head (off by default; user data on disk: docs/training.md). transformers backend only."))
+
+    @model_validator(mode="after")
+    def _check_capture(self):
+        if self.capture is not None and self.backend != "transformers":
+            raise ValueError(f"capture: traffic capture needs backend transformers, not {self.backend!r}")
+        return self
 
 
 _C = TypeVar("_C", bound=BaseModel)
