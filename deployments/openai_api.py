@@ -230,7 +230,9 @@ class ChatCompletionRequest(_Common):
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
     modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description="Only [\"text\"].")
-    store: bool | None = Field(None, description="Only false: this server stores no completions.")
+    store: bool | None = Field(None, description=(
+        "Only false: this server stores no completions; false also keeps the request out of the verifier's traffic capture "
+        "(VerifierConfig.capture, docs/training.md)."))
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Accepted and ignored (OpenAI keeps it with stored completions).")
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
         None, description="Accepted; every request is served alike.")
@@ -392,7 +394,8 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
             **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
             verification=body.verification or verification, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
-            stop_token_ids=tuple(body.stop_token_ids or ()))
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            capture=getattr(body, "store", None) is not False)  # store: false keeps a chat out of the traffic capture
     except ValidationError as e:  # a generation_config default out of bounds, or a combination
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ())) or None
