@@ -42,8 +42,16 @@ class VerifierEngine:
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
         self.eos_ids = eos_token_ids(self.tokenizer, model=self.model)
+        self.capture = None  # served traffic recorded for training a head (verifier/capture.py), when configured
+        if getattr(config, "capture", None) is not None:
+            from verifier.capture import TrafficCapture
+
+            tc = self.model.config.get_text_config()
+            self.capture = TrafficCapture(config.capture, tc.num_hidden_layers, tc.hidden_size, str(config.model))
 
     def release(self, seq_id: str) -> bool:
+        if self.capture is not None:
+            self.capture.finish(seq_id)
         return self.cache.release(seq_id)
 
     @torch.inference_mode()
@@ -112,6 +120,8 @@ class VerifierEngine:
         feeds = [(r.new_tokens[len(slot.tokens):] if r.full else r.new_tokens) + r.draft_tokens for r, slot in group]
         starts = [len(slot.tokens) for _, slot in group]
         capture = tuple(sorted({L for r, _ in group for L in r.capture}))  # an EAGLE-3 drafter's layers
+        if self.capture is not None and any([self.capture.wants(r) for r, _ in group]):
+            capture = tuple(sorted(set(capture) | set(self.capture.layers)))
         t0 = time.perf_counter()
         try:
             logits = batched_forward(self.runner, self.cache, [s for _, s in group], feeds,
@@ -143,6 +153,8 @@ class VerifierEngine:
             # keep the accepted drafts' K/V; the recovered/bonus token was never fed
             slot.cut(len(slot.tokens) - r.k + res.num_accepted)
             res.cached = len(slot.tokens)
+            if states is not None and self.capture is not None and self.capture.wants(r):
+                self.capture.record(r, slot.tokens, starts[i], states[i])
             results[r.seq_id] = res
 
     def _fail(self, r: VerifyRequest, e: Exception, results: dict) -> None:
