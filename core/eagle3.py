@@ -31,6 +31,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,67 @@ def _rope_parameters(t: dict) -> dict:
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", 10000.0)
     return rope
+
+
+def unsupported(name: str, value, why: str) -> NoReturn:
+    """Refuse a head config: ``UnsupportedHead``, one line naming the field and its value."""
+    raise UnsupportedHead(f"{name} {value!r}: {why}")
+
+
+def layer_config(cfg: dict, kind: str) -> dict:
+    """A Speculators config's ``transformer_layer_config`` (the draft layers'), which a ``kind`` head needs."""
+    t = cfg.get("transformer_layer_config")
+    if not isinstance(t, dict):
+        unsupported("transformer_layer_config", t, f"the {kind} config needs the draft layers' config")
+    return t
+
+
+def check_draft_layers(t: dict, rope: dict) -> None:
+    """What every draft head's layers run here, as vLLM's: silu, no biases, a rotary embedding of a static type
+    over the whole head (``rope``: ``_rope_parameters``), no logit scale."""
+    act = t.get("hidden_act", "silu")
+    if act != "silu":
+        unsupported("transformer_layer_config.hidden_act", act, "vLLM's draft layers run silu only")
+    for flag in ("attention_bias", "mlp_bias"):
+        if t.get(flag):
+            unsupported(f"transformer_layer_config.{flag}", t[flag], "not supported (published heads have no biases)")
+    if rope["rope_type"] not in ROPE_TYPES:
+        unsupported("rope_type", rope["rope_type"], f"supported: {', '.join(ROPE_TYPES)}")
+    partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        unsupported("partial_rotary_factor", partial, "the head's rotary embedding covers the whole head")
+    if float(t.get("logit_scale", 1.0) or 1.0) != 1.0:
+        unsupported("transformer_layer_config.logit_scale", t["logit_scale"], "not supported")
+
+
+def draft_layer_types(t: dict, n_layers: int) -> tuple[list[str] | None, int | None]:
+    """(each of the n draft layers' attention type, the sliding window) from ``layer_types`` and
+    ``sliding_window``; no types without ``layer_types`` (every layer full attention)."""
+    layer_types, window = t.get("layer_types"), t.get("sliding_window")
+    if layer_types is None:
+        return None, int(window) if window else None
+    if len(layer_types) < n_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        unsupported("transformer_layer_config.layer_types", layer_types,
+                    f"needs full_attention or sliding_attention for each of the {n_layers} layers")
+    if "sliding_attention" in layer_types[:n_layers] and (window is None or int(window) < 1):
+        unsupported("transformer_layer_config.sliding_window", window, "sliding_attention layers need a window of at least 1")
+    return list(layer_types[:n_layers]), int(window) if window else None
+
+
+def _aux_layer_ids(cfg: dict, eagle: dict, target_num_layers: int | None) -> list[int]:
+    """The verifier layers whose states the head reads, as vLLM captures them: the config's, sorted with
+    repeats dropped, or vLLM's default for the verifier where the config gives none."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return sorted(set(int(i) for i in ids))
+    if target_num_layers is None:  # absent, null or empty: vLLM's default for the verifier
+        unsupported("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"),
+                    "the default (2, N // 2, N - 3) needs the verifier's num_hidden_layers N")
+    ids = default_aux_layers(target_num_layers)
+    if len(ids) != 3:
+        unsupported("eagle_aux_hidden_state_layer_ids", None,
+                    f"vLLM's default (2, N // 2, N - 3) repeats a layer for a {target_num_layers}-layer verifier")
+    return ids
 
 
 @dataclass
@@ -109,57 +171,23 @@ class Eagle3Spec:
         vLLM's defaults). ``target_num_layers``: the verifier's ``num_hidden_layers``, needed when the
         config leaves the aux layer ids to vLLM's default. Raises ``UnsupportedHead`` (one line naming
         the field and value) for a config this project cannot run."""
-        def bad(name, value, why):
-            raise UnsupportedHead(f"{name} {value!r}: {why}")
-
         if cfg.get("speculators_model_type") != "eagle3":
-            bad("speculators_model_type", cfg.get("speculators_model_type"), "not a Speculators eagle3 config")
-        t = cfg.get("transformer_layer_config")
-        if not isinstance(t, dict):
-            bad("transformer_layer_config", t, "an eagle3 config needs the draft layers' config")
+            unsupported("speculators_model_type", cfg.get("speculators_model_type"), "not a Speculators eagle3 config")
+        t = layer_config(cfg, "eagle3")
         model_type = t.get("model_type", "llama")
         if model_type not in LAYER_TYPES:
-            bad("transformer_layer_config.model_type", model_type, f"vLLM's eagle3 heads have {' or '.join(LAYER_TYPES)} layers")
-        act = t.get("hidden_act", "silu")
-        if act != "silu":
-            bad("transformer_layer_config.hidden_act", act, "vLLM's eagle3 layers run silu only")
-        for flag in ("attention_bias", "mlp_bias"):
-            if t.get(flag):
-                bad(f"transformer_layer_config.{flag}", t[flag], "not supported (published heads have no biases)")
+            unsupported("transformer_layer_config.model_type", model_type, f"vLLM's eagle3 heads have {' or '.join(LAYER_TYPES)} layers")
         rope = _rope_parameters(t)
-        if rope["rope_type"] not in ROPE_TYPES:
-            bad("rope_type", rope["rope_type"], f"supported: {', '.join(ROPE_TYPES)}")
-        partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            bad("partial_rotary_factor", partial, "the head's rotary embedding covers the whole head")
-        if float(t.get("logit_scale", 1.0) or 1.0) != 1.0:
-            bad("transformer_layer_config.logit_scale", t["logit_scale"], "not supported")
+        check_draft_layers(t, rope)
         eagle = cfg.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state") is False:
-            bad("eagle_config.use_aux_hidden_state", False, "an EAGLE-3 head reads the target's aux states")
+            unsupported("eagle_config.use_aux_hidden_state", False, "an EAGLE-3 head reads the target's aux states")
         n_layers = int(t.get("num_hidden_layers") or 1)
-        layer_types = t.get("layer_types")
-        window = t.get("sliding_window")
-        if layer_types is not None:
-            if len(layer_types) < n_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
-                bad("transformer_layer_config.layer_types", layer_types,
-                    f"needs full_attention or sliding_attention for each of the {n_layers} layers")
-            if len(set(layer_types[:n_layers])) > 1:  # vLLM asserts one KV cache group for a head's layers
-                bad("transformer_layer_config.layer_types", layer_types[:n_layers],
-                    "vLLM runs a head's layers in one KV cache group: all sliding or all full attention")
-            if "sliding_attention" in layer_types[:n_layers] and (window is None or int(window) < 1):
-                bad("transformer_layer_config.sliding_window", window, "sliding_attention layers need a window of at least 1")
-        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
-        if not ids:  # absent, null or empty: vLLM's default for the verifier
-            if target_num_layers is None:
-                bad("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"),
-                    "the default (2, N // 2, N - 3) needs the verifier's num_hidden_layers N")
-            ids = default_aux_layers(target_num_layers)
-            if len(ids) != 3:
-                bad("eagle_aux_hidden_state_layer_ids", None,
-                    f"vLLM's default (2, N // 2, N - 3) repeats a layer for a {target_num_layers}-layer verifier")
-        else:
-            ids = sorted(set(int(i) for i in ids))  # vLLM captures them sorted, repeats dropped
+        layer_types, window = draft_layer_types(t, n_layers)
+        if layer_types and len(set(layer_types)) > 1:  # vLLM asserts one KV cache group for a head's layers
+            unsupported("transformer_layer_config.layer_types", layer_types,
+                        "vLLM runs a head's layers in one KV cache group: all sliding or all full attention")
+        ids = _aux_layer_ids(cfg, eagle, target_num_layers)
         heads = t["num_attention_heads"]
         return cls(hidden_size=t["hidden_size"], num_attention_heads=heads,
                    num_key_value_heads=t.get("num_key_value_heads") or heads,
@@ -173,9 +201,7 @@ class Eagle3Spec:
                    norm_before_residual=bool(cfg.get("norm_before_residual", True)),
                    norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
                    fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
-                   num_layers=n_layers, layer_type=model_type,
-                   layer_types=list(layer_types[:n_layers]) if layer_types else None,
-                   sliding_window=int(window) if window else None)
+                   num_layers=n_layers, layer_type=model_type, layer_types=layer_types, sliding_window=window)
 
     def to_config(self, verifier_path: str, verifier_arch: list[str], k: int = 4) -> dict:
         layer = {"architectures": ["Qwen3ForCausalLM" if self.layer_type == "qwen3" else "LlamaForCausalLM"],
@@ -597,9 +623,10 @@ def verifier_layers(verifier: str | Path) -> int:
     return AutoConfig.from_pretrained(str(verifier)).get_text_config().num_hidden_layers
 
 
-def _borrowed(path: Path, spec: Eagle3Spec, names: set[str], verifier) -> dict[str, str]:
-    """{weight name: what to read from the verifier} for the weights the head leaves to it (vLLM's
-    rules: the target's embedding without ``embed_tokens``, its lm_head without ``lm_head``)."""
+def _borrowed(path: Path, spec, names: set[str], verifier, read) -> dict:
+    """{weight name: ``read(verifier, what)``} for the weights the head leaves to the verifier (vLLM's rules:
+    the target's embedding without ``embed_tokens``, its lm_head without ``lm_head``), each as wide as the head;
+    ``read``: ``verifier_tensor`` (the weight) or ``_verifier_shape`` (its shape)."""
     out = {}
     for name, what in (("embed_tokens.weight", "embed_tokens"), ("lm_head.weight", "lm_head")):
         if name in names:
@@ -609,14 +636,19 @@ def _borrowed(path: Path, spec: Eagle3Spec, names: set[str], verifier) -> dict[s
         if what == "lm_head" and spec.draft_vocab_size != spec.vocab_size:
             raise UnsupportedHead(f"lm_head absent with draft_vocab_size {spec.draft_vocab_size}: only a head over "
                                   "the verifier's whole vocabulary can use the verifier's lm_head")
-        out[name] = what
+        out[name] = read(verifier, what)
+        width = (out[name].shape if isinstance(out[name], torch.Tensor) else out[name])[-1]
+        if width != spec.hidden_size:
+            raise UnsupportedHead(f"{what} absent with hidden_size {spec.hidden_size}: the verifier's is {width} wide, "
+                                  "so the head cannot use it")
     return out
 
 
-def _complete(path: Path, spec: Eagle3Spec, shapes: dict[str, tuple]) -> None:
-    """Every weight the config makes the head have is there, with its shape; nothing else is."""
+def _complete(path: Path, spec, shapes: dict[str, tuple], head_cls: type[nn.Module] | None = None) -> None:
+    """Every weight the config makes the head (``head_cls(spec)``, default ``EagleHead``) have is there, with
+    its shape; nothing else is."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in EagleHead(spec).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in (head_cls or EagleHead)(spec).state_dict().items()}
     wrong = [f"{k} is {shapes[k]}, the config makes it {expected[k]}" for k in shapes
              if k in expected and shapes[k] != expected[k]]
     if wrong:
@@ -636,25 +668,33 @@ def check_head(path: str | Path, verifier: str | Path) -> Eagle3Spec:
     """The build-time check of a head for a verifier, reading headers only: the config (one
     ``UnsupportedHead`` line naming a field the project cannot run), every weight's name and shape,
     and what the head borrows from the verifier (its width must match). Returns the spec."""
-    from safetensors import safe_open
+    path = checkpoint_dir(path)
+    spec = Eagle3Spec.from_config(json.loads((path / "config.json").read_text()), verifier_layers(verifier))
+    check_weights(path, spec, verifier, EagleHead)
+    return spec
 
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """A head checkpoint's directory, refused unless it has config.json and safetensors weights."""
     path = Path(path)
     if not (path / "config.json").exists() or not _safetensors_files(path):
         raise ValueError(f"{str(path)!r} needs config.json and safetensors weights (model.safetensors or shards "
                          "with model.safetensors.index.json)")
-    spec = Eagle3Spec.from_config(json.loads((path / "config.json").read_text()), verifier_layers(verifier))
+    return path
+
+
+def check_weights(path: Path, spec, verifier, head_cls: type[nn.Module]) -> None:
+    """From the safetensors headers: every weight ``head_cls(spec)`` has is in the checkpoint at ``path`` or
+    borrowed from the verifier (as wide as the head), with its shape, and nothing else is."""
+    from safetensors import safe_open
+
     shapes = {}
     for f in _safetensors_files(path):
         with safe_open(str(f), "pt") as h:
             shapes.update({_names(k): tuple(h.get_slice(k).get_shape()) for k in h.keys()})
-    for name, what in _borrowed(path, spec, set(shapes), verifier).items():
-        shapes[name] = tuple(_verifier_shape(verifier, what))
-        if shapes[name][-1] != spec.hidden_size:
-            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
-                                  f"is {shapes[name][-1]} wide, so the head cannot use it")
+    shapes.update({k: tuple(v) for k, v in _borrowed(path, spec, set(shapes), verifier, _verifier_shape).items()})
     shapes.pop("inv_freq", None)
-    _complete(path, spec, shapes)
-    return spec
+    _complete(path, spec, shapes, head_cls)
 
 
 def _verifier_shape(verifier, what: str):
@@ -679,12 +719,7 @@ def load_head(path: str | Path, dtype=torch.float32, device="cpu", verifier: str
     head = EagleHead(spec)
     state = {_names(k): v for k, v in read_state(path).items()}
     state.pop("inv_freq", None)
-    for name, what in _borrowed(path, spec, set(state), verifier).items():
-        w = verifier_tensor(verifier, what)
-        if w.shape[-1] != spec.hidden_size:
-            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
-                                  f"is {w.shape[-1]} wide, so the head cannot use it")
-        state[name] = w
+    state.update(_borrowed(path, spec, set(state), verifier, verifier_tensor))
     if "t2d" not in state and spec.draft_vocab_size != spec.vocab_size:
         # d2t absent: vLLM keeps its zeros, draft id i is target id i
         d2t = state.get("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
