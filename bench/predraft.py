@@ -10,8 +10,7 @@
   of a pre-draft's hit rate. Then served (unless ``--no-serve``; one stream, non-streaming
   requests, fixed k, every app deployed at once and interleaved per (repeat, prompt); verifier and
   drafter replicas on cores of their own unless ``--no-pin``): speculation with pre-drafting off,
-  with trees of m = 0, 1, 2 pre-drafted at every step (``pre_draft: always``), and the default
-  (m = 1, pre-drafting chosen by measurement per request); per (prompt, repeat) the ratio to
+  and the default (trees of m = 1 pre-drafted at every step); per (prompt, repeat) the ratio to
   pre-drafting off, then the median; the served hit rate per outcome beside the offline ceiling.
   Writes ``tree_predraft.json``.
 - ``eagle3``: what pre-drafting costs an EAGLE-3 head in acceptance. Block n + 1 can be
@@ -104,12 +103,9 @@ class _Fake:
         self.alts = [[0] + list(range(1, m + 1)) for _ in range(k + 1)]
 
 
-SERVED = {  # name: app overrides
+SERVED = {  # name: app overrides (m = 0 and 2 and the measured choice were removed: docs/decisions/0027-one-policy.md)
     "off": {"pipeline_drafts": False},
-    "always_m0": {"pre_draft": "always", "pre_draft_alternatives": 0},
-    "always_m1": {"pre_draft": "always", "pre_draft_alternatives": 1},
-    "always_m2": {"pre_draft": "always", "pre_draft_alternatives": 2},
-    "default_m1": {},
+    "always_m1": {},  # the default: a tree of m = 1 pre-drafted at every step
 }  # (apps' order: each (repeat, prompt) starts one further along it)
 
 

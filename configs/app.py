@@ -7,11 +7,21 @@ this workload, not Serve's generic ones.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.models import DrafterConfig, VerifierConfig
+
+log = logging.getLogger(__name__)
+
+# removed fields -> what replaced them (see AppConfig._removed_fields)
+REMOVED_FIELDS = {
+    "pre_draft": "with pipeline_drafts every step pre-drafts (the measured choice gained nothing over always)",
+    "pre_draft_alternatives": "pre-draft trees guess 1 alternative per outcome, the one setting that paid",
+}
 
 
 class AppConfig(BaseModel):
@@ -29,16 +39,9 @@ class AppConfig(BaseModel):
         "adaptive: pick k per step from measured acceptance, drafter cost and verifier load (a request's num_speculative_tokens is the upper bound); "
         "fixed: always speculate the request's k."))
     pipeline_drafts: bool = Field(True, description=(
-        "Draft the next block while the current one is verified, for its likely outcomes (see pre_draft_alternatives), so the drafter round trip is "
-        "hidden when a guess holds. Whether it pays is measured per request."))
-    pre_draft: Literal["measured", "always"] = Field("measured", description=(
-        "With pipeline_drafts: measured (default) pre-drafts where it measures faster per token for the request (where drafter and verifier share "
-        "cores it often does not); always pre-drafts every step (pools on hardware of their own)."))
-    pre_draft_alternatives: int = Field(1, ge=0, le=8, description=(
-        "m: the pre-draft is a tree with, for each number of accepted drafts, the drafter's m most likely correction tokens other than its rejected "
-        "draft (and for the whole block accepted, m + 1 guesses of the bonus token: its own next token and m more), drafted together in batched "
-        "passes: m (k + 1) + 1 branches. 0: only the whole-block branch. Trees need a draft_model drafter (others pre-draft the whole-block branch) "
-        "and shrink to it while the drafter pool is loaded."))
+        "Draft the next block while the current one is verified, for its likely outcomes (a draft model: a tree of the drafter's two likeliest "
+        "tokens per outcome; an EAGLE-3 head: its own chain), so the drafter round trip is hidden when a guess holds. False: drafting waits for "
+        "each verify."))
     drafter_transport: Literal["direct", "serve"] = Field("direct", description=(
         "How a verifier replica reaches the drafter pool each step. direct (default): a sequence's first call goes through Serve's router, which "
         "places it; its later calls go down a persistent connection to the replica that answered (a fraction of a Serve handle call's overhead: no "
@@ -91,6 +94,20 @@ class AppConfig(BaseModel):
         "s); Serve replaces it and its requests fail over to other replicas."))
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data):
+        """Fields that only tuned speed and are gone (docs/decisions/0027-one-policy.md): accepted with a
+        warning, so a config written for an earlier version still deploys, with the same outputs."""
+        if isinstance(data, dict) and REMOVED_FIELDS.keys() & data.keys():
+            data = dict(data)
+            for name in sorted(REMOVED_FIELDS.keys() & data.keys()):
+                data.pop(name)
+                msg = f"AppConfig.{name} was removed and is ignored: {REMOVED_FIELDS[name]}"
+                warnings.warn(msg, DeprecationWarning, stacklevel=2)
+                log.warning(msg)
+        return data
 
     @model_validator(mode="after")
     def _verifier_named(self):

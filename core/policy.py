@@ -25,14 +25,12 @@ too). No CPU or GPU constant decides: c_verify only shapes estimates until the m
 exist. ``extra_load`` grows with the verifier's batch beyond ``saturation_batch``: there every
 extra verified token is throughput taken from other requests, so speculation is cut back.
 
-k = 0 is one of the choices, and one it returns from: a plain stretch lasts ``recheck_steps``
-steps, then the best speculative k is tried again (a stretch twice as long after each recheck
-that went back to plain, up to ``max_recheck_steps``: on text the drafter cannot guess, rechecks
-would cost more than they find). Every ``explore_every`` steps a neighbour of the best k
-is tried, so the measured costs follow the cost curve as load changes. A k is tried for ``run``
-steps in a row and its step time measured on steady-state steps only (the previous step used the
-same k): the step right after a change pays for it (its pre-draft, made for the old k, misses).
-Why adaptive is the default: docs/decisions/0006-default-policy.md.
+k = 0 is one of the choices, and one it returns from: a plain stretch lasts until the best
+speculative k is tried again, twice as long after each failed recheck and long enough that what
+speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``). Every
+``explore_every`` steps a neighbour of the best k is tried; a k is tried for ``run`` steps and
+measured on steady-state steps only (the step after a change pays for it: its pre-draft misses).
+Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md.
 """
 
 from __future__ import annotations
@@ -88,6 +86,9 @@ class StepCosts:
     shrink: float = 4.0  # pseudo-steps of the line in a k's estimate
     plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
     draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
+    plain_steps: int = 0  # steps behind plain_est_s
+    draft_steps: int = 0  # ... behind draft_per_token_s
+    recheck_after: int = 0  # plain steps before a recheck, as the last failed one set it (0: the policy's own)
     table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
     spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
     # every sequence's acceptance per draft position: a request's prior for each position (taking
@@ -168,7 +169,8 @@ class AdaptiveK:
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
     min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
     recheck_steps: int = 16  # plain steps before speculation is measured again (doubling while rechecks fail)
-    max_recheck_steps: int = 64
+    max_recheck_steps: int = 4096
+    recheck_budget: float = 0.02  # what failed rechecks may cost, as a share of the plain stretch between them
     margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
     plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
     explore_every: int = 16  # steps between tries of a neighbour of the best k
@@ -185,6 +187,7 @@ class AdaptiveK:
     _trying: tuple[int, int] = (0, 0)  # (k, steps left) of a try in progress
     _recheck: int = 16  # plain steps before the next recheck
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
+    _probe: list = field(default_factory=lambda: [0.0, 0])  # speculative steps' wall seconds and tokens since plain
     _prev_k: int | None = None  # the k of the previous observed step
     current: int | None = None  # the k chosen last (None: not yet)
 
@@ -271,22 +274,22 @@ class AdaptiveK:
         plain = self.current == 0 and self.plain_run > 0
         # a plain stretch lasts until its recheck (aged evidence would otherwise lure the policy
         # into one-step probes at a large k, each paying a whole drafting pass)
-        if plain and (self.plain_run < self._recheck or self.costs.step_s(batch_size, 0, self.model_s) is None):
+        if plain and (self.plain_run < max(self._recheck, self.costs.recheck_after)
+                      or self.costs.step_s(batch_size, 0, self.model_s) is None):
             self.plain_run += 1
             return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         if plain:  # measure speculation again: conditions may have changed
-            self.plain_run, self.current, self._rechecking = 0, best_spec, True
+            self.plain_run, self.current, self._rechecking, self._probe = 0, best_spec, True, [0.0, 0]
             return self._try(best_spec)
         best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
         cur = self.current
         if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
             best = cur  # not clearly better: stay, measurements are noisy
         self.current = best
-        if self._rechecking:  # a recheck's verdict: back to plain waits twice as long next time
-            self._rechecking = False
-            self._recheck = min(self.max_recheck_steps, 2 * self._recheck) if best == 0 else self.recheck_steps
+        if best == 0 and cur != 0 or self._rechecking:
+            self._verdict(best, batch_size)
         if best == 0:
             self.plain_run = 1
             return 0
@@ -298,18 +301,47 @@ class AdaptiveK:
                 return self._try(best + step)
         return best
 
-    def observe(self, k: int, num_accepted: int, draft_s: float = 0.0, verify_s: float = 0.0,
+    def _verdict(self, best: int, batch_size: int) -> None:
+        """Speculation turned to plain, or a recheck ended. To plain: the recheck waits at least as long as
+        makes what the speculative steps since the last plain stretch cost (their time beyond what plain steps
+        take for their tokens) ``recheck_budget`` of the wait, and twice as long as the last after a failed
+        recheck; the replica's sequences start from that wait (``StepCosts.recheck_after``). A recheck that
+        speculates resets both. Why: with a drafter whose step costs more than the target's, rechecks every
+        16-64 steps, 3 speculative steps each, kept a request at 0.85x of plain decoding
+        (docs/decisions/0027-one-policy.md)."""
+        spent, tokens = self._probe
+        self._probe = [0.0, 0]
+        if best > 0:
+            self._rechecking = False
+            self._recheck, self.costs.recheck_after = self.recheck_steps, 0
+            return
+        plain = self.costs.step_s(batch_size, 0, self.model_s) or self.model_s(0)
+        need = max(0.0, spent - tokens * plain) / (self.recheck_budget * plain) if plain > 0 else 0.0
+        wait = 2 * self._recheck if self._rechecking else self._recheck
+        self._rechecking = False
+        self._recheck = min(self.max_recheck_steps, max(wait, int(need), self.costs.recheck_after))
+        self.costs.recheck_after = self._recheck
+
+    def observe(self, k: int, num_accepted: int, draft_s: float | None = None, verify_s: float = 0.0,
                 step_s: float = 0.0, batch_size: int = 1):
         """One step: k drafts, num_accepted accepted; drafting on the critical path and the verify
         forward pass (engine seconds), the step's wall seconds where the loop runs, and the
-        verifier's batch size in that step."""
-        costs, w = self.costs, self.step_weight
+        verifier's batch size in that step (no times: only its acceptance counts, as for a prompt's
+        prefill). The engine model's inputs are running means over their first 1 / ``step_weight``
+        steps, then exponentially weighted (from zero, drafting read cheap for a dozen steps)."""
+        costs = self.costs
         if verify_s > 0:
-            plain = verify_s / (1 + self.c_verify * k)
-            costs.plain_est_s = plain if costs.plain_est_s == 0 else costs.plain_est_s + w * (plain - costs.plain_est_s)
-        if k > 0:
+            costs.plain_steps += 1
+            w = max(self.step_weight, 1 / costs.plain_steps)
+            costs.plain_est_s += w * (verify_s / (1 + self.c_verify * k) - costs.plain_est_s)
+        if k > 0 and draft_s is not None:
+            costs.draft_steps += 1
+            w = max(self.step_weight, 1 / costs.draft_steps)
             costs.draft_per_token_s += w * (draft_s / k - costs.draft_per_token_s)
-        wall = step_s if step_s > 0 else verify_s + draft_s
+        wall = step_s if step_s > 0 else verify_s + (draft_s or 0.0)
+        if k > 0 and wall > 0:  # (speculation's cost since the last plain stretch: see _verdict)
+            self._probe[0] += wall
+            self._probe[1] += num_accepted + 1
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
         if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
@@ -367,283 +399,3 @@ class Breaker:
 
     def succeeded(self):
         self.backoff_s = 0.0
-
-
-@dataclass
-class MeasuredChoice:
-    """A yes/no choice made by what it measures: seconds per emitted token of the steps taken
-    with each arm. An arm's cost may show in the step after the one that used it, so an arm is
-    measured on steady-state steps only, those whose previous step used the same arm: their cost
-    includes both sides, which a step right after a switch would split between the arms. Both arms
-    are tried first, in runs of ``run`` steps; then the faster is used, and the other is tried for
-    a run every ``explore_every`` steps. ``use()`` picks the arm of a step; ``observe`` records the
-    step once it is done."""
-
-    always: bool = False  # always the first arm, measuring nothing (pre-drafting: pools on hardware of their own)
-    explore_every: int = 32
-    run: int = 3  # steps an arm is used in a row when it is tried (the first is a switch: not measured)
-    first: int = 3  # steady-state steps measured per arm before choosing
-    weight: float = 0.2  # of the newest step in an arm's seconds per token
-    window: int = 0  # > 0: an arm's seconds per token is that of its last `window` steps instead of an average
-    margin: float = 1.0  # the other arm must measure this many times faster to replace the chosen one
-    settle: int = 1  # an arm is measured once it has been used this many steps in a row (its caches warm)
-    _best: bool | None = None
-    _streak: int = 0
-    s_per_token: dict[bool, float] = field(default_factory=dict)
-    _recent: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
-    n: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    steps: int = 0
-    _arms: list = field(default_factory=lambda: [None, None])  # the arms of the previous step and this one
-    _left: int = 0  # steps left in the run being tried
-
-    def use(self) -> bool:
-        if self.always:
-            return True
-        self.steps += 1
-        if self._left > 0:  # stay on the arm being tried
-            self._left -= 1
-            arm = self._arms[1]
-        else:
-            unmeasured = [a for a in (True, False) if self.n[a] < self.first]
-            best = None if unmeasured else min((True, False), key=lambda a: self.s_per_token[a])
-            if best is not None and self._best is not None and best != self._best \
-                    and self.s_per_token[best] * self.margin > self.s_per_token[self._best]:
-                best = self._best  # not faster by the margin: stay (noise would flip it back and forth)
-            self._best = best
-            arm = unmeasured[0] if unmeasured else (not best) if self.steps % self.explore_every == 0 else best
-            if arm != best:
-                self._left = self.run - 1
-        self._streak = self._streak + 1 if arm == self._arms[1] else 1
-        self._arms = [self._arms[1], arm]
-        return arm
-
-    @property
-    def best(self) -> bool | None:
-        """The arm chosen as the faster by the last ``use`` (None until both arms are measured)."""
-        return self._best
-
-    def observe(self, arm: bool, step_s: float, tokens: int):
-        if tokens <= 0 or step_s <= 0 or self._arms != [arm, arm] or self._streak <= self.settle:
-            return  # not steady state: the previous step used the other arm (or the arm is not settled yet)
-        x = step_s / tokens
-        self.n[arm] += 1
-        if self.window:  # seconds over tokens of the last `window` steps: long enough to span a stretch of
-            recent = self._recent[arm]  # text the drafter guesses badly (or well), which shorter ones see as noise
-            recent.append((step_s, tokens))
-            del recent[: -self.window]
-            self.s_per_token[arm] = sum(t for t, _ in recent) / sum(n for _, n in recent)
-            return
-        old = self.s_per_token.get(arm)
-        self.s_per_token[arm] = x if old is None else old + self.weight * (x - old)
-
-
-class TrimmedMean:
-    """The mean of the last ``window`` observations with the highest and lowest ``trim`` share of them (at
-    least one each, from 3 observations) left out: steps the host stalled (several times their usual
-    length, on a shared machine) do not move it unless they are more than that share, yet it follows a
-    lasting change within about half a window. From 3 observations it is their median."""
-
-    def __init__(self, window: int = 32, trim: float = 0.25):
-        self.window, self.trim = window, trim
-        self._xs: deque[float] = deque(maxlen=window)
-        self._value: float | None = None  # kept until the next observation (read every step, added to less)
-
-    def add(self, x: float) -> None:
-        self._xs.append(x)
-        self._value = None
-
-    def __len__(self) -> int:
-        return len(self._xs)
-
-    @property
-    def value(self) -> float:
-        if self._value is None:
-            xs = sorted(self._xs)
-            cut = max(1, int(self.trim * len(xs))) if len(xs) >= 3 else 0
-            kept = xs[cut: len(xs) - cut]
-            self._value = sum(kept) / len(kept)
-        return self._value
-
-
-@dataclass
-class PreDraftCosts:
-    """What pre-drafting costs and saves where the loop runs, measured by every sequence on a verifier
-    replica (a property of its drafter and verifier hardware, not of one request), per number of
-    drafts k of the step, each as the trimmed mean (``TrimmedMean``) of its last ``window``
-    observations, in seconds:
-    - ``draft``: drafting on a step's critical path, by how the step's drafts came: "none" (the step
-      before did not pre-draft), "hit" (a pre-drafted branch was used), "miss" (the pre-draft was
-      discarded, and the drafter may still be busy with it);
-    - ``rest``: the step's time outside that drafting (the verify forward, the loop, the hand-off),
-      by whether the step itself pre-drafted (a pre-draft computed beside the verify slows it where
-      drafter and verifier share cores);
-    - ``hit``: the share of pre-drafts that hit, over every k (a sequence's own, once it has some,
-      counts more).
-    Each is measured as a step's components, not as seconds per token: a step's tokens depend on
-    the text, not on whether it was pre-drafted, and dividing by them made the comparison noise.
-
-    Why per k: a replica's steps differ in k (requests ask for different k, the adaptive policy
-    changes it step by step), and a step's time and its pre-draft's size grow with k. Pooled, the
-    arms compare steps of different sizes: on a replica serving k = 4 and k = 8 requests in turn,
-    the k = 8 steps' costs decide for the k = 4 requests, which then rarely pre-draft.
-
-    Why trimmed means: the arm not in use is measured only in short runs, so its figure is a few
-    steps old and few. With exponentially weighted means, one stalled step in such a run (a
-    scheduling hiccup on a busy machine) is enough to turn pre-drafting off for whole requests
-    where pre-drafting every step is faster than never. See docs/decisions/0004-pre-drafting.md."""
-
-    window: int = 32  # observations per term
-    weight: float = 0.1  # of the newest pre-draft outcome in the hit rate
-    min_obs: int = 3  # per term, before a saving is estimated from it
-    draft: dict[tuple[int, str], TrimmedMean] = field(default_factory=dict)  # (k, outcome)
-    rest: dict[tuple[int, bool], TrimmedMean] = field(default_factory=dict)  # (k, pre-drafted)
-    hit: float | None = None
-
-    def observe(self, k: int, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        self.draft.setdefault((k, outcome or "none"), TrimmedMean(self.window)).add(draft_s)
-        self.rest.setdefault((k, pre_drafted), TrimmedMean(self.window)).add(max(0.0, step_s - draft_s))
-        if outcome is not None:
-            x = float(outcome == "hit")
-            self.hit = x if self.hit is None else self.hit + self.weight * (x - self.hit)
-
-    def term(self, terms: dict, key) -> float | None:
-        """A term's trimmed mean (``draft`` by (k, outcome), ``rest`` by (k, arm)), None while it has
-        fewer than ``min_obs``."""
-        t = terms.get(key)
-        return t.value if t is not None and len(t) >= self.min_obs else None
-
-    def report(self) -> dict:
-        """In milliseconds, per k: what a replica's ``stats()`` shows of its pre-drafting."""
-        out = {"hit_rate": None if self.hit is None else round(self.hit, 3), "by_k": {}}
-        for k in sorted({k for k, _ in self.draft} | {k for k, _ in self.rest}):
-            saving = self.saving_s(k)
-            out["by_k"][k] = {
-                "draft_ms": {o: round(1000 * t.value, 3) for (kk, o), t in sorted(self.draft.items()) if kk == k},
-                "rest_ms": {("pre_draft" if a else "no_pre_draft"): round(1000 * t.value, 3)
-                            for (kk, a), t in sorted(self.rest.items()) if kk == k},
-                "saving_ms_per_step": None if saving is None else round(1000 * saving, 3)}
-        return out
-
-    def saving_s(self, k: int, hit: float | None = None) -> float | None:
-        """Expected seconds a pre-draft saves per step of k drafts (negative: it costs), at hit rate
-        ``hit`` (default: the replica's); None until every term for k has been measured ``min_obs`` times."""
-        hit = self.hit if hit is None else hit
-        none, rest_pre, rest_plain = (self.term(self.draft, (k, "none")), self.term(self.rest, (k, True)),
-                                      self.term(self.rest, (k, False)))
-        if hit is None or none is None or rest_pre is None or rest_plain is None:
-            return None
-        # (a term not seen yet: a hit drafts nothing on the critical path, a miss drafts as if none was made)
-        d_hit, d_miss = self.term(self.draft, (k, "hit")), self.term(self.draft, (k, "miss"))
-        with_pre = hit * (d_hit or 0.0) + (1 - hit) * (none if d_miss is None else d_miss) + rest_pre
-        return none + rest_plain - with_pre
-
-
-@dataclass
-class PreDraftChoice:
-    """Whether to pre-draft the next block of a step of k drafts: where ``PreDraftCosts`` (shared by a
-    replica's sequences) says it saves time for that k at this sequence's hit rate. Until every term
-    for k is measured it takes the arm that measures a missing one (without pre-drafting first), in
-    runs of ``run`` steps; then it keeps the arm that saves, and tries the other for a run every
-    ``explore_every`` steps so the means stay current. ``margin``: the other arm must save this share
-    of a step to replace the chosen one."""
-
-    always: bool = False  # pre-draft every step, measuring nothing (pools on hardware of their own)
-    costs: PreDraftCosts = field(default_factory=PreDraftCosts)
-    explore_every: int = 24
-    run: int = 3
-    margin: float = 0.02
-    prior: int = 4  # pseudo-observations of the replica's hit rate in this sequence's
-    _hits: int = 0
-    _pre: int = 0  # this sequence's pre-drafts that were checked (hits + misses)
-    _best: dict[int, bool] = field(default_factory=dict)  # per k
-    _left: int = 0
-    steps: int = 0
-    _arm: bool = True
-
-    def hit_rate(self) -> float | None:
-        rep = self.costs.hit
-        if rep is None:
-            return self._hits / self._pre if self._pre else None
-        return (self._hits + self.prior * rep) / (self._pre + self.prior)
-
-    def use(self, k: int) -> bool:
-        """Whether the next step, of k drafts, pre-drafts the block after it."""
-        if self.always:
-            return True
-        self.steps += 1
-        if self._left > 0:
-            self._left -= 1
-            return self._arm
-        c = self.costs
-        saving = c.saving_s(k, self.hit_rate())
-        if saving is None:  # a term unmeasured: take the arm that measures it
-            if c.term(c.rest, (k, False)) is None:  # steps without pre-drafting
-                arm = False
-            elif c.term(c.rest, (k, True)) is None or c.hit is None:  # steps that pre-draft, and their hit rate
-                arm = True
-            else:  # only steps not pre-drafted for are missing
-                arm = False
-        else:
-            step = c.term(c.draft, (k, "none")) + c.term(c.rest, (k, False))
-            if abs(saving) > self.margin * step:
-                self._best[k] = saving > 0
-            best = self._best.get(k, True)
-            explore = self.steps % self.explore_every == 0
-            arm = (not best) if explore else best
-        if arm != self._arm:
-            self._left = self.run - 1
-        self._arm = arm
-        return arm
-
-    def observe(self, k: int, pre_drafted: bool, outcome: str | None, draft_s: float, step_s: float) -> None:
-        """A finished speculative step of k drafts: whether it pre-drafted, how its own drafts came
-        ("hit", "miss", None), its drafting on the critical path and its wall time."""
-        if outcome is not None:
-            self._pre += 1
-            self._hits += outcome == "hit"
-        if not self.always:
-            self.costs.observe(k, pre_drafted, outcome, draft_s, step_s)
-
-
-@dataclass
-class BatchSpeculation:
-    """Whether a whole engine step speculates, chosen per batch size (buckets of powers of two) by
-    measured tokens per second of engine steps: where verification saturates, or the drafter pool
-    cannot keep up, speculation is turned off for that batch size and tried again now and then.
-    For an engine that runs the loop itself and asks for drafts once per step (vLLM's proposer),
-    where per-sequence policies do not see the batch's cost."""
-
-    always: bool = False
-    explore_every: int = 64  # engine steps between runs that re-measure the arm not in use
-    run: int = 12  # steps of such a run; the first `settle` of them are not measured (the switch's lag)
-    settle: int = 6
-    choices: dict[int, MeasuredChoice] = field(default_factory=dict)
-    _last: tuple | None = None  # (choice, arm, time) of the previous step
-
-    def use(self, batch: int, tokens: int, now: float) -> bool:
-        """``tokens``: emitted by the step that just ended (the previous call's arm); -> this step's arm."""
-        if self._last is not None:
-            choice, arm, t = self._last
-            choice.observe(arm, now - t, tokens)
-        if self.always:
-            return True
-        choice = self.choice(batch)
-        arm = choice.use()
-        self._last = (choice, arm, now)
-        return arm
-
-    def choice(self, batch: int) -> MeasuredChoice:
-        """The choice for this batch size's bucket (made on first use)."""
-        return self.choices.setdefault(StepCosts.bucket(batch), MeasuredChoice(
-            explore_every=self.explore_every, run=self.run, first=6, window=6, margin=1.2, settle=self.settle))
-
-    def reset(self) -> None:
-        """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were
-        not this choice's)."""
-        self._last = None
-
-    def report(self) -> dict:
-        """Per batch-size bucket (lowest batch size in it): ms per token of each arm, measured steps."""
-        return {str(1 << (b - 1)): {"spec_ms": round(1000 * c.s_per_token.get(True, 0.0), 3),
-                                     "off_ms": round(1000 * c.s_per_token.get(False, 0.0), 3),
-                                     "steps": [c.n[True], c.n[False]]} for b, c in sorted(self.choices.items())}

@@ -10,12 +10,14 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import dataclass
 
-from configs import SamplingParams, VerifierConfig
+from configs import AppConfig, SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
+from core.gate import BatchSpeculation
 from core.hub import localize
 from core.loop import speculate
-from core.policy import AdaptiveK, BatchSpeculation, Breaker, FixedK, PreDraftCosts, StepCosts
+from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
 from core.prediction import PredictedOutput
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
@@ -31,6 +33,9 @@ REPLICA_MAX_BACKOFF_S = 300.0  # doubling on each failure after a probe, up to t
 # from this many streams on the replica, its measured choice (``BatchSpeculation``) may turn the adaptive
 # requests' speculation off; below it their own policies decide alone
 GATE_MIN_STREAMS = 4
+# m: a pre-draft tree's guesses per outcome (``core.proposers.tree_branches``); the one m that paid
+# (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md)
+PRE_DRAFT_ALTERNATIVES = 1
 
 
 class ReplicaGatedK:
@@ -79,40 +84,56 @@ async def coalesced(steps, interval_s: float, clock=time.monotonic):
         yield held
 
 
+@dataclass(frozen=True)
+class VerifierOptions:
+    """A verifier replica's settings: the app's (``VerifierOptions.of``), or set directly in tests."""
+
+    max_batch: int = 64
+    max_queue: int = 1024
+    stall_timeout_s: float = 30.0
+    pipeline_drafts: bool = True  # pre-draft the next block while one is verified (``core.proposers``)
+    drafter_timeout_s: float = 2.0
+    drafter_transport: str = "direct"
+    drafter_aux_layers: tuple[int, ...] = ()  # an EAGLE-3 drafter's: captured in verification
+    stream_interval_s: float = 0.0  # a stream's steps go to the router at most once per interval (``coalesced``)
+    local_drafter: dict | None = None  # drafter_placement verifier: the drafter engine this replica runs itself
+    verify_inline: bool = True
+
+    @classmethod
+    def of(cls, app: AppConfig, aux_layers: tuple[int, ...] = ()) -> VerifierOptions:
+        return cls(max_batch=app.max_batch, max_queue=app.max_queue, stall_timeout_s=app.stall_timeout_s,
+                   pipeline_drafts=app.pipeline_drafts, drafter_timeout_s=app.drafter_timeout_s,
+                   drafter_transport=app.drafter_transport, drafter_aux_layers=tuple(aux_layers),
+                   stream_interval_s=app.stream_interval_ms / 1000, verify_inline=app.verify_inline,
+                   local_drafter=app.drafter.model_dump(mode="json") if app.drafter_placement == "verifier" else None)
+
+
 class VerifierServer(EngineServer):
     """Receives its engine as a constructor argument, so it can be tested without a cluster."""
 
     role = "verifier"
 
-    def __init__(self, config: dict, engine: VerifierEngine | None = None, max_batch: int = 64,
-                 max_queue: int = 1024, drafter=None, pipeline_drafts: bool = True, pre_draft_alternatives: int = 1,
-                 pre_draft_always: bool = False,
-                 drafter_timeout_s: float = 2.0,
-                 stall_timeout_s: float = 30.0, drafter_transport: str = "direct",
-                 drafter_aux_layers: tuple[int, ...] = (), stream_interval_s: float = 0.0,
-                 local_drafter: dict | None = None, verify_inline: bool = True):
-        """``drafter``: a handle to the drafter pool (None: plain decoding only, unless ``local_drafter``:
-        the config of a drafter engine this replica runs itself, ``drafter_placement: verifier``);
-        ``stream_interval_s``: a stream's steps go to the router at most once per interval (``coalesced``)."""
+    def __init__(self, config: dict, engine: VerifierEngine | None = None, drafter=None,
+                 options: VerifierOptions | None = None):
+        """``config``: the verifier's (``VerifierConfig``, as a dict); ``drafter``: a handle to the
+        drafter pool (None: plain decoding only, unless ``options.local_drafter``)."""
+        o = self.options = options or VerifierOptions()
         self.drafter = drafter
         self.local = None  # the drafter engine in this process, behind a batcher (and thread) of its own
         # backend vllm with drafter_placement verifier: vLLM runs the EAGLE-3 head in its engine, not a drafter here
-        in_engine = local_drafter is not None and config.get("backend") == "vllm"
-        if local_drafter is not None and not in_engine:
+        in_engine = o.local_drafter is not None and config.get("backend") == "vllm"
+        if o.local_drafter is not None and not in_engine:
             from deployments.drafter import DrafterServer
-            self.local = DrafterServer(local_drafter, max_batch=max_batch, max_queue=max_queue,
-                                       stall_timeout_s=stall_timeout_s)
-        self.drafter_transport = drafter_transport
-        self.drafter_aux_layers = tuple(drafter_aux_layers)  # an EAGLE-3 drafter's: captured in verification
+            self.local = DrafterServer(o.local_drafter, max_batch=o.max_batch, max_queue=o.max_queue,
+                                       stall_timeout_s=o.stall_timeout_s)
+        self.drafter_transport, self.drafter_timeout_s = o.drafter_transport, o.drafter_timeout_s
+        self.drafter_aux_layers, self.pipeline_drafts = tuple(o.drafter_aux_layers), o.pipeline_drafts
+        self.stream_interval_s, self.verify_inline = o.stream_interval_s, o.verify_inline
         self.channel = ChannelClient()
         self._bound: dict[str, Endpoint] = {}  # seq_id -> the drafter replica its calls go to directly
         self.drafter_calls = {"direct": 0, "serve": 0, "fallback": 0, "local": 0}  # this replica's, for stats()
         self.tally = Tally()  # drafter call counters, sent at most once a second and as each stream ends
         self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
-        self.pipeline_drafts = pipeline_drafts
-        self.pre_draft_alternatives, self.pre_draft_always = pre_draft_alternatives, pre_draft_always
-        self.drafter_timeout_s = drafter_timeout_s
-        self.stream_interval_s = stream_interval_s
         self.step_costs = StepCosts()  # what a step costs here, measured by every sequence (the adaptive policy)
         # whether adaptive requests speculate while GATE_MIN_STREAMS or more run here, measured per load bucket;
         # None: no measuring, ``speculating`` stays as set
@@ -122,20 +143,7 @@ class VerifierServer(EngineServer):
         self.clock = time.perf_counter
         self.streams = 0  # requests whose loop runs here now (the gate's load measure)
         self._gate_load = 0  # the stream count the gate's choice is keyed by (see _gate_step)
-        self.pre_draft_costs = PreDraftCosts()  # what pre-drafting costs and saves here, likewise
-        self.verify_inline = verify_inline
-        if engine is None:
-            cfg = VerifierConfig.model_validate(localize(config))  # model references: directories on this node
-            if cfg.backend == "vllm":
-                from verifier.vllm_engine import VllmVerifierEngine
-                head = None
-                if in_engine:  # (a head reference, a local directory on this node)
-                    head = (localize(local_drafter)["model"], local_drafter["num_speculative_tokens"])
-                engine = VllmVerifierEngine(cfg, speculative=drafter is not None and cfg.vllm_loop == "engine",
-                                            aux_layers=self.drafter_aux_layers if drafter is not None else (),
-                                            eagle3=head)
-            else:
-                engine = VerifierEngine(cfg)
+        engine = engine or self._engine(config, in_engine)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
         # vLLM's own loop (vllm_loop: engine): one engine request per stream, drafting from its worker
@@ -144,7 +152,21 @@ class VerifierServer(EngineServer):
         self._drafter_eps: list[Endpoint] = []  # the drafter replicas the proposer was last told of
         self._vllm_ids, self._streams = itertools.count(), 0
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
-        super().__init__(engine, engine.verify, max_batch, max_queue, stall_timeout_s)
+        super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s)
+
+    def _engine(self, config: dict, in_engine: bool):
+        """The engine this replica builds from its config: its own, or vLLM's (then with the EAGLE-3 head in
+        it, ``in_engine``)."""
+        cfg = VerifierConfig.model_validate(localize(config))  # model references: directories on this node
+        if cfg.backend != "vllm":
+            return VerifierEngine(cfg)
+        from verifier.vllm_engine import VllmVerifierEngine
+        head = None
+        if in_engine:  # (a head reference, a local directory on this node)
+            local = self.options.local_drafter
+            head = (localize(local)["model"], local["num_speculative_tokens"])
+        return VllmVerifierEngine(cfg, speculative=self.drafter is not None and cfg.vllm_loop == "engine",
+                                  aux_layers=self.drafter_aux_layers if self.drafter is not None else (), eagle3=head)
 
     def queued(self) -> int:
         return self.engine.inflight if self.is_async else super().queued()
@@ -232,7 +254,6 @@ class VerifierServer(EngineServer):
     async def stats(self) -> dict:
         if not self.is_async:
             return {**await super().stats(), "drafter_calls": dict(self.drafter_calls),
-                    "pre_draft": self.pre_draft_costs.report(),
                     "batch_speculation": self.gate.report() if self.gate is not None else None,
                     **({"local_drafter": await self.local.stats()} if self.local is not None else {})}
         from deployments.metrics import where
@@ -307,9 +328,7 @@ class VerifierServer(EngineServer):
         try:
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
-                                                  alternatives=self.pre_draft_alternatives,
-                                                  pre_draft_always=self.pre_draft_always,
-                                                  pre_draft_costs=self.pre_draft_costs, narrow=self._narrow,
+                                                  alternatives=PRE_DRAFT_ALTERNATIVES, narrow=self._narrow,
                                                   predicted=PredictedOutput(prediction) if prediction else None):
                 yield new, lps, info
         finally:
@@ -410,7 +429,7 @@ class VerifierServer(EngineServer):
             self._drafter_eps = eps
             await self.engine.bind({"endpoints": [[e.host, e.port, e.token.hex(), e.replica] for e in eps],
                                     "timeout_s": 0.9 * self.drafter_timeout_s,
-                                    "tree": self.pre_draft_alternatives if self.pipeline_drafts else -1,
+                                    "tree": PRE_DRAFT_ALTERNATIVES if self.pipeline_drafts else -1,
                                     "speculate": self.engine.config.vllm_speculate})
             self._drafters_at = time.monotonic()
             log.info("vLLM proposer bound to %d drafter replica(s)", len(eps))

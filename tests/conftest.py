@@ -107,9 +107,6 @@ def serve_app(ray_cluster, tiny_model_dirs, tiny_pair):
         "max_tokens_limit": 512,
         "max_active_requests": 24,  # small, so a burst test can exceed it
         "k_policy": "fixed",  # the tiny drafter costs as much as the target: adaptive k would switch it off
-        # and measured pre-drafting too, once earlier tests' steps have filled the replica's costs (then no step
-        # pre-drafts, and what tests of the pre-draft path check never runs)
-        "pre_draft": "always",
     }, overrides={"Verifier": {"num_replicas": 2}})  # two verifier replicas: affinity matters
     serve.run(app, name="splitspec", route_prefix="/")
     tok, target, draft = tiny_pair

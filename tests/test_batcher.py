@@ -291,7 +291,7 @@ def test_a_lone_stream_verifies_on_the_event_loop_and_streams_share_passes(tiny_
     tokens of the batcher's thread path; two streams go through the batcher, sharing passes."""
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
-    from deployments.verifier import VerifierServer
+    from deployments.verifier import VerifierOptions, VerifierServer
     from tests.helpers import LocalHandle
 
     tok, _, ver, drafter = tiny_engines
@@ -306,7 +306,8 @@ def test_a_lone_stream_verifies_on_the_event_loop_and_streams_share_passes(tiny_
         return await asyncio.gather(*map(one, seq_ids))
 
     def server(inline):
-        return VerifierServer({}, engine=ver, drafter=drafter_pool, drafter_transport="serve", verify_inline=inline)
+        return VerifierServer({}, engine=ver, drafter=drafter_pool,
+                              options=VerifierOptions(drafter_transport="serve", verify_inline=inline))
 
     lone, threaded, pair = server(True), server(False), server(True)
     (a,) = asyncio.run(run(lone, ["a"]))

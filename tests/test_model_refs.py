@@ -165,7 +165,7 @@ def test_replicas_load_the_pinned_ids_from_their_nodes_cache(hf_home):
     from core.loop import generate
     from deployments.app import check_models, local_view
     from deployments.drafter import DrafterServer
-    from deployments.verifier import VerifierServer
+    from deployments.verifier import VerifierOptions, VerifierServer
     from tests.helpers import LocalHandle
     from verifier.engine import VerifierEngine
 
@@ -176,8 +176,8 @@ def test_replicas_load_the_pinned_ids_from_their_nodes_cache(hf_home):
     aux = check_models(local_view(cfg))
     wire = cfg.model_dump(mode="json")
     pool = DrafterServer(wire["drafter"])
-    server = VerifierServer(wire["verifier"], drafter=LocalHandle(pool), drafter_transport="serve",
-                            drafter_aux_layers=aux)
+    server = VerifierServer(wire["verifier"], drafter=LocalHandle(pool),
+                            options=VerifierOptions(drafter_transport="serve", drafter_aux_layers=aux))
     snapshots = hf_home / "hub"
     assert Path(server.engine.config.model).is_relative_to(snapshots)
     assert Path(pool.engine.config.model).is_relative_to(snapshots)

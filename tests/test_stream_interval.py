@@ -60,14 +60,14 @@ def test_closing_the_stream_closes_the_loop_at_once():
 
 
 def test_a_replica_streams_the_same_tokens_in_fewer_items(tiny_engines):
-    from deployments.verifier import VerifierServer
+    from deployments.verifier import VerifierOptions, VerifierServer
 
     tok, _, ver, _ = tiny_engines
     prompt = tok.encode("def add(a, b):")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(interval_s, seq_id):
-        server = VerifierServer({}, engine=ver, stream_interval_s=interval_s)  # no drafter pool: plain decoding
+        server = VerifierServer({}, engine=ver, options=VerifierOptions(stream_interval_s=interval_s))  # no drafter pool: plain decoding
         return _collect(server.speculate(prompt, params, seq_id))
 
     each = run(0.0, "a")
@@ -82,10 +82,10 @@ def test_a_replica_streams_the_same_tokens_in_fewer_items(tiny_engines):
 def test_a_call_sets_its_own_interval(tiny_engines):
     """The router asks for a non-streaming request's steps at ``collect_interval_ms``, whatever the
     replica's ``stream_interval_ms``."""
-    from deployments.verifier import VerifierServer
+    from deployments.verifier import VerifierOptions, VerifierServer
 
     tok, _, ver, _ = tiny_engines
-    server = VerifierServer({}, engine=ver, stream_interval_s=0.0)
+    server = VerifierServer({}, engine=ver, options=VerifierOptions(stream_interval_s=0.0))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     groups = _collect(server.speculate(tok.encode("def add(a, b):"), params, "c", interval_s=3600.0))
     assert [len(g) for g in groups] == [1, 11]

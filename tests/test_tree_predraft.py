@@ -165,14 +165,7 @@ def test_the_ngram_drafter_drafts_the_chain_branch_only():
 
 
 # ------------------------------------------------------------ the loop with trees
-def _forced(monkeypatch):
-    """Pre-draft at every step (the per-request choice would stop where it does not pay)."""
-    from core.policy import PreDraftChoice
-
-    monkeypatch.setattr(PreDraftChoice, "use", lambda self, k: True)
-
-
-async def _speculate(seq, drafter, ver, k, m):
+async def _speculate(seq, drafter, ver, k, m, pipeline=True):
     from core.loop import speculate
     from core.policy import Breaker, FixedK
 
@@ -182,7 +175,7 @@ async def _speculate(seq, drafter, ver, k, m):
     async def verify(requests):
         return ver.verify(requests)
 
-    infos = [info async for _, _, info in speculate(seq, propose, verify, FixedK(k), Breaker(), alternatives=m)]
+    infos = [info async for _, _, info in speculate(seq, propose, verify, FixedK(k), Breaker(), pipeline, alternatives=m)]
     ver.release(seq.seq_id)
     drafter.release(seq.seq_id)
     return infos
@@ -208,13 +201,12 @@ def test_tree_guesses_m_corrections_per_rejected_position_and_m_plus_one_bonus_t
     assert len(set(tree_branches(drafts, q, 2))) == 9
 
 
-def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_engines, monkeypatch):
+def test_greedy_with_trees_equals_the_target_and_uses_every_kind_of_branch(tiny_engines):
     import asyncio
 
     from tests.test_greedy_equivalence import compare, reference
     from tests.test_loop import MAX_NEW, new_seq
 
-    _forced(monkeypatch)
     tok, target, ver, drafter = tiny_engines
     by_outcome, near_ties, branches = {}, [], set()
     for p in prompts(tok, 8):
@@ -241,7 +233,7 @@ V, N = 8, 2000
 # Most of a minute each on one core: the gumbel case runs in `make test-long`, so `make test` stays short
 @pytest.mark.parametrize("verification", [pytest.param("rejection", marks=pytest.mark.heavy),
                                           pytest.param("gumbel", marks=pytest.mark.long)])
-def test_sampled_outputs_with_trees_are_token_for_token_those_without(verification, monkeypatch):
+def test_sampled_outputs_with_trees_are_token_for_token_those_without(verification):
     """A branch's drafts and q are those its context gets when drafted on its own (randomness is keyed
     by seed and position), so pre-draft trees change no sampled token: every seed's output equals the
     output without pre-drafting, and follows the target's exact distribution. A tree that sent a wrong
@@ -249,7 +241,6 @@ def test_sampled_outputs_with_trees_are_token_for_token_those_without(verificati
     import asyncio
 
     from configs import DraftModelConfig, VerifierConfig
-    from core.policy import PreDraftChoice
     from core.sequence import Sequence
     from drafter.model_drafter import ModelDrafter
     from tests.helpers import noisy_copy, tiny_llama, tiny_tokenizer
@@ -267,11 +258,10 @@ def test_sampled_outputs_with_trees_are_token_for_token_those_without(verificati
               for s in range(N)]
 
     async def run_all(pre_draft: bool):
-        monkeypatch.setattr(PreDraftChoice, "use", lambda self, k: pre_draft)
         out, hits = [], 0
         for sp in params:
             seq = Sequence(prompt, sp, 1, None, set(), 64)
-            infos = await _speculate(seq, drafter, ver, 1, 2)  # k = 1: most steps are checked against a tree
+            infos = await _speculate(seq, drafter, ver, 1, 2, pre_draft)  # k = 1: most steps are checked against a tree
             hits += sum(i.pre_draft == "hit" and i.pre_outcome == 0 for i in infos)
             out.append(seq.output_ids)
         return out, hits

@@ -63,8 +63,9 @@ from concurrent.futures import Future
 import torch
 
 from core.channel import ChannelClient, Endpoint
-from core.loop import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
-from core.policy import BatchSpeculation, Breaker
+from core.gate import BatchSpeculation
+from core.policy import Breaker
+from core.proposers import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
 from core.protocol import DraftRequest, Proposal, common_prefix_len
 
 log = logging.getLogger(__name__)

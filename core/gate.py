@@ -1,0 +1,121 @@
+"""Whether a whole engine step speculates, measured: the replica's gate (``deployments.verifier``,
+docs/decisions/0016-replica-gate.md) and vLLM's proposer (``verifier.vllm_proposer``), where the
+per-sequence policies do not see what the batch as a whole costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.policy import StepCosts
+
+
+@dataclass
+class MeasuredChoice:
+    """A yes/no choice made by what it measures: seconds per emitted token of the steps taken
+    with each arm. An arm's cost may show in the step after the one that used it, so an arm is
+    measured on steady-state steps only, those whose previous step used the same arm: their cost
+    includes both sides, which a step right after a switch would split between the arms. Both arms
+    are tried first, in runs of ``run`` steps; then the faster is used, and the other is tried for
+    a run every ``explore_every`` steps. ``use()`` picks the arm of a step; ``observe`` records the
+    step once it is done."""
+
+    always: bool = False  # always the first arm, measuring nothing (pre-drafting: pools on hardware of their own)
+    explore_every: int = 32
+    run: int = 3  # steps an arm is used in a row when it is tried (the first is a switch: not measured)
+    first: int = 3  # steady-state steps measured per arm before choosing
+    weight: float = 0.2  # of the newest step in an arm's seconds per token
+    window: int = 0  # > 0: an arm's seconds per token is that of its last `window` steps instead of an average
+    margin: float = 1.0  # the other arm must measure this many times faster to replace the chosen one
+    settle: int = 1  # an arm is measured once it has been used this many steps in a row (its caches warm)
+    _best: bool | None = None
+    _streak: int = 0
+    s_per_token: dict[bool, float] = field(default_factory=dict)
+    _recent: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
+    n: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    steps: int = 0
+    _arms: list = field(default_factory=lambda: [None, None])  # the arms of the previous step and this one
+    _left: int = 0  # steps left in the run being tried
+
+    def use(self) -> bool:
+        if self.always:
+            return True
+        self.steps += 1
+        if self._left > 0:  # stay on the arm being tried
+            self._left -= 1
+            arm = self._arms[1]
+        else:
+            unmeasured = [a for a in (True, False) if self.n[a] < self.first]
+            best = None if unmeasured else min((True, False), key=lambda a: self.s_per_token[a])
+            if best is not None and self._best is not None and best != self._best \
+                    and self.s_per_token[best] * self.margin > self.s_per_token[self._best]:
+                best = self._best  # not faster by the margin: stay (noise would flip it back and forth)
+            self._best = best
+            arm = unmeasured[0] if unmeasured else (not best) if self.steps % self.explore_every == 0 else best
+            if arm != best:
+                self._left = self.run - 1
+        self._streak = self._streak + 1 if arm == self._arms[1] else 1
+        self._arms = [self._arms[1], arm]
+        return arm
+
+    @property
+    def best(self) -> bool | None:
+        """The arm chosen as the faster by the last ``use`` (None until both arms are measured)."""
+        return self._best
+
+    def observe(self, arm: bool, step_s: float, tokens: int):
+        if tokens <= 0 or step_s <= 0 or self._arms != [arm, arm] or self._streak <= self.settle:
+            return  # not steady state: the previous step used the other arm (or the arm is not settled yet)
+        x = step_s / tokens
+        self.n[arm] += 1
+        if self.window:  # seconds over tokens of the last `window` steps: long enough to span a stretch of
+            recent = self._recent[arm]  # text the drafter guesses badly (or well), which shorter ones see as noise
+            recent.append((step_s, tokens))
+            del recent[: -self.window]
+            self.s_per_token[arm] = sum(t for t, _ in recent) / sum(n for _, n in recent)
+            return
+        old = self.s_per_token.get(arm)
+        self.s_per_token[arm] = x if old is None else old + self.weight * (x - old)
+
+
+@dataclass
+class BatchSpeculation:
+    """Whether a whole engine step speculates, chosen per batch size (buckets of powers of two) by
+    measured tokens per second of engine steps: where verification saturates, or the drafter pool
+    cannot keep up, speculation is turned off for that batch size and tried again now and then.
+    For an engine that runs the loop itself and asks for drafts once per step (vLLM's proposer),
+    where per-sequence policies do not see the batch's cost."""
+
+    always: bool = False
+    explore_every: int = 64  # engine steps between runs that re-measure the arm not in use
+    run: int = 12  # steps of such a run; the first `settle` of them are not measured (the switch's lag)
+    settle: int = 6
+    choices: dict[int, MeasuredChoice] = field(default_factory=dict)
+    _last: tuple | None = None  # (choice, arm, time) of the previous step
+
+    def use(self, batch: int, tokens: int, now: float) -> bool:
+        """``tokens``: emitted by the step that just ended (the previous call's arm); -> this step's arm."""
+        if self._last is not None:
+            choice, arm, t = self._last
+            choice.observe(arm, now - t, tokens)
+        if self.always:
+            return True
+        choice = self.choice(batch)
+        arm = choice.use()
+        self._last = (choice, arm, now)
+        return arm
+
+    def choice(self, batch: int) -> MeasuredChoice:
+        """The choice for this batch size's bucket (made on first use)."""
+        return self.choices.setdefault(StepCosts.bucket(batch), MeasuredChoice(
+            explore_every=self.explore_every, run=self.run, first=6, window=6, margin=1.2, settle=self.settle))
+
+    def reset(self) -> None:
+        """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were
+        not this choice's)."""
+        self._last = None
+
+    def report(self) -> dict:
+        """Per batch-size bucket (lowest batch size in it): ms per token of each arm, measured steps."""
+        return {str(1 << (b - 1)): {"spec_ms": round(1000 * c.s_per_token.get(True, 0.0), 3),
+                                     "off_ms": round(1000 * c.s_per_token.get(False, 0.0), 3),
+                                     "steps": [c.n[True], c.n[False]]} for b, c in sorted(self.choices.items())}
