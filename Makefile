@@ -124,8 +124,9 @@ BENCH_LATENCY_ARGS ?= --prompts 2
 bench-latency: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency --out $(BENCH_OUT) $(LATENCY_ARGS)
 
+# Per workload; the same run serves the EAGLE-3 head (and HEAD=<a head's directory>) at fixed k 2-4.
 bench-breakdown: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.breakdown --out $(BENCH_OUT)
+	$(BENCH_RUN) bench.breakdown --out $(BENCH_OUT) $(if $(HEAD),--head $(HEAD)) $(BREAKDOWN_ARGS)
 
 # The served step against the in-process loop, variant by variant (float32, fixed k = 4).
 bench-gap: $(STAMP) bench-check-out

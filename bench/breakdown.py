@@ -7,7 +7,18 @@ path: the drafter's engine time when drafting was on the path (0 when the pipeli
 pre-draft hit), the verifier's batched forward pass, the rest of the step until the
 verify answer arrived (RPC, queueing, (de)serialisation, the verifier's accept/reject),
 and the time between steps spent applying the result, detokenising and streaming it.
-Medians over requests; ``bench.report`` draws them as stacked bars.
+Medians over requests, per workload (``--workload``: HumanEval and the held-out prompts by default,
+or a JSONL file; ``workloads`` -> name -> ``per_config``; the top-level ``per_config`` is the first
+workload's); ``bench.report`` draws them as stacked bars. Per config it also keeps the drafter's
+engine time on the path (``draft_engine_ms``: the rest of ``draft_ms`` is the channel's round trip
+and the drafts' transfer) and the share of steps a pre-draft hid (``pre_draft_hidden_share``: hits
+over steps), which ``bench.plan check`` reads as the served drafter's terms.
+
+The same run serves each drafter head at fixed k over a small range (``--head-ks``, 2-4): the
+EAGLE-3 head (``models/tiny-code-eagle3``) and every ``--head DIR`` (any head directory the
+drafter pool loads: its method from its ``speculators_config``, or ``--head DIR=METHOD``), on the
+first workload; ``heads``: per drafter and k, ms/token and drafting on the critical path per step,
+and each drafter's best k (the draft model's from the k sweep above).
 
 ``python -m bench.breakdown gap [options]`` (``served_gap.json``): the served step against the
 in-process loop, variant by variant. Fixed k, greedy, one stream; each (repeat, prompt) runs the
@@ -38,14 +49,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
 
+from bench import workloads
 from bench.common import (
     BENCH_DTYPE,
     DEFAULT_K,
     DEFAULT_OUT,
+    EAGLE3,
+    MAX_MODEL_LEN,
+    ROOT,
     TARGET,
     app_args,
     complete,
@@ -69,29 +85,68 @@ COMPONENTS = ("draft_ms", "verify_forward_ms", "rpc_queue_ms", "detok_stream_ms"
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.breakdown", description="Per-step time breakdown of served speculative "
                                  "decoding, per k (the subcommand `gap`: the served step against the in-process loop).")
-    ap.add_argument("--prompts", type=int, default=3)
+    workloads.add_arguments(ap, prompts=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ks", type=ints, default=list(range(1, 9)))
     ap.add_argument("--default-k", type=int, default=DEFAULT_K)
+    ap.add_argument("--head", action="append", default=[], metavar="DIR[=METHOD]",
+                    help="also serve this drafter head (a directory the drafter pool loads) at --head-ks; repeatable")
+    ap.add_argument("--head-ks", type=ints, default=[2, 3, 4], help="the heads' fixed k range")
+    ap.add_argument("--no-eagle3", action="store_true", help="leave the shipped EAGLE-3 head out of the heads' rows")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.heads = ([] if args.no_eagle3 else [("eagle3", EAGLE3, "eagle3")]) + [head_spec(h) for h in args.head]
+    return args
+
+
+def head_spec(text: str) -> tuple[str, str, str]:
+    """``DIR`` or ``DIR=METHOD``: (a name for the rows, the directory, the drafter method). Without METHOD the
+    head's ``speculators_config.algorithm`` (as the published heads carry it), else its config's ``method``."""
+    import json
+
+    path, _, method = text.partition("=")
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"--head {text}: no config.json in {path}")
+    if not method:
+        cfg = json.loads((p / "config.json").read_text())
+        method = (cfg.get("speculators_config") or {}).get("algorithm") or cfg.get("method") or cfg.get("speculators_model_type")
+        if not method:
+            raise SystemExit(f"--head {text}: its config names no method; give --head {path}=METHOD")
+    return p.name, str(p), method
+
+
+def head_app_args(threads: int, k: int, dtype: str, path: str, method: str) -> dict:
+    """The shipped app with the drafter pool running the head at ``path`` (fixed k)."""
+    a = app_args(threads, "fixed", k, dtype=dtype)
+    pins = {"cpu_affinity": a["drafter"]["cpu_affinity"]} if "cpu_affinity" in a["drafter"] else {}
+    a["drafter"] = {"method": method, "model": path, "num_speculative_tokens": k, "num_threads": threads,
+                    "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "cache_budget_mb": 8, **pins}
+    return a
 
 
 def step_parts(stats: dict) -> dict:
     step = stats["mean_step_ms"]
     draft, fwd = stats.get("mean_draft_ms", 0.0), stats.get("mean_forward_ms", 0.0)
+    steps = stats.get("steps") or 0
     return {"step_ms": step, "draft_ms": draft, "verify_forward_ms": fwd,
             "rpc_queue_ms": max(0.0, step - draft - fwd), "detok_stream_ms": stats.get("mean_emit_ms", 0.0),
-            "tokens_per_step": stats.get("mean_acceptance_length")}
+            "tokens_per_step": stats.get("mean_acceptance_length"),
+            "draft_engine_ms": stats.get("mean_draft_engine_ms"),
+            "pre_draft_hidden_share": stats.get("pre_draft_hits", 0) / steps if steps else None}
 
 
-async def _measure(urls, prompts, args) -> dict:
+FIELDS = ("step_ms",) + COMPONENTS + ("tokens_per_step", "ms_per_token", "mean_k", "pre_draft_hit_rate", "draft_engine_ms",
+                                      "pre_draft_hidden_share")
+
+
+async def _measure(urls, prompts, args, configs=None) -> dict:
     import httpx
 
-    configs = [("default", urls["adaptive"], None)] + [(f"k{k}", urls["fixed"], k) for k in args.ks]
+    configs = configs or [("default", urls["adaptive"], None)] + [(f"k{k}", urls["fixed"], k) for k in args.ks]
     rows = {name: [] for name, _, _ in configs}
     async with httpx.AsyncClient(timeout=600) as client:
         for name, url, k in configs:  # warm-up
@@ -116,13 +171,33 @@ async def _measure(urls, prompts, args) -> dict:
         rs = rows[name]
         e = {"k": k if k is not None else args.default_k, "policy": "adaptive" if k is None else "fixed",
              "requests": len(rs)}
-        for f in ("step_ms",) + COMPONENTS + ("tokens_per_step", "ms_per_token", "mean_k", "pre_draft_hit_rate"):
+        for f in FIELDS:
             e[f] = rnd(median([r[f] for r in rs]), 3)
         e["exposed_fraction"] = rnd((e["rpc_queue_ms"] + e["detok_stream_ms"]) /
                                     (e["step_ms"] + e["detok_stream_ms"]), 4) if e["step_ms"] else None
         e["exposed_fraction_router"] = rnd(e["rpc_queue_ms"] / e["step_ms"], 4) if e["step_ms"] else None
         out[name] = e
     return out
+
+
+def heads_summary(per: dict, heads: dict) -> dict:
+    """Per drafter: its rows by k (ms/token, drafting on the path per step, tokens/step) and its best k."""
+    out = {"draft_model": {"path": "models/tiny-code-drafter", "method": "draft_model",
+                           "by_k": {str(e["k"]): _head_row(e) for n, e in per.items() if n != "default"}}}
+    for name, (path, method, rows) in heads.items():
+        with contextlib.suppress(ValueError):  # a head of the repository: its path from the root
+            path = str(Path(path).resolve().relative_to(ROOT))
+        out[name] = {"path": path, "method": method, "by_k": {str(k): _head_row(e) for k, e in rows.items()}}
+    for h in out.values():
+        best = min(h["by_k"].items(), key=lambda kv: kv[1]["ms_per_token"], default=(None, None))
+        h["best_k"] = int(best[0]) if best[0] is not None else None
+        h["best"] = best[1]
+    return out
+
+
+def _head_row(e: dict) -> dict:
+    return {f: e.get(f) for f in ("ms_per_token", "draft_ms", "draft_engine_ms", "verify_forward_ms", "step_ms",
+                                  "tokens_per_step", "pre_draft_hit_rate", "requests")}
 
 
 def run(args, urls: dict | None = None) -> dict:
@@ -132,22 +207,40 @@ def run(args, urls: dict | None = None) -> dict:
 
     set_threads(args.threads)
     t0 = time.perf_counter()
-    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
+                             args.workload_seed, MAX_MODEL_LEN - args.max_tokens - max(args.ks + [args.default_k]) - 1)
+    # one app per head at the largest k: each request asks for its k (num_speculative_tokens), as for the draft model
+    heads = {f"head_{name}": head_app_args(args.threads, max(args.head_ks), args.dtype, path, method)
+             for name, path, method in args.heads}
+    per_workload, head_rows = {}, {}
     with contextlib.ExitStack() as stack:
         if urls is None:
             urls = stack.enter_context(serving({
                 "adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
-                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}, args.threads))
-        per = asyncio.run(_measure(urls, prompts, args))
+                "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype),
+                **heads}, args.threads))
+        for wl in wls:
+            log(f"workload {wl.name}: {len(wl.prompts)} prompts")
+            per_workload[wl.name] = {"workload": wl.describe(), "per_config": asyncio.run(_measure(urls, wl.prompts, args))}
+        if args.heads and all(n in urls for n in heads):
+            wl = wls[0]
+            got = asyncio.run(_measure(urls, wl.prompts, args, [(f"head_{name}_k{k}", urls[f"head_{name}"], k)
+                                                                 for name, _, _ in args.heads for k in args.head_ks]))
+            for name, path, method in args.heads:
+                head_rows[name] = (path, method, {k: got[f"head_{name}_k{k}"] for k in args.head_ks})
+    first = per_workload[wls[0].name]["per_config"]
     return {"scenario": "breakdown",
-            "config": {"prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                       "ks": args.ks, "default_k": args.default_k, "threads": args.threads},
+            "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts, "workload_seed": args.workload_seed,
+                       "max_tokens": args.max_tokens, "temperature": args.temperature,
+                       "ks": args.ks, "default_k": args.default_k, "threads": args.threads,
+                       "heads": [{"name": n, "path": p, "method": m} for n, p, m in args.heads], "head_ks": args.head_ks},
             "components": {"draft_ms": "drafter engine time on the critical path (0 when the pre-draft hit)",
                            "verify_forward_ms": "verifier's batched forward pass",
                            "rpc_queue_ms": "rest of the step until the verify answer arrived: RPC, queueing, "
                                            "(de)serialisation, accept/reject",
                            "detok_stream_ms": "between steps: apply the result, detokenise, stream the chunk"},
-            "environment": environment(args.threads), "per_config": per,
+            "environment": environment(args.threads), "per_config": first, "workloads": per_workload,
+            "heads": {"workload": wls[0].name, "drafters": heads_summary(first, head_rows)} if head_rows else None,
             "duration_s": round(time.perf_counter() - t0, 1)}
 
 

@@ -41,14 +41,21 @@ def compute(load: dict, verifier_price: float, drafter_price: float, verifier_re
     nd = drafter_replicas or cfg.get("drafter_replicas", 1)
     hourly_on = nv * verifier_price + nd * drafter_price
     hourly_off = nv * verifier_price
-    rows = []
-    for lv in load["levels"]:
-        on, off = lv["spec_on"]["throughput_tok_s"], lv["spec_off"]["throughput_tok_s"]
-        c_on, c_off = per_million(hourly_on, on), per_million(hourly_off, off)
-        rows.append({"concurrency": lv["concurrency"], "throughput_on_tok_s": on, "throughput_off_tok_s": off,
-                     "usd_per_m_tokens_on": rnd(c_on, 4), "usd_per_m_tokens_off": rnd(c_off, 4),
-                     "cost_ratio_on_vs_off": rnd(c_on / c_off, 4) if c_on and c_off else None})
-    return {"scenario": "cost",
+
+    def rows_of(levels):
+        rows = []
+        for lv in levels:
+            on, off = lv["spec_on"]["throughput_tok_s"], lv["spec_off"]["throughput_tok_s"]
+            c_on, c_off = per_million(hourly_on, on), per_million(hourly_off, off)
+            rows.append({"concurrency": lv["concurrency"], "throughput_on_tok_s": on, "throughput_off_tok_s": off,
+                         "usd_per_m_tokens_on": rnd(c_on, 4), "usd_per_m_tokens_off": rnd(c_off, 4),
+                         "cost_ratio_on_vs_off": rnd(c_on / c_off, 4) if c_on and c_off else None})
+        return rows
+
+    rows = rows_of(load["levels"])
+    # per workload (load.json's ``workloads``); ``levels``: the first workload's, as load.json's own
+    per_workload = {name: {"levels": rows_of(w["levels"])} for name, w in (load.get("workloads") or {}).items()}
+    return {"scenario": "cost", "workloads": per_workload,
             "prices": {"verifier_usd_per_hour": verifier_price, "drafter_usd_per_hour": drafter_price,
                        "verifier_replicas": nv, "drafter_replicas": nd, "hourly_on": hourly_on,
                        "hourly_off": hourly_off},

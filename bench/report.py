@@ -306,6 +306,29 @@ def workload_section(data: dict) -> list[str]:
     return L
 
 
+def heads_section(bd: dict) -> list[str]:
+    """The drafters served side by side (bench.breakdown's heads): each at its best fixed k, ms/token and drafting on the
+    critical path per step from the responses' timing breakdown."""
+    hd = bd.get("heads")
+    if not hd:
+        return []
+    c = bd["config"]
+    L = ["## Drafters served: the draft model and the heads", "",
+         (f"The same run, {hd['workload']}, {c['prompts']} prompts x {c['max_tokens']} tokens, greedy, fixed k: the draft "
+          f"model over k = {', '.join(map(str, c['ks']))}, each head over k = {', '.join(map(str, c['head_ks']))} "
+          "(`--head DIR` adds one); each at its best k. Drafting on the path: the drafter's time on the router's critical "
+          "path per step (0 when a pre-draft hid it), of which in the drafter engine; the rest is the channel."), "",
+         "| drafter | method | best k | ms/token | drafting on the path ms/step | of which engine | verify forward ms | "
+         "tokens/step | pre-draft hit rate | ms/token by k |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, h in hd["drafters"].items():
+        b = h.get("best") or {}
+        byk = ", ".join(f"k={k}: {_f(r['ms_per_token'])}" for k, r in h["by_k"].items())
+        L.append(f"| {name} (`{h['path']}`) | {h['method']} | {h.get('best_k')} | {_f(b.get('ms_per_token'))} | "
+                 f"{_f(b.get('draft_ms'))} | {_f(b.get('draft_engine_ms'))} | {_f(b.get('verify_forward_ms'))} | "
+                 f"{_f(b.get('tokens_per_step'))} | {_f(b.get('pre_draft_hit_rate'))} | {byk} |")
+    return L + [""]
+
+
 def acceptance_section(acc: dict | None) -> list[str]:
     """bench.acceptance's figures: per workload, drafter and temperature, E(k) and the distribution."""
     if not acc:
@@ -400,16 +423,22 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
     bd = data.get("breakdown")
     if bd:
         c = bd["config"]
+        per_wl = {name: w["per_config"] for name, w in (bd.get("workloads") or {}).items()} or {None: bd["per_config"]}
         L += ["## Where the time goes (per speculative step, served, streaming)", "", _cmd(bd),
-              f"{c['prompts']} prompts x {c['max_tokens']} tokens, temperature {c['temperature']}; medians over requests.", "",
-              "| config | mean k | step ms | drafting (critical path) | verify forward | RPC/queue/accept | detokenise/stream | "
+              f"{c['prompts']} prompts" + (" of each workload" if c.get("workloads") else "")
+              + f" x {c['max_tokens']} tokens, temperature {c['temperature']}; medians over requests.", "",
+              "| " + ("workload | " if len(per_wl) > 1 or None not in per_wl else "")
+              + "config | mean k | step ms | drafting (critical path) | verify forward | RPC/queue/accept | detokenise/stream | "
               "tokens/step | ms/token | pre-draft hit rate | exposed fraction |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for name, e in bd["per_config"].items():
-            L.append(f"| {name} | {_f(e['mean_k'])} | {_f(e['step_ms'])} | {_f(e['draft_ms'])} | {_f(e['verify_forward_ms'])} | "
-                     f"{_f(e['rpc_queue_ms'])} | {_f(e['detok_stream_ms'])} | {_f(e['tokens_per_step'])} | "
-                     f"{_f(e['ms_per_token'])} | {_f(e['pre_draft_hit_rate'])} | {_f(e['exposed_fraction'], 3)} |")
+              "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if None not in per_wl else "")]
+        for wl, per in per_wl.items():
+            for name, e in per.items():
+                L.append("| " + (f"{wl} | " if wl is not None else "")
+                         + f"{name} | {_f(e['mean_k'])} | {_f(e['step_ms'])} | {_f(e['draft_ms'])} | {_f(e['verify_forward_ms'])} | "
+                         f"{_f(e['rpc_queue_ms'])} | {_f(e['detok_stream_ms'])} | {_f(e['tokens_per_step'])} | "
+                         f"{_f(e['ms_per_token'])} | {_f(e['pre_draft_hit_rate'])} | {_f(e['exposed_fraction'], 3)} |")
         L.append("")
+        L += heads_section(bd)
     ld = data.get("load")
     if ld:
         c = ld["config"]
@@ -417,15 +446,17 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
               f"{c['max_tokens']} tokens per request, temperature {c['temperature']}, at least {c['min_requests']} "
               f"requests per level, {c['verifier_replicas']} verifier + {c['drafter_replicas']} drafter replica. "
               "ITL = gap between streamed chunks; TPOT = (latency - TTFT) / (tokens - 1).", "",
-              "| streams | mode | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | tokens/chunk | mean k | on/off throughput |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for lv in ld["levels"]:
-            for mode in ("spec_on", "spec_off"):
-                e = lv[mode]
-                L.append(f"| {lv['concurrency']} | {mode} | {_f(e['throughput_tok_s'], 1)} | {_f(e['ttft_ms_p50'], 1)} / "
-                         f"{_f(e['ttft_ms_p99'], 1)} | {_f(e['itl_ms_p50'], 1)} / {_f(e['itl_ms_p99'], 1)} | "
-                         f"{_f(e['tpot_ms_p50'], 1)} / {_f(e['tpot_ms_p99'], 1)} | {_f(e['tokens_per_chunk'])} | "
-                         f"{_f(e['mean_k'])} | {_f(lv['throughput_ratio_on_vs_off']) if mode == 'spec_on' else ''} |")
+              "| " + ("workload | " if ld.get("workloads") else "") + "streams | mode | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+              "TPOT p50 / p99 ms | tokens/chunk | mean k | on/off throughput |",
+              "|---|---|---|---|---|---|---|---|---|" + ("---|" if ld.get("workloads") else "")]
+        per_wl = {name: w["levels"] for name, w in (ld.get("workloads") or {}).items()} or {None: ld["levels"]}
+        for wl, lv, mode in ((wl, lv, mode) for wl, levels in per_wl.items() for lv in levels for mode in ("spec_on", "spec_off")):
+            e = lv[mode]
+            L.append("| " + (f"{wl} | " if wl is not None else "") + f"{lv['concurrency']} | {mode} | "
+                     f"{_f(e['throughput_tok_s'], 1)} | {_f(e['ttft_ms_p50'], 1)} / "
+                     f"{_f(e['ttft_ms_p99'], 1)} | {_f(e['itl_ms_p50'], 1)} / {_f(e['itl_ms_p99'], 1)} | "
+                     f"{_f(e['tpot_ms_p50'], 1)} / {_f(e['tpot_ms_p99'], 1)} | {_f(e['tokens_per_chunk'])} | "
+                     f"{_f(e['mean_k'])} | {_f(lv['throughput_ratio_on_vs_off']) if mode == 'spec_on' else ''} |")
         L.append("")
     co = data.get("cost")
     if co:
@@ -435,9 +466,13 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
               f"{p['drafter_replicas']} x ${p['drafter_usd_per_hour']}/h (speculation off needs no drafter pool); "
               "throughput as measured above.", "",
               "| streams | $/1M tokens, speculation on | off | on / off |", "|---|---|---|---|"]
-        for r in co["levels"]:
-            L.append(f"| {r['concurrency']} | {_f(r['usd_per_m_tokens_on'], 2)} | {_f(r['usd_per_m_tokens_off'], 2)} | "
-                     f"{_f(r['cost_ratio_on_vs_off'], 3)} |")
+        per_wl = {name: w["levels"] for name, w in (co.get("workloads") or {}).items()} or {None: co["levels"]}
+        if None not in per_wl:
+            L[-2:] = ["| workload | streams | $/1M tokens, speculation on | off | on / off |", "|---|---|---|---|---|"]
+        for wl, levels in per_wl.items():
+            for r in levels:
+                L.append("| " + (f"{wl} | " if wl is not None else "") + f"{r['concurrency']} | {_f(r['usd_per_m_tokens_on'], 2)} | "
+                         f"{_f(r['usd_per_m_tokens_off'], 2)} | {_f(r['cost_ratio_on_vs_off'], 3)} |")
         L.append("")
     if plots:
         L += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]

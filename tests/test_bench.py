@@ -103,7 +103,12 @@ def test_bench_smoke(bench_urls, tmp_path):
     bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
                                         "--default-k", "2", "--out", str(out)]), urls=bench_urls)
     (out / "breakdown.json").write_text(json.dumps(bd))
-    assert set(bd["per_config"]) == {"default", "k1", "k2"}
+    assert set(bd["per_config"]) == {"default", "k1", "k2"} and set(bd["workloads"]) == {"humaneval", "held-out"}
+    assert bd["per_config"] == bd["workloads"]["humaneval"]["per_config"] and bd["heads"] is None  # no head app here
+    for w in bd["workloads"].values():
+        assert set(w["per_config"]) == {"default", "k1", "k2"} and w["workload"]["prompts"] == 1
+        assert all(0 <= e["pre_draft_hidden_share"] <= 1 and e["draft_engine_ms"] <= e["draft_ms"] + 1e-3
+                   for e in w["per_config"].values())
     for name, e in bd["per_config"].items():
         assert e["step_ms"] > 0 and e["verify_forward_ms"] > 0, name
         assert all(e[c] >= 0 for c in breakdown.COMPONENTS), name
@@ -148,6 +153,7 @@ def test_bench_smoke(bench_urls, tmp_path):
     # --- cost, from the measured throughput
     co = cost.compute(ld, verifier_price=3.0, drafter_price=1.0)
     (out / "cost.json").write_text(json.dumps(co))
+    assert set(co["workloads"]) == {"humaneval", "held-out"} and co["workloads"]["humaneval"]["levels"] == co["levels"]
     for r, lv in zip(co["levels"], ld["levels"]):
         assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
         assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
@@ -511,6 +517,13 @@ def test_acceptance_in_process_measures_each_drafter_and_workload(tmp_path):
         assert len(r["per_position_acceptance_rate"]) == 3 and len(r["accepted_length_distribution"]) == 4
         e = r["mean_acceptance_length_by_k"]
         assert 1 <= e[0] <= e[1] <= e[2] <= 4
+        t = r["tokens_per_step_by_k"]
+        assert 1 <= t[0] <= t[1] <= t[2] <= e[2]  # every step counted, those without drafts as one token
+        pos = r["per_position_acceptance_rate"]
+        assert all(0 <= x <= 1 for x in pos) and pos == sorted(pos, reverse=True)  # accepting i needs i - 1
+        assert all(x is None or 0 <= x <= 1 for x in r["conditional_acceptance"])
+        assert sum(r["accepted_length_distribution"]) == pytest.approx(1.0, abs=1e-3)
+        assert 0 <= r["acceptance_rate"] <= 1 and 0 <= r["per_token_acceptance"] <= 1
         assert r["num_drafts"] > 0 and sum(r["accepted_length_counts"]) == r["num_drafts"]
         if r["temperature"] == 0:
             assert r["measured_mean_acceptance_length"]["3"] == e[2]
