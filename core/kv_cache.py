@@ -285,15 +285,12 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
     runner aligned with the tokens.
     """
     device = cache.k[0].device
-    B = len(slots)
-    n = max(len(t) for t in new_tokens)
-    starts = [len(s.tokens) for s in slots]
-    lengths = [len(t) for t in new_tokens]
+    B, n = len(slots), max(len(t) for t in new_tokens)
+    starts, lengths = [len(s.tokens) for s in slots], [len(t) for t in new_tokens]
     S = max(a + b for a, b in zip(starts, lengths))
     if S > cache.max_len:
         raise ValueError(f"sequence of {S} tokens exceeds the context limit of {cache.max_len}")
-    bs = cache.block_size
-    first = slots[0].first_row_if_contiguous(S, bs) if B == 1 else None
+    first = slots[0].first_row_if_contiguous(S, cache.block_size) if B == 1 else None
     if first is not None:  # one sequence in consecutive blocks (every decode step of a lone stream): no padding,
         # K/V read and written as views, each tensor made directly (the general path's small ops were 40%
         # of a one-token drafter pass)
@@ -301,32 +298,11 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
         positions = torch.arange(starts[0], S).unsqueeze(0)  # [1, n]
         kv = KVAccess(cache, write_start=first + starts[0], n=n, read_start=first, S=S)
     else:
-        # Right-align the new tokens (pad on the left) so every row's last positions line up
-        # and the LM head runs on the last max(keep_last) columns only.
-        # (each tensor in one op from Python lists: per-row tensor ops were most of a tree pass's own time)
-        input_ids = torch.tensor([[0] * (n - len(t)) + t for t in new_tokens])  # [B, n]
-        starts_t, lengths_t = torch.tensor([starts, lengths])  # [B] each
-        col = torch.arange(n).unsqueeze(0)  # [1, n]
-        pad = (n - lengths_t).unsqueeze(1)  # [B, 1]
-        valid = col >= pad  # [B, n]
-        positions = torch.where(valid, starts_t.unsqueeze(1) + col - pad, 0)  # [B, n]
-        rows = [s.rows(a + b, bs) for s, a, b in zip(slots, starts, lengths)]  # [start + length] each
-        read = pad_sequence(rows, batch_first=True, padding_value=TRASH_ROW)  # [B, S]: the longest row is S
-        write = torch.where(valid, read.gather(1, positions), TRASH_ROW)  # [B, n]
-        kv = KVAccess(cache, write_rows=write.flatten().to(device), read_rows=read.to(device))
-    # key t is visible to a query at position pos when t <= pos; a pad query (position 0)
-    # sees key 0 only, so no row is fully masked. One new token at batch 1 sees everything.
-    mask = None
-    if B > 1 or n > 1:
-        mask = (torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, n, 1)).to(device)  # [B, 1, n, S]
+        input_ids, positions, kv = _padded_layout(cache, slots, new_tokens, starts, lengths, device)
     m = max(keep_last)
-    extra = {}
-    if hidden_in is not None:
-        x = hidden_in[0].new_zeros(B, n, hidden_in[0].shape[-1])
-        for i, h in enumerate(hidden_in):
-            x[i, n - h.shape[0]:] = h
-        extra["hidden_in"] = x.to(device)
-    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, mask, m, capture, **extra)  # [B, m, V]
+    extra = {} if hidden_in is None else {"hidden_in": _right_aligned(hidden_in, n).to(device)}
+    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, _causal_mask(positions, S, device), m, capture,
+                            **extra)  # [B, m, V]
     logits = logits.float().cpu()
     for s, toks in zip(slots, new_tokens):
         s.tokens.extend(toks)
@@ -335,3 +311,40 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
         return out
     states = [{L: h[i, n - lengths[i]:].cpu() for L, h in hidden.items()} for i in range(B)]
     return out, states
+
+
+def _padded_layout(cache: PagedKVCache, slots: list[Slot], new_tokens: list[list[int]], starts: list[int],
+                   lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor, KVAccess]:
+    """(input_ids [B, n], positions [B, n], where K/V go and come from) for sequences padded to one width.
+
+    The new tokens are right-aligned (padded on the left) so every row's last positions line up and the LM
+    head runs on the last max(keep_last) columns only. Each tensor is made in one op from Python lists:
+    per-row tensor ops were most of a tree pass's own time."""
+    n = max(lengths)
+    input_ids = torch.tensor([[0] * (n - len(t)) + t for t in new_tokens])  # [B, n]
+    starts_t, lengths_t = torch.tensor([starts, lengths])  # [B] each
+    col = torch.arange(n).unsqueeze(0)  # [1, n]
+    pad = (n - lengths_t).unsqueeze(1)  # [B, 1]
+    valid = col >= pad  # [B, n]
+    positions = torch.where(valid, starts_t.unsqueeze(1) + col - pad, 0)  # [B, n]
+    rows = [s.rows(a + b, cache.block_size) for s, a, b in zip(slots, starts, lengths)]  # [start + length] each
+    read = pad_sequence(rows, batch_first=True, padding_value=TRASH_ROW)  # [B, S]: the longest row is S
+    write = torch.where(valid, read.gather(1, positions), TRASH_ROW)  # [B, n]
+    return input_ids, positions, KVAccess(cache, write_rows=write.flatten().to(device), read_rows=read.to(device))
+
+
+def _causal_mask(positions: torch.Tensor, S: int, device) -> torch.Tensor | None:
+    """[B, 1, n, S] bool: key t is visible to a query at position pos when t <= pos; a pad query (position 0)
+    sees key 0 only, so no row is fully masked. None where one new token at batch 1 sees everything."""
+    B, n = positions.shape
+    if B == 1 and n == 1:
+        return None
+    return (torch.arange(S).view(1, 1, 1, S) <= positions.view(B, 1, n, 1)).to(device)
+
+
+def _right_aligned(hidden_in: list[torch.Tensor], n: int) -> torch.Tensor:
+    """Each sequence's [len_i, H] states in a [B, n, H] batch, aligned with its right-aligned tokens."""
+    x = hidden_in[0].new_zeros(len(hidden_in), n, hidden_in[0].shape[-1])
+    for i, h in enumerate(hidden_in):
+        x[i, n - h.shape[0]:] = h
+    return x
