@@ -213,7 +213,9 @@ def test_the_check_composes_the_probed_terms():
     assert rows[4]["in_process"]["projected_ms_per_token"] == pytest.approx(
         (30 + 0.2 + 100 * (3.4 + 0.8 + 0.2) / 2.9) / 101, abs=1e-3)
     best = out["best"]
-    assert 1 <= best["projected_k"] <= 8 and best["error"] is not None
+    assert best["projected_k"] == min((1, 2, 4, 8), key=lambda k: rows[k]["projected_ms_per_token"])
+    assert best["error"] == pytest.approx(rows[best["projected_k"]]["projected_ms_per_token"] / 2.5 - 1, abs=1e-3)
+    assert best["regret"] == 0.0  # every fixed k measured the same here
     assert best["measured_k"] == 1 and best["measured_ms_per_token"] == 2.5
     assert "Engine probe" in P.check_markdown({"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": 60e9,
                                                            "forward_overhead_ms": 0.2, "step_overhead_ms": 0.7, "rpc_ms": 0.63},
