@@ -1,19 +1,27 @@
-"""The HTTP edge before a body is parsed: API keys and the body-size limit.
+"""The HTTP edge: the FastAPI app, its error bodies, and what runs before a body is parsed (API
+keys and the body-size limit).
 
-The settings live in this module, set by the Router replica when it starts (``configure_edge``),
-and are read through the module at request time: Serve ships the ingress class by value, so a
-global of the router module seen from its methods is a copy, while this module is imported.
+Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) and counted
+with its status. The settings live in this module, set by the Router replica when it starts
+(``configure_edge``), and are read through the module at request time: Serve ships the ingress
+class by value, so a global of the router module seen from its methods is a copy, while this
+module is imported.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from deployments.metrics import metrics
-from deployments.openai_api import OpenAIError
+from deployments.openai_api import OpenAIError, validation_error
+
+log = logging.getLogger("ray.serve")
 
 SETTINGS: dict = {"keys": frozenset(), "max_body_bytes": 4 * 2**20}
 
@@ -85,3 +93,27 @@ def _replay(messages: list, receive):
     async def replayed():
         return messages.pop(0) if messages else await receive()
     return replayed
+
+
+app = FastAPI(title="splitspec", description="Speculative decoding with separately scaled drafter and verifier pools.")
+app.add_middleware(EdgeMiddleware)  # API keys and the body limit, before a body is parsed
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, e: OpenAIError):
+    count_status(request.url.path, e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, e: Exception):
+    log.exception("internal error")
+    count_status(request.url.path, 500)
+    return JSONResponse(OpenAIError(500, f"internal error: {type(e).__name__}", type_="internal_error").body(),
+                        status_code=500)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    count_status(request.url.path, 400)
+    return JSONResponse(validation_error(e.errors()).body(), status_code=400)

@@ -340,6 +340,32 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
 
     from configs import SamplingParams
 
+    max_new = _max_new(body, prompt_len, max_len, max_tokens_limit)
+    given = body.model_fields_set
+    fields = {name: (getattr(body, name) if name in given or name not in defaults else defaults[name])
+              for name in GENERATION_DEFAULTS}
+    if fields["top_k"] == -1:
+        fields["top_k"] = 0
+    _in_vocabulary(body, fields["top_k"], vocab_size)
+    if body.min_tokens > max_new:
+        raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
+    verification = _backend_limits(body, fields, backend, vllm_loop, verification)
+    try:
+        return SamplingParams(
+            **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
+            verification=body.verification or verification, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            capture=getattr(body, "store", None) is not False)  # store: false keeps a chat out of the traffic capture
+    except ValidationError as e:  # a generation_config default out of bounds, or a combination
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
+
+
+def _max_new(body: "_Common", prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
+    """Tokens to generate at most: the request's (chat: max_completion_tokens first), within the
+    server's limit and the context left (clamped to it, as vLLM's)."""
     chat = isinstance(body, ChatCompletionRequest)
     if prompt_len >= max_len:
         raise OpenAIError(400, f"prompt has {prompt_len} tokens; the context limit is {max_len}",
@@ -349,14 +375,13 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
         raise OpenAIError(400, f"max_tokens {max_new} exceeds the server limit {max_tokens_limit}", param="max_tokens")
     if max_new is None:
         max_new = max_tokens_limit if chat else 16
-    max_new = min(max_new, max_len - prompt_len)
-    given = body.model_fields_set
-    fields = {name: (getattr(body, name) if name in given or name not in defaults else defaults[name])
-              for name in GENERATION_DEFAULTS}
-    if fields["top_k"] == -1:
-        fields["top_k"] = 0
-    if fields["top_k"] > vocab_size:
-        raise OpenAIError(400, f"top_k {fields['top_k']} exceeds the vocabulary of {vocab_size} tokens", param="top_k")
+    return min(max_new, max_len - prompt_len)
+
+
+def _in_vocabulary(body: "_Common", top_k: int, vocab_size: int):
+    """Token ids and top_k within the vocabulary."""
+    if top_k > vocab_size:
+        raise OpenAIError(400, f"top_k {top_k} exceeds the vocabulary of {vocab_size} tokens", param="top_k")
     for tid in (body.logit_bias or {}):
         if not 0 <= tid < vocab_size:
             raise OpenAIError(400, f"logit_bias names token {tid}, outside the vocabulary of {vocab_size}",
@@ -365,8 +390,12 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
         if not 0 <= tid < vocab_size:
             raise OpenAIError(400, f"stop_token_ids has {tid}, outside the vocabulary of {vocab_size}",
                               param="stop_token_ids")
-    if body.min_tokens > max_new:
-        raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
+
+
+def _backend_limits(body: "_Common", fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
+    """What the vllm verifier backend cannot do: a model default dropped, a request's own value a
+    400 naming it (``fields`` adjusted in place). Returns the verification to use."""
+    given = body.model_fields_set
     engine_loop = backend == "vllm" and vllm_loop == "engine"
     if engine_loop:  # vLLM's rejection sampler is the only verification there
         if body.verification == "gumbel":
@@ -389,14 +418,4 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
         # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
         raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",
                           param="repetition_penalty")
-    try:
-        return SamplingParams(
-            **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
-            verification=body.verification or verification, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            capture=getattr(body, "store", None) is not False)  # store: false keeps a chat out of the traffic capture
-    except ValidationError as e:  # a generation_config default out of bounds, or a combination
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
+    return verification

@@ -62,3 +62,17 @@ def test_degraded_steps_are_not_the_policys_choice():
 def test_exposed_time_never_negative():
     assert exposed_s(StepInfo(k=2, accepted=1, forward_s=0.02, draft_s=0.01), 0.025) == 0.0
     assert exposed_s(StepInfo(k=2, accepted=1, forward_s=0.02, draft_s=0.01), 0.04) == pytest.approx(0.01)
+
+
+def test_an_items_wall_time_split_over_its_steps_adds_up():
+    """The router sees one wall time per stream item: its steps get their own step times, and its
+    last speculative step the rest (the transit time), so the per-step figures add up to the client's."""
+    from deployments.generation import split_wall
+
+    group = [([1], None, StepInfo(k=2, accepted=0, step_s=0.010)), ([2], None, StepInfo(k=2, accepted=1, step_s=0.012)),
+             ([3], None, StepInfo(k=0, accepted=0, step_s=0.004))]
+    walls = split_wall(group, 0.030)
+    assert walls == pytest.approx([0.010, 0.016, 0.004]) and sum(walls) == pytest.approx(0.030)
+    # a wall shorter than the replica's own times (clock skew): nothing negative, still the total
+    assert split_wall(group, 0.008) == pytest.approx([0.008, 0.0, 0.0])
+    assert split_wall([([1], None, StepInfo(k=0, accepted=0, step_s=0.01))], 0.02) == [0.02]

@@ -1,0 +1,149 @@
+"""OpenAI response bodies: a completion's or chat completion's final body, its stream's chunks
+(server-sent events ending in ``data: [DONE]``), usage and logprobs, written from a request's
+choices' steps (``generation.StepOutput``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from deployments.generation import StepOutput
+from deployments.metrics import metrics
+from deployments.openai_api import OpenAIError
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Reply:
+    """What a request's response is written from."""
+
+    rid: str
+    endpoint: str  # "completions" or "chat"
+    body: object  # the request (openai_api's request models)
+    prompt_ids: list[int]
+    tokenizer: object
+    model_name: str
+    logprobs: int | None  # None: none; n: the emitted token's and the top n alternatives'
+    echo: str = ""  # completions with echo: the prompt's text, first in the first choice text
+    echo_logprobs: list | None = None  # and the prompt's logprobs, first in its logprobs
+    predicted: dict | None = None  # predicted output tokens kept and dropped (usage details)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def envelope(self) -> dict:
+        chat = self.endpoint == "chat"
+        obj = ("chat.completion.chunk" if self.body.stream else "chat.completion") if chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": int(time.time()), "model": self.model_name}
+
+    def logprobs_body(self, ids: list[int], lps: list, first: bool = False) -> dict | None:
+        if first and self.echo_logprobs is not None:  # completions with echo: the prompt's come first
+            ids, lps = self.prompt_ids + list(ids), self.echo_logprobs + list(lps)
+        if not lps:
+            return None
+        decode = self.tokenizer.decode
+        if self.endpoint == "chat":
+            return {"content": [{"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()),
+                                 "top_logprobs": [{"token": decode([a]), "logprob": alp,
+                                                   "bytes": list(decode([a]).encode())} for a, alp in top]}
+                                for t, (lp, top) in zip(ids, lps)]}
+        return {"tokens": [decode([t]) for t in ids],
+                "token_logprobs": [lp[0] if lp else None for lp in lps],
+                "top_logprobs": [{decode([a]): alp for a, alp in lp[1]} if lp else None for lp in lps],
+                "text_offset": None}
+
+    def chunk(self, s: StepOutput, first: bool, index: int = 0) -> dict:
+        if self.endpoint == "chat":
+            delta = {"content": s.text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta, "finish_reason": s.finish_reason,
+                      "logprobs": self.logprobs_body(s.token_ids, s.logprobs)}
+        else:
+            text = self.echo + s.text if first else s.text
+            choice = {"index": index, "text": text, "finish_reason": s.finish_reason,
+                      "logprobs": self.logprobs_body(s.token_ids, s.logprobs, first)}
+        if self.body.return_token_ids:
+            choice["token_ids"] = s.token_ids
+            if first:
+                choice["prompt_token_ids"] = self.prompt_ids
+        out = {**self.envelope(), "choices": [choice]}
+        if s.stats is not None:
+            out["speculation"] = s.stats
+        return out
+
+    def usage(self, n_out: int) -> dict:
+        """The prompt counts once, the completion tokens of every choice add up (as OpenAI's)."""
+        n_in = len(self.prompt_ids)
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        if self.predicted is not None:  # drafted from the prediction and kept / dropped by verification
+            usage["completion_tokens_details"] = dict(self.predicted)
+        return {"usage": usage}
+
+    def final_body(self, outs: list[dict]) -> dict:
+        """A non-streamed response, from each choice's collected steps (``collect``)."""
+        choices = []
+        for i, out in enumerate(outs):
+            if self.endpoint == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
+                          "finish_reason": out["finish_reason"], "logprobs": self.logprobs_body(out["ids"], out["logprobs"])}
+            else:
+                choice = {"index": i, "text": self.echo + out["text"], "finish_reason": out["finish_reason"],
+                          "logprobs": self.logprobs_body(out["ids"], out["logprobs"], first=True)}
+            if self.body.return_token_ids:
+                choice["token_ids"] = out["ids"]
+                choice["prompt_token_ids"] = self.prompt_ids
+            choices.append(choice)
+        self.count("200")
+        usage = self.usage(sum(len(out["ids"]) for out in outs))
+        stats = outs[0]["stats"] if len(outs) == 1 else [out["stats"] for out in outs]
+        return {**self.envelope(), "choices": choices, **usage, "speculation": stats}
+
+    async def sse_chunks(self, steps):
+        """The stream's events: a chunk per step that adds something, then usage when asked, then [DONE]."""
+        n_out, status, started = 0, "200", set()
+        # a step that releases no text (a held-back multi-byte character or stop-string prefix)
+        # still carries tokens: sent when the client asked for their ids or logprobs
+        per_token = self.body.return_token_ids or self.logprobs is not None
+        try:
+            async for i, s in steps:
+                n_out += len(s.token_ids)
+                first = i not in started
+                if s.text or s.finish_reason or first or (per_token and s.token_ids):
+                    started.add(i)
+                    yield f"data: {json.dumps(self.chunk(s, first, i))}\n\n"
+        except OpenAIError as e:
+            status = str(e.status)
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
+            status = "500"
+            log.exception("stream failed")
+            err = OpenAIError(500, f"generation failed: {type(e).__name__}", type_="internal_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield f"data: {json.dumps({**self.envelope(), 'choices': [], **self.usage(n_out)})}\n\n"
+        yield "data: [DONE]\n\n"
+        self.count(status)
+
+    def count(self, status: str):
+        metrics()["requests"].inc(tags={"endpoint": self.endpoint, "status": status})
+        metrics()["request_latency"].observe(time.perf_counter() - self.t0, tags={"endpoint": self.endpoint})
+
+
+async def collect(steps, request, n: int) -> list[dict]:
+    """A non-streamed request's choices, step by step; a client that left ends it (499)."""
+    outs = [{"ids": [], "text": [], "logprobs": [], "finish_reason": None, "stats": None} for _ in range(n)]
+    async for i, s in steps:
+        out = outs[i]
+        out["ids"] += s.token_ids
+        out["text"].append(s.text)
+        out["logprobs"] += s.logprobs
+        out["finish_reason"] = s.finish_reason or out["finish_reason"]
+        out["stats"] = s.stats or out["stats"]
+        if await request.is_disconnected():
+            await steps.aclose()
+            raise OpenAIError(499, "client disconnected")
+    for out in outs:
+        out["text"] = "".join(out["text"])
+    return outs
