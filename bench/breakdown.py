@@ -136,11 +136,11 @@ def step_parts(stats: dict) -> dict:
             "rpc_queue_ms": max(0.0, step - draft - fwd), "detok_stream_ms": stats.get("mean_emit_ms", 0.0),
             "tokens_per_step": stats.get("mean_acceptance_length"),
             "draft_engine_ms": stats.get("mean_draft_engine_ms"),
-            "pre_draft_hidden_share": stats.get("pre_draft_hits", 0) / steps if steps else None}
+            "pre_draft_hidden_share": stats.get("pre_draft_hits", 0) / steps if steps else None, "steps": steps or None}
 
 
 FIELDS = ("step_ms",) + COMPONENTS + ("tokens_per_step", "ms_per_token", "mean_k", "pre_draft_hit_rate", "draft_engine_ms",
-                                      "pre_draft_hidden_share")
+                                      "pre_draft_hidden_share", "steps")
 
 
 async def _measure(urls, prompts, args, configs=None) -> dict:

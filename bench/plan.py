@@ -604,9 +604,25 @@ def served_terms(bd: dict | None, workload: str, ks) -> dict:
         return h0 if k1 == k0 else h0 + (k - k0) / (k1 - k0) * (h1 - h0)
 
     over = median([e["rpc_queue_ms"] + e["detok_stream_ms"] for e in rows.values()])
+    # the verify pass as served: beside the drafter replica, the router, the proxy and the client on the same cores
+    served_verify = {k: (e["verify_forward_ms"], e.get("steps")) for k, e in rows.items() if e.get("verify_forward_ms")}
     return {"hidden_share": {str(k): rnd(hidden_at(k), 4) for k in ks if hidden_at(k) is not None},
             "channel_ms": [rnd(chan[0], 4), rnd(chan[1], 4)] if chan[0] is not None else None,
-            "step_overhead_ms": rnd(over, 4), "ks": sorted(rows)}
+            "step_overhead_ms": rnd(over, 4), "ks": sorted(rows), "verify_ms": served_verify}
+
+
+def served_verify_factor(srv: dict, eng: dict) -> float | None:
+    """The served verify pass over the same width's pass in process (the engine probe), the median over the
+    breakdown's k: its mean verify per step (the first, the prompt's prefill, taken out with the probe's prefill)."""
+    pre = [ms for _, ms in eng["prefill_ms"]]
+    prefill = sum(pre) / len(pre)
+    ratios = []
+    for k, (ms, steps) in (srv.get("verify_ms") or {}).items():
+        decode = (ms * steps - prefill) / (steps - 1) if steps and steps > 1 else ms
+        inproc = eng["verify_ms_by_width"].get(str(int(k) + 1))
+        if inproc and decode > 0:
+            ratios.append(decode / inproc)
+    return rnd(median(ratios), 4) if ratios else None
 
 
 def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms: float,
@@ -637,6 +653,8 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         ctx = prompt + n_out / 2
         eng = (engines or {}).get(name)
         srv = served_terms(breakdown, name, range(1, 9)) if eng else {}
+        if srv:
+            srv["verify_factor"] = served_verify_factor(srv, eng)
 
         def roofline(k: int, served=True, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out) -> float:
             """The GPU model on this CPU's probes: bytes over bandwidth, FLOPs over the matmul rate."""
@@ -660,7 +678,7 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
             hidden = p_all if hidden is None else hidden  # no breakdown: a chain pre-draft hits when all k are accepted
             a, b = srv.get("channel_ms") or (rpc_ms, 0.0)
             over = srv.get("step_overhead_ms")
-            return {"verify_ms": t_v, "draft_on_path_ms": (1 - hidden) * t_d + a + b * k,
+            return {"verify_ms": t_v * (srv.get("verify_factor") or 1.0), "draft_on_path_ms": (1 - hidden) * t_d + a + b * k,
                     "rest_ms": step_overhead_ms if over is None else over, "tokens_per_step": tokens}
 
         def projected(k: int, served=True, eng=eng, prompt=prompt, n_out=n_out) -> float:
@@ -708,6 +726,8 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
             if eng:
                 t = terms(r["k"])
                 vp, dp, tp = t["verify_ms"] / eng["verify_ms_by_width"]["1"], t["draft_on_path_ms"], t["tokens_per_step"]
+                if srv.get("verify_factor"):  # the served pass over the plain one, as the measured column
+                    vp = terms(r["k"], served=False)["verify_ms"] / eng["verify_ms_by_width"]["1"]
             else:
                 s = step("split", r["k"], 1, ctx, v, m, d, m, curve)
                 vp, dp = s["verify_s"] / forward_s(v, m, 1, 1, ctx), 1e3 * (s["exposed_draft_s"] + m.rpc_s)
@@ -869,7 +889,9 @@ def check_markdown(data: dict) -> str:
             ch = srv.get("channel_ms") or [None, None]
             L += [(f"Served terms (bench.breakdown, k = {', '.join(map(str, srv['ks']))}): pre-draft hid "
                    f"{', '.join(f'k={k}: {h:.2f}' for k, h in srv['hidden_share'].items())} of the steps; channel "
-                   f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms."), ""]
+                   f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms; a verify "
+                   f"pass served takes {srv.get('verify_factor')}x the same pass in process (the drafter replica, router, "
+                   "proxy and client share the 2 cores)."), ""]
         L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | roofline alone | "
                "verify / plain, projected / measured | drafting on the path ms, projected / measured | tokens/step, "
                "projected / measured | in-process loop: projected / measured ms/token (error) |"),

@@ -181,6 +181,12 @@ def test_the_served_terms_come_from_the_breakdowns_own_requests():
     # measured at 1, 2, 4, 8; between them, interpolated
     assert t["hidden_share"]["2"] == pytest.approx(0.7) and t["hidden_share"]["3"] == pytest.approx(0.65)
     assert P.served_terms(_breakdown(), "held-out", range(1, 9)) == {} and P.served_terms(None, "x", [1]) == {}
+    # the served verify pass over the in-process one: the prefill step taken out of the served mean first
+    bd = _breakdown()
+    for k, e in ((e["k"], e) for e in bd["workloads"]["humaneval"]["per_config"].values()):
+        e["verify_forward_ms"], e["steps"] = (1.2 * (3.0 + 0.1 * k) * 100 + 30.0) / 101, 101
+    eng = {"verify_ms_by_width": {str(w): 3.0 + 0.1 * (w - 1) for w in range(1, 10)}, "prefill_ms": [(100, 20.0), (200, 40.0)]}
+    assert P.served_verify_factor(P.served_terms(bd, "humaneval", range(1, 9)), eng) == pytest.approx(1.2, abs=1e-3)
 
 
 def test_the_check_composes_the_probed_terms():
