@@ -10,35 +10,46 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_SPECULATIVE_TOKENS = 16
 
-# The fields the model configs share (drafters' and the verifier's), each defined once: its type, bounds and description.
-_DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
-ComputeDtype = Annotated[_DTYPE, Field(description=(
-    "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start)."))]
-KvCacheDtype = Annotated[_DTYPE, Field(description=(
-    "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere."))]
+# Fields that model configs without a common base share, each defined once: its type, bounds and description.
 Forward = Annotated[Literal["auto", "native", "compact", "transformers"], Field(description=(
     "Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, "
     "built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any "
     "architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures."))]
-Device = Annotated[str, Field(description="torch device the model (or the head) runs on.")]
-MaxModelLen = Annotated[int | None, Field(ge=2, le=1_000_000, description=(
-    "Longest sequence (prompt + output); default: the model's (or the head's) max_position_embeddings."))]
-NumThreads = Annotated[int | None, Field(ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")]
-CpuAffinity = Annotated[list[Annotated[int, Field(ge=0, le=65535)]] | None, Field(min_length=1, max_length=4096, description=(
-    "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
-    "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
-    "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
-    "it unset."))]
 DraftTopK = Annotated[int, Field(ge=1, le=1_000_000, description=(
     "The drafter samples from its own top draft_top_k tokens (a head's mapped to the target's vocabulary), so q is exactly sparse and only these "
     "entries travel to the verifier."))]
-VerifierModel = Annotated[str | None, Field(description=(
-    "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from "
-    "verifier.model."))]
+_DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _EngineConfig(_Config):
+    """What every model engine runs with: a drafter's model or head, the verifier's target."""
+
+    dtype: _DTYPE = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start)."))
+    kv_cache_dtype: _DTYPE = Field("auto", description=(
+        "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere."))
+    device: str = Field("cpu", description="torch device the model (or the head) runs on.")
+    max_model_len: int | None = Field(None, ge=2, le=1_000_000, description=(
+        "Longest sequence (prompt + output); default: the model's (or the head's) max_position_embeddings."))
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
+        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
+        "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
+        "it unset."))
+
+
+class _HeadConfig(_EngineConfig):
+    """A draft head on the drafter pool that reads the target's hidden states (EAGLE-3, DFlash, DSpark)."""
+
+    draft_top_k: DraftTopK = 64
+    verifier_model: str | None = Field(None, description=(
+        "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from "
+        "verifier.model."))
 
 
 class SamplingParams(_Config):
@@ -102,7 +113,7 @@ class SamplingParams(_Config):
         return self
 
 
-class DraftModelConfig(_Config):
+class DraftModelConfig(_EngineConfig):
     """A small causal LM that shares the target's tokenizer proposes the draft tokens."""
 
     method: Literal["draft_model"] = Field("draft_model", description="Selects this drafter type.")
@@ -111,16 +122,10 @@ class DraftModelConfig(_Config):
         "references)."))
     num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
     draft_top_k: DraftTopK = 64
-    dtype: ComputeDtype = "auto"
-    kv_cache_dtype: KvCacheDtype = "auto"
     forward: Forward = "auto"
-    device: Device = "cpu"
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
         "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is "
         "evicted when full."))
-    max_model_len: MaxModelLen = None
-    num_threads: NumThreads = None
-    cpu_affinity: CpuAffinity = None
 
 
 class NgramConfig(_Config):
@@ -141,7 +146,7 @@ class NgramConfig(_Config):
         return self
 
 
-class Eagle3Config(_Config):
+class Eagle3Config(_HeadConfig):
     """An EAGLE-3 head (Speculators format) on the drafter pool: it reads the target's hidden states,
     which the verifier captures in its verification pass and sends with each draft request."""
 
@@ -152,19 +157,11 @@ class Eagle3Config(_Config):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method "
         "(its speculators_config), else 4; the app builder sets it."))
-    draft_top_k: DraftTopK = 64
-    dtype: ComputeDtype = "auto"
-    kv_cache_dtype: KvCacheDtype = "auto"
-    device: Device = "cpu"
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
         "Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full."))
-    max_model_len: MaxModelLen = None
-    num_threads: NumThreads = None
-    cpu_affinity: CpuAffinity = None
-    verifier_model: VerifierModel = None
 
 
-class ParallelHeadConfig(_Config):
+class ParallelHeadConfig(_HeadConfig):
     """A parallel draft head (Speculators' DFlash or DSpark format) on the drafter pool: like an EAGLE-3 head it
     reads the target's hidden states, which the verifier sends with each draft request, and it drafts a whole
     block in one forward pass (docs/parallel-drafters.md)."""
@@ -176,19 +173,11 @@ class ParallelHeadConfig(_Config):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "k: the most draft tokens proposed per step (0 turns speculation off), at most the head's block (block_size - 1 mask positions). Default: "
         "the speculative_tokens of the head's default proposal method, else the block's; the app builder sets it."))
-    draft_top_k: DraftTopK = 64
     confidence_stop: float | None = Field(None, ge=0.0, le=1.0, description=(
         "dspark with a confidence head: end a block at the first position (after the first) whose confidence is below this; default: draft the "
         "whole block (docs/parallel-drafters.md has the measurement)."))
-    dtype: ComputeDtype = "auto"
-    kv_cache_dtype: KvCacheDtype = "auto"
-    device: Device = "cpu"
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
-    max_model_len: MaxModelLen = None
-    num_threads: NumThreads = None
-    cpu_affinity: CpuAffinity = None
-    verifier_model: VerifierModel = None
 
 
 DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
@@ -221,24 +210,18 @@ class CaptureConfig(_Config):
         return self
 
 
-class VerifierConfig(_Config):
+class VerifierConfig(_EngineConfig):
     """The target model that verifies drafts."""
 
     model: str | None = Field(None, min_length=1, description=(
         "A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id `org/name[@revision]`, pinned to a "
         "commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the verifier the head's "
         "speculators_config names; required otherwise."))
-    dtype: ComputeDtype = "auto"
-    kv_cache_dtype: KvCacheDtype = "auto"
     forward: Forward = "auto"
-    device: Device = "cpu"
     cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description=(
         "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when "
         "full."))
-    max_model_len: MaxModelLen = None
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
-    num_threads: NumThreads = None
-    cpu_affinity: CpuAffinity = None
     backend: Literal["transformers", "vllm"] = Field("transformers", description=(
         "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, "
         "prefix caching), one per replica, with the same verify protocol and guarantees."))
