@@ -92,6 +92,50 @@ def _token_logprobs(logprobs, i: int, token: int, top: int) -> tuple[float, list
     return own, ranked[:top]
 
 
+def _share_cpus() -> None:
+    """The CPU backend binds OpenMP threads to cores by default, which fights every other process on a shared
+    machine; and its legacy KV-space variable would override ours."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def _engine_args(config: VerifierConfig, max_len: int, enable_prefix_caching: bool, spec_metrics: str):
+    """vLLM's engine arguments for the verifier's model, before any speculation (``_speculate``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=config.model, tokenizer=config.model, dtype=resolve_dtype(config.dtype, config.device), seed=0,
+        max_model_len=max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm_block_size,
+        kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
+        max_num_batched_tokens=max(config.max_batch_tokens, max_len),
+        max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
+        skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
+        enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
+        tensor_parallel_size=config.tensor_parallel_size,
+        # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
+        distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
+        per_request_spec_decode_metrics=spec_metrics)
+
+
+def _speculate(args, config: VerifierConfig, speculative: bool, aux_layers: tuple[int, ...],
+               eagle3: tuple[str, int] | None) -> None:
+    """How vLLM's loop drafts, set on ``args``: the EAGLE-3 head in the engine (``eagle3``: its directory and
+    k), or splitspec's proposer calling the drafter pool (``speculative``), which reads the states entering
+    ``aux_layers`` for an EAGLE-3 head on the pool; neither: no speculation."""
+    if eagle3 is not None:
+        head, k = eagle3
+        args.speculative_config = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+    elif speculative:
+        args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
+                                   "num_speculative_tokens": config.vllm_num_speculative_tokens}
+        args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
+        if aux_layers:
+            args.additional_config = {"splitspec": {"aux_layers": sorted(set(aux_layers))}}
+            # a prompt's blocks read from the prefix cache are never computed, so their states would never
+            # exist: the head on the drafter pool needs the states of every position of a sequence
+            args.enable_prefix_caching = False
+
+
 class VllmVerifierEngine:
     """Answers ``VerifyRequest``s with vLLM's AsyncLLM. Its ``verify`` is a coroutine: vLLM
     batches concurrent calls by itself, so callers gather them instead of queueing them."""
@@ -109,14 +153,10 @@ class VllmVerifierEngine:
         the head itself, in the engine (its ``eagle3`` speculative method), and no drafter pool is used.
         ``per_step_metrics``: vLLM's per-request speculation counts list each step's accepted drafts."""
         from transformers import AutoConfig, AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if config.device == "cpu":
-            # the CPU backend binds OpenMP threads to cores by default, which fights every other
-            # process on a shared machine; and its legacy KV-space variable would override ours
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            _share_cpus()
         pin_process(config.cpu_affinity)  # vLLM's engine processes, started below, inherit it
         self.config = config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
@@ -125,33 +165,11 @@ class VllmVerifierEngine:
         self.max_len = config.max_model_len or text.max_position_embeddings
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=config.model)
         self._stats_cls = _stat_logger_class()
-        args = AsyncEngineArgs(
-            model=config.model, tokenizer=config.model, dtype=resolve_dtype(config.dtype, config.device), seed=0,
-            max_model_len=self.max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm_block_size,
-            kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
-            max_num_batched_tokens=max(config.max_batch_tokens, self.max_len),
-            max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
-            skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
-            enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
-            tensor_parallel_size=config.tensor_parallel_size,
-            # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
-            distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
-            per_request_spec_decode_metrics=("detailed" if per_step_metrics else "summary") if speculative or eagle3
-            else "none")
         self.speculative = speculative or eagle3 is not None
         self.in_engine = eagle3 is not None  # vLLM drafts itself: no proposer to bind
-        if eagle3 is not None:
-            head, k = eagle3
-            args.speculative_config = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
-        elif speculative:
-            args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
-                                       "num_speculative_tokens": config.vllm_num_speculative_tokens}
-            args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
-            if aux_layers:
-                args.additional_config = {"splitspec": {"aux_layers": sorted(set(aux_layers))}}
-                # a prompt's blocks read from the prefix cache are never computed, so their states would never
-                # exist: the head on the drafter pool needs the states of every position of a sequence
-                args.enable_prefix_caching = False
+        metrics = ("detailed" if per_step_metrics else "summary") if self.speculative else "none"
+        args = _engine_args(config, self.max_len, enable_prefix_caching, metrics)
+        _speculate(args, config, speculative, aux_layers, eagle3)
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
         self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
         # computed_tokens: prompt tokens vLLM computed (not read from its prefix cache), the work measure

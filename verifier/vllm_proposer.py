@@ -220,10 +220,37 @@ class SplitspecProposer:
             return out
         req_ids = runner.input_batch.req_ids
         self._forget(runner.requests)
+        rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids)
+        if not rows:
+            self.choice._last = None  # nothing to measure across steps without drafts
+            return out
+        # the whole step speculates or not, by what each choice measured at this batch size
+        spec = self.choice.use(len(sampled_token_ids), sum(len(s) for s in sampled_token_ids), time.perf_counter())
+        if not spec:
+            self.stats["off_steps"] += 1
+            self._drop_pre_drafts()
+            return out
+        todo = self._take_pre_drafts(rows, token_ids_cpu, out)
+        # pre-drafts double the drafter pool's work; past a few rows per step it cannot keep up with them
+        self._pre_draft = len(rows) <= TREE_MAX_DRAFTER_BATCH
+        if not self._pre_draft:
+            self._drop_pre_drafts()
+        if todo:
+            self._draft(todo, out)
+        if self._q:  # read by the runner's rejection sampler in the next step, by request id
+            runner._draft_probs, runner._draft_prob_req_ids = self._q_tensor(out, req_ids)
+            self._q = {}
+        self.stats["propose_s"] += time.perf_counter() - t0
+        return out
+
+    def _rows_to_draft(self, sampled_token_ids, num_tokens_no_spec, req_ids) -> list[tuple]:
+        """(row, vLLM request id, settings, context length) of this step's rows that want drafts; an EAGLE-3
+        head's rows also keep their target states (``_keep_states``) from the step's aux states."""
+        runner = self.runner
         step, self._step = self._step, None
         if step is not None:  # to the host in one copy (on GPUs), the rows of every sequence sliced from it
             step = (step[0][: int(runner.query_start_loc.np[len(sampled_token_ids)])].to("cpu"), step[1])
-        rows = []  # (row, vLLM request id, settings, context length) of the rows that want drafts
+        rows = []
         for i, sampled in enumerate(sampled_token_ids):
             state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
             ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
@@ -234,16 +261,12 @@ class SplitspecProposer:
                 self._keep_states(ex["seq"], i, len(sampled), n, step)
             if ex and len(sampled) and ex["k"] > 0 and n + 2 <= self.max_len:  # not a chunked prefill half-way
                 rows.append((i, req_ids[i], ex, n))
-        if not rows:
-            self.choice._last = None  # nothing to measure across steps without drafts
-            return out
-        # the whole step speculates or not, by what each choice measured at this batch size
-        spec = self.choice.use(len(sampled_token_ids), sum(len(s) for s in sampled_token_ids), time.perf_counter())
-        if not spec:
-            self.stats["off_steps"] += 1
-            self._drop_pre_drafts()
-            return out
-        todo = []  # (row, seq id, context, k, settings)
+        return rows
+
+    def _take_pre_drafts(self, rows: list[tuple], token_ids_cpu, out: list[list[int]]) -> list[tuple]:
+        """Fill ``out`` for the rows whose pre-draft holds; return the rows left to draft now, as
+        (row, seq id, context, k, settings)."""
+        todo = []
         for i, rid, ex, n in rows:
             seq = ex["seq"]
             self.seqs[rid] = seq
@@ -263,17 +286,7 @@ class SplitspecProposer:
                     continue
                 self.stats["misses"] += 1
             todo.append((i, seq, ctx, k, ex))
-        # pre-drafts double the drafter pool's work; past a few rows per step it cannot keep up with them
-        self._pre_draft = len(rows) <= TREE_MAX_DRAFTER_BATCH
-        if not self._pre_draft:
-            self._drop_pre_drafts()
-        if todo:
-            self._draft(todo, out)
-        if self._q:  # read by the runner's rejection sampler in the next step, by request id
-            runner._draft_probs, runner._draft_prob_req_ids = self._q_tensor(out, req_ids)
-            self._q = {}
-        self.stats["propose_s"] += time.perf_counter() - t0
-        return out
+        return todo
 
     def _draft(self, todo, out):
         """One call per drafter endpoint for the rows without a pre-draft hit; a cache miss is resent
