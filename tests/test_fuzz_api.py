@@ -18,7 +18,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "n", "logprobs", "top_logprobs", "num_speculative_tokens", "return_token_ids", "ignore_eos",
           "stream_options", "verification", "timeout", "echo", "unknown", "min_p", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words"]
+          "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words",
+          "return_timing", "max_completion_tokens", "tool_choice", "tools", "prompt_logprobs", "guided_json"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 # mostly-valid bodies reach the generation path with odd but legal values
 valid_ish = st.fixed_dictionaries({
