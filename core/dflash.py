@@ -43,14 +43,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.eagle3 import (
-    ROPE_TYPES,
     UnsupportedHead,
     _rope_parameters,
-    _safetensors_files,
-    read_state,
+    check_draft_layers,
+    check_weights,
+    checkpoint_dir,
+    draft_layer_types,
+    layer_config,
+    load_weights,
     rope_frequencies,
-    verifier_tensor,
+    unsupported,
 )
+from core.eagle3 import save_head as save_head  # re-exported: a parallel head is saved in the same layout
 from core.layers import RMSNorm, rotate
 
 SPECULATORS_VERSION = "0.3.0"
@@ -112,73 +116,50 @@ class ParallelSpec:
     def from_config(cls, cfg: dict) -> ParallelSpec:
         """The spec of a Speculators dflash or dspark config.json, read as vLLM reads it. Raises
         ``UnsupportedHead`` (one line naming the field and value) for a config this project cannot run."""
-        def bad(name, value, why):
-            raise UnsupportedHead(f"{name} {value!r}: {why}")
-
         method = cfg.get("speculators_model_type")
         if method not in METHODS:
-            bad("speculators_model_type", method, f"not a Speculators {' or '.join(METHODS)} config")
-        t = cfg.get("transformer_layer_config")
-        if not isinstance(t, dict):
-            bad("transformer_layer_config", t, f"a {method} config needs the draft layers' config")
+            unsupported("speculators_model_type", method, f"not a Speculators {' or '.join(METHODS)} config")
+        t = layer_config(cfg, method)
         model_type = t.get("model_type", "qwen3")
         if model_type not in LAYER_TYPES:
-            bad("transformer_layer_config.model_type", model_type,
+            unsupported("transformer_layer_config.model_type", model_type,
                 "only Qwen3-type draft layers run here (vLLM's qwen3_dflash / qwen3_dspark); Gemma 4 DSpark's layers "
                 "(k = v, v_norm, logit soft-capping) are not implemented")
-        act = t.get("hidden_act", "silu")
-        if act != "silu":
-            bad("transformer_layer_config.hidden_act", act, "vLLM's Qwen3 draft layers run silu only")
-        for flag in ("attention_bias", "mlp_bias"):
-            if t.get(flag):
-                bad(f"transformer_layer_config.{flag}", t[flag], "not supported (published heads have no biases)")
         if t.get("is_neox_style", True) is not True:
-            bad("transformer_layer_config.is_neox_style", t["is_neox_style"], "the rotary embedding here is the half-split (neox) form")
+            unsupported("transformer_layer_config.is_neox_style", t["is_neox_style"], "the rotary embedding here is the half-split (neox) form")
         rope = _rope_parameters({**t, "rope_theta": t.get("rope_theta", 1000000.0)} if "rope_parameters" not in t else t)
-        if rope["rope_type"] not in ROPE_TYPES:
-            bad("rope_type", rope["rope_type"], f"supported: {', '.join(ROPE_TYPES)}")
-        partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            bad("partial_rotary_factor", partial, "the head's rotary embedding covers the whole head")
-        if float(t.get("logit_scale", 1.0) or 1.0) != 1.0:
-            bad("transformer_layer_config.logit_scale", t["logit_scale"], "not supported")
+        check_draft_layers(t, rope)
         extra = t.get("dflash_config") or {}
         for name in ("attention_sink_bias", "attention_value_scale", "use_swa"):
             if extra.get(name):
-                bad(f"transformer_layer_config.dflash_config.{name}", extra[name], "not supported")
+                unsupported(f"transformer_layer_config.dflash_config.{name}", extra[name], "not supported")
         if cfg.get("projector_type", "dflash") != "dflash":
-            bad("projector_type", cfg["projector_type"], "only the dflash projector (Domino's correction head is not in vLLM)")
+            unsupported("projector_type", cfg["projector_type"], "only the dflash projector (Domino's correction head is not in vLLM)")
         if cfg.get("shift_label"):
-            bad("shift_label", cfg["shift_label"], "vLLM reads the mask positions' own tokens, not shifted ones")
+            unsupported("shift_label", cfg["shift_label"], "vLLM reads the mask positions' own tokens, not shifted ones")
         if cfg.get("use_aux_hidden_state") is False:
-            bad("use_aux_hidden_state", False, "the head reads the target's aux states")
+            unsupported("use_aux_hidden_state", False, "the head reads the target's aux states")
         ids = cfg.get("aux_hidden_state_layer_ids")
         if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-            bad("aux_hidden_state_layer_ids", ids, "needs the verifier layers whose input states the head reads")
+            unsupported("aux_hidden_state_layer_ids", ids, "needs the verifier layers whose input states the head reads")
         mask = cfg.get("mask_token_id")
         if not isinstance(mask, int) or not 0 <= mask < t["vocab_size"]:
-            bad("mask_token_id", mask, f"needs a token id below the vocab_size {t['vocab_size']} (the masked slots' embedding)")
+            unsupported("mask_token_id", mask, f"needs a token id below the vocab_size {t['vocab_size']} (the masked slots' embedding)")
         block = cfg.get("block_size", 8)
         if not isinstance(block, int) or block < 2:
-            bad("block_size", block, "a block is the anchor and at least one mask position")
+            unsupported("block_size", block, "a block is the anchor and at least one mask position")
         anchor = bool(cfg.get("sample_from_anchor", False))
         if anchor and method == "dflash":
-            bad("sample_from_anchor", True, "vLLM's DFlash drafts from the mask positions only")
+            unsupported("sample_from_anchor", True, "vLLM's DFlash drafts from the mask positions only")
         n_layers = int(t.get("num_hidden_layers") or 1)
-        layer_types, window = t.get("layer_types"), t.get("sliding_window")
-        if layer_types is not None:
-            if len(layer_types) < n_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
-                bad("transformer_layer_config.layer_types", layer_types,
-                    f"needs full_attention or sliding_attention for each of the {n_layers} layers")
-            if "sliding_attention" in layer_types[:n_layers] and (window is None or int(window) < 1):
-                bad("transformer_layer_config.sliding_window", window, "sliding_attention layers need a window of at least 1")
+        layer_types, window = draft_layer_types(t, n_layers)
         rank, conf, conf_markov = 0, False, False
         if method == "dspark":
             rank = cfg.get("markov_rank", 0)
             if not isinstance(rank, int) or rank < 1:
-                bad("markov_rank", rank, "vLLM's DSpark always applies its Markov head (rank at least 1)")
+                unsupported("markov_rank", rank, "vLLM's DSpark always applies its Markov head (rank at least 1)")
             if cfg.get("markov_head_type", "vanilla") != "vanilla":
-                bad("markov_head_type", cfg["markov_head_type"], "vLLM runs the vanilla Markov head only")
+                unsupported("markov_head_type", cfg["markov_head_type"], "vLLM runs the vanilla Markov head only")
             conf = bool(cfg.get("enable_confidence_head", False))
             conf_markov = bool(cfg.get("confidence_head_with_markov", False))
         spec = cfg.get("speculators_config") or {}
@@ -195,8 +176,7 @@ class ParallelSpec:
                    vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
                    target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"],
                    aux_layer_ids=[int(i) for i in ids], block_size=block, mask_token_id=mask, num_layers=n_layers,
-                   rope_parameters=rope, layer_types=list(layer_types[:n_layers]) if layer_types else None,
-                   sliding_window=int(window) if window else None,
+                   rope_parameters=rope, layer_types=layer_types, sliding_window=window,
                    sliding_window_non_causal=None if non_causal is None else bool(non_causal),
                    sample_from_anchor=anchor, markov_rank=rank, confidence_head=conf, confidence_with_markov=conf_markov,
                    speculative_tokens=k if isinstance(k, int) and k >= 1 else None)
@@ -430,46 +410,6 @@ class ParallelHead(nn.Module):
 
 
 # ---------------------------------------------------------------------- checkpoints
-def _borrowed(path: Path, spec: ParallelSpec, names: set[str], verifier) -> dict[str, str]:
-    """{weight name: what to read from the verifier} for what the head leaves to it (vLLM's rules)."""
-    out = {}
-    for name, what in (("embed_tokens.weight", "embed_tokens"), ("lm_head.weight", "lm_head")):
-        if name in names:
-            continue
-        if verifier is None:
-            raise ValueError(f"{path}: the head has no {name}: vLLM uses the verifier's, so loading needs the verifier")
-        if what == "lm_head" and spec.draft_vocab_size != spec.vocab_size:
-            raise UnsupportedHead(f"lm_head absent with draft_vocab_size {spec.draft_vocab_size}: only a head over "
-                                  "the verifier's whole vocabulary can use the verifier's lm_head")
-        out[name] = what
-    return out
-
-
-def _complete(path: Path, spec: ParallelSpec, shapes: dict[str, tuple]) -> None:
-    """Every weight the config makes the head have is there, with its shape; nothing else is."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in ParallelHead(spec).state_dict().items()}
-    wrong = [f"{k} is {shapes[k]}, the config makes it {expected[k]}" for k in shapes
-             if k in expected and shapes[k] != expected[k]]
-    if wrong:
-        raise ValueError(f"{path}: " + "; ".join(wrong))
-    missing = set(expected) - set(shapes) - {"d2t", "t2d"}
-    unexpected = set(shapes) - set(expected)
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)})")
-
-
-def _names(key: str) -> str:
-    return key.replace("midlayer.", "layers.0.")
-
-
-def _verifier_shape(verifier, what: str):
-    from core.eagle3 import _verifier_shape as shape
-
-    return shape(verifier, what)
-
-
 def read_spec(path: str | Path) -> ParallelSpec:
     path = Path(path)
     if (path / "mask_embedding.pt").exists():
@@ -481,24 +421,9 @@ def read_spec(path: str | Path) -> ParallelSpec:
 def check_head(path: str | Path, verifier: str | Path) -> ParallelSpec:
     """The build-time check of a head for a verifier, reading headers only (``core.eagle3.check_head``'s
     counterpart). Returns the spec."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not (path / "config.json").exists() or not _safetensors_files(path):
-        raise ValueError(f"{str(path)!r} needs config.json and safetensors weights (model.safetensors or shards "
-                         "with model.safetensors.index.json)")
+    path = checkpoint_dir(path)
     spec = read_spec(path)
-    shapes = {}
-    for f in _safetensors_files(path):
-        with safe_open(str(f), "pt") as h:
-            shapes.update({_names(k): tuple(h.get_slice(k).get_shape()) for k in h.keys()})
-    for name, what in _borrowed(path, spec, set(shapes), verifier).items():
-        shapes[name] = tuple(_verifier_shape(verifier, what))
-        if shapes[name][-1] != spec.hidden_size:
-            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
-                                  f"is {shapes[name][-1]} wide, so the head cannot use it")
-    shapes.pop("inv_freq", None)
-    _complete(path, spec, shapes)
+    check_weights(path, spec, verifier, ParallelHead)
     return spec
 
 
@@ -508,35 +433,10 @@ def load_head(path: str | Path, dtype=torch.float32, device="cpu", verifier: str
     path = Path(path)
     spec = read_spec(path)
     head = ParallelHead(spec)
-    state = {_names(k): v for k, v in read_state(path).items()}
-    state.pop("inv_freq", None)
-    for name, what in _borrowed(path, spec, set(state), verifier).items():
-        w = verifier_tensor(verifier, what)
-        if w.shape[-1] != spec.hidden_size:
-            raise UnsupportedHead(f"{name.split('.')[0]} absent with hidden_size {spec.hidden_size}: the verifier's "
-                                  f"is {w.shape[-1]} wide, so the head cannot use it")
-        state[name] = w
-    if "t2d" not in state and spec.draft_vocab_size != spec.vocab_size:
-        d2t = state.get("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(spec.draft_vocab_size) + d2t] = True
-        state["t2d"] = t2d
-    _complete(path, spec, {k: tuple(v.shape) for k, v in state.items()})
-    head.load_state_dict(state, strict=False)
+    load_weights(head, path, verifier)
     head = head.to(device=device, dtype=dtype).eval()
     if spec.markov and spec.confidence_head:
         head.confidence_head.float()  # vLLM keeps the confidence projection in float32
     return head
 
 
-def save_head(head: ParallelHead, path: str | Path, config: dict, dtype=torch.bfloat16) -> None:
-    """config.json plus model.safetensors in the Speculators layout (d2t/t2d only with a smaller draft vocabulary)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head.state_dict().items()}
-    if head.spec.draft_vocab_size == head.spec.vocab_size:
-        state.pop("d2t"), state.pop("t2d")
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

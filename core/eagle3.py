@@ -717,6 +717,14 @@ def load_head(path: str | Path, dtype=torch.float32, device="cpu", verifier: str
     cfg = json.loads((path / "config.json").read_text())
     spec = Eagle3Spec.from_config(cfg, verifier_layers(verifier) if verifier is not None else None)
     head = EagleHead(spec)
+    load_weights(head, path, verifier)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def load_weights(head: nn.Module, path: Path, verifier) -> None:
+    """A head checkpoint's weights into ``head`` (built from its spec, ``head.spec``), with what it borrows from
+    the verifier (``_borrowed``), every weight checked against the config (``_complete``)."""
+    spec = head.spec
     state = {_names(k): v for k, v in read_state(path).items()}
     state.pop("inv_freq", None)
     state.update(_borrowed(path, spec, set(state), verifier, verifier_tensor))
@@ -726,14 +734,13 @@ def load_head(path: str | Path, dtype=torch.float32, device="cpu", verifier: str
         t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
         t2d[torch.arange(spec.draft_vocab_size) + d2t] = True
         state["t2d"] = t2d
-    _complete(path, spec, {k: tuple(v.shape) for k, v in state.items()})
+    _complete(path, spec, {k: tuple(v.shape) for k, v in state.items()}, type(head))
     head.load_state_dict(state, strict=False)
-    return head.to(device=device, dtype=dtype).eval()
 
 
-def save_head(head: EagleHead, path: str | Path, config: dict, dtype=torch.bfloat16) -> None:
+def save_head(head: nn.Module, path: str | Path, config: dict, dtype=torch.bfloat16) -> None:
     """config.json plus model.safetensors in the Speculators layout (d2t/t2d only with a smaller
-    draft vocabulary: vLLM refuses d2t when the vocabularies are equal)."""
+    draft vocabulary: vLLM refuses d2t when the vocabularies are equal), for any head with a ``spec``."""
     from safetensors.torch import save_file
 
     path = Path(path)
