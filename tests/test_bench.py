@@ -308,8 +308,10 @@ gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--accept
     from bench import plan
 
     chk = plan.check_gpu(r, plan.gpu_machines(plan.load_catalogue()), "H100-SXM")
-    assert len(chk["rows"]) == 2 * (1 + 2 + 2)
+    # per forward: the plain forward, the verify pass at widths 1-5 and the drafting at k = 1-4 (the engine terms)
+    assert len(chk["rows"]) == 2 * (1 + 5 + 4) and len(chk["loop"]) == 2 * 4
     assert all(row["projected_ms"] > 0 and row["measured_ms"] > 0 for row in chk["rows"])
+    assert "skipped" in r["acceptance"]  # the project's configs (pydantic) are blocked here
 
 
 CPUINFO = """processor\t: 0
