@@ -106,7 +106,7 @@ bench-check-out:
 	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
 
 bench: $(STAMP) bench-check-out
-	$(MAKE) bench-engine bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-report \
+	$(MAKE) bench-engine bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-plan bench-report \
 		BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
 
 # The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).

@@ -874,9 +874,10 @@ def check_markdown(data: dict) -> str:
               (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']} "
                f"({best.get('projected_ms_per_token')} ms/token), measured best fixed k {w['measured_best_k']} "
                f"({best.get('measured_ms_per_token')} ms/token): "
-               + (f"{best['error']:+.1%}, {'within' if best['within_bound'] else '**outside**'} the bound; served at the "
-                  f"projected best k it measured {best['measured_at_projected_k']} ms/token ({best['regret']:+.1%} over the "
-                  "measured best)." if best.get("error") is not None else "n/a.")), ""]
+               + (f"{best['error']:+.1%}, {'within' if best['within_bound'] else '**outside**'} the bound"
+                  + (f"; served at the projected best k it measured {best['measured_at_projected_k']} ms/token "
+                     f"({best['regret']:+.1%} over the measured best)" if "regret" in best else "") + "."
+                  if best.get("error") is not None else "n/a.")), ""]
         if eng:
             vw = eng["verify_ms_by_width"]
             L += [(f"Engine probe ({eng['samples_per_width']}+ passes a width): verify pass by width 1-{len(vw)} "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
 
-SCENARIOS = ("latency", "breakdown", "load", "cost", "acceptance", "plan_check")
+SCENARIOS = ("latency", "breakdown", "load", "cost", "acceptance", "plan_check", "plan")
 GOAL_SPEEDUP = 2.0
 GOAL_BOUND_FRACTION = 0.85
 GOAL_EXPOSED = 0.20
@@ -306,6 +306,28 @@ def workload_section(data: dict) -> list[str]:
     return L
 
 
+def plan_section(pl: dict | None, rows: int = 6) -> list[str]:
+    """bench.plan's deployment shapes on the GPU catalogue: the cheapest few and the recommendation (unvalidated)."""
+    if not pl:
+        return []
+    t = pl["traffic"]
+    L = ["## The planner on the GPU catalogue (unvalidated projections)", "",
+         (f"`python -m bench.plan`: verifier `{pl['verifier']['name']}`, drafter "
+          f"`{(pl.get('drafter') or {}).get('name', 'none')}`, acceptance {pl['acceptance']}; "
+          + (f"{t['concurrency']} concurrent streams" if t["rate_rps"] is None else f"{t['rate_rps']} requests/s")
+          + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens, target {pl['tpot_ms']} ms per output "
+          f"token; the cheapest {rows} of {len(pl['shapes'])} shapes (all of them in plan.md, the recommendation's serve "
+          "config in plan_serve.yaml). Datasheet figures and example prices (bench/gpus.yaml): no GPU has measured them."), "",
+         "| shape | meets target | k | batch / replica | ms/token | verifier replicas | drafter replicas | $ / 1M output tokens |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in [r for r in pl["shapes"] if r["fits"]][:rows]:
+        L.append(f"| {r['shape']} | {'yes' if r['meets_target'] else 'no'} | {r['k']} | {r['batch']} | {_f(r['tpot_ms'])} | "
+                 f"{r['verifier_replicas']} | {r['drafter_replicas']} | {_f(r['usd_per_m_tokens'], 3)} |")
+    rec = pl.get("recommendation")
+    L += ["", f"Recommendation: {rec['shape']}, k = {rec['k']}." if rec else "No shape meets the target.", ""]
+    return L
+
+
 def heads_section(bd: dict) -> list[str]:
     """The drafters served side by side (bench.breakdown's heads): each at its best fixed k, ms/token and drafting on the
     critical path per step from the responses' timing breakdown."""
@@ -383,6 +405,7 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
         from bench.plan import check_markdown
 
         L += ["## " + check_markdown(data["plan_check"]).lstrip("# ").replace("\n## ", "\n### "), ""]
+    L += plan_section(data.get("plan"))
     lat = data.get("latency")
     if lat:
         c = lat["config"]
