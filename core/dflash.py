@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.eagle3 import (
+    HeadShape,
     UnsupportedHead,
     _rope_parameters,
     check_draft_layers,
@@ -55,7 +56,7 @@ from core.eagle3 import (
     unsupported,
 )
 from core.eagle3 import save_head as save_head  # re-exported: a parallel head is saved in the same layout
-from core.layers import RMSNorm, rotate
+from core.layers import RMSNorm, attention, mlp, rotate
 
 SPECULATORS_VERSION = "0.3.0"
 METHODS = ("dflash", "dspark")
@@ -63,21 +64,10 @@ LAYER_TYPES = ("qwen3",)  # vLLM's DFlashQwen3 / Qwen3DSpark layers (gemma4_dspa
 
 
 @dataclass
-class ParallelSpec:
+class ParallelSpec(HeadShape):
     """A DFlash or DSpark head's shape and flags, as read from (and written to) a Speculators config.json."""
 
     method: str  # "dflash" | "dspark"
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]
     block_size: int
     mask_token_id: int
     num_layers: int = 1
@@ -90,12 +80,6 @@ class ParallelSpec:
     confidence_head: bool = False  # DSpark: a confidence head ships with the head
     confidence_with_markov: bool = False
     speculative_tokens: int | None = field(default=None, compare=False)  # the default proposal's k, when the config names one
-
-    def window(self, layer: int) -> int | None:
-        """The layer's attention window in keys (the query's own included), None: every key."""
-        if self.layer_types and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
 
     def causal(self, layer: int) -> bool:
         """Whether the layer's block queries see only the block's earlier queries (Speculators' training
@@ -167,14 +151,8 @@ class ParallelSpec:
         default = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
                        methods[0] if methods else {})
         k = default.get("speculative_tokens")
-        heads = t["num_attention_heads"]
         non_causal = cfg.get("sliding_window_non_causal")
-        return cls(method=method, hidden_size=t["hidden_size"], num_attention_heads=heads,
-                   num_key_value_heads=t.get("num_key_value_heads") or heads,
-                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                   rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position_embeddings=t.get("max_position_embeddings", 40960),
-                   vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
-                   target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"],
+        return cls(**HeadShape.read(cfg, t, max_position_embeddings=40960), method=method,
                    aux_layer_ids=[int(i) for i in ids], block_size=block, mask_token_id=mask, num_layers=n_layers,
                    rope_parameters=rope, layer_types=layer_types, sliding_window=window,
                    sliding_window_non_causal=None if non_causal is None else bool(non_causal),
@@ -222,17 +200,8 @@ class ParallelLayer(nn.Module):
         self.window, self.causal = spec.window(index), spec.causal(index)
         self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
-        a = self.self_attn = nn.Module()
-        a.q_proj = nn.Linear(H, s.num_attention_heads * D, bias=False)
-        a.k_proj = nn.Linear(H, s.num_key_value_heads * D, bias=False)
-        a.v_proj = nn.Linear(H, s.num_key_value_heads * D, bias=False)
-        a.o_proj = nn.Linear(s.num_attention_heads * D, H, bias=False)
-        a.q_norm = RMSNorm(D, s.rms_norm_eps)
-        a.k_norm = RMSNorm(D, s.rms_norm_eps)
-        m = self.mlp = nn.Module()
-        m.gate_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        m.up_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        m.down_proj = nn.Linear(s.intermediate_size, H, bias=False)
+        self.self_attn = attention(H, s.num_attention_heads, s.num_key_value_heads, D, H, s.rms_norm_eps)
+        self.mlp = mlp(H, s.intermediate_size)
 
     def context_kv(self, normed: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (k_norm, rotated) and values [.., n, nkv, D] of context states already through ``hidden_norm``."""

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.layers import RMSNorm, rotate, signed_sin
+from core.layers import RMSNorm, attention, mlp, rotate, signed_sin
 
 SPECULATORS_VERSION = "0.3.0"
 LAYER_TYPES = ("llama", "qwen3")  # vLLM's Eagle3LlamaForCausalLM and Eagle3Qwen3ForCausalLM
@@ -131,8 +131,10 @@ def _aux_layer_ids(cfg: dict, eagle: dict, target_num_layers: int | None) -> lis
 
 
 @dataclass
-class Eagle3Spec:
-    """The head's shape and flags, as read from (and written to) a Speculators config.json."""
+class HeadShape:
+    """What every draft head's spec holds (EAGLE-3's, the parallel heads'): its layers' shape, the two
+    vocabularies and the target layers whose states it reads. A spec adds ``layer_types`` and
+    ``sliding_window``, which ``window`` reads."""
 
     hidden_size: int
     num_attention_heads: int
@@ -145,6 +147,29 @@ class Eagle3Spec:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: list[int]
+
+    @staticmethod
+    def read(cfg: dict, t: dict, max_position_embeddings: int) -> dict:
+        """The shape fields but ``aux_layer_ids`` of a Speculators config (``t``: its draft layers' config), absent
+        ones at vLLM's defaults (``max_position_embeddings``: the head type's)."""
+        heads = t["num_attention_heads"]
+        return dict(hidden_size=t["hidden_size"], num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads") or heads,
+                    head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
+                    rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position_embeddings=t.get("max_position_embeddings", max_position_embeddings),
+                    vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
+                    target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"])
+
+    def window(self, layer: int) -> int | None:
+        """The layer's attention window in keys (the query's own included), None: no window."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+@dataclass
+class Eagle3Spec(HeadShape):
+    """The head's shape and flags, as read from (and written to) a Speculators config.json."""
+
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     norm_before_residual: bool = True
     norm_before_fc: bool = False
@@ -158,12 +183,6 @@ class Eagle3Spec:
     @property
     def rope_theta(self) -> float:
         return self.rope_parameters["rope_theta"]
-
-    def window(self, layer: int) -> int | None:
-        """The layer's attention window in keys (itself included), None: every earlier key."""
-        if self.layer_types and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
 
     @classmethod
     def from_config(cls, cfg: dict, target_num_layers: int | None = None) -> Eagle3Spec:
@@ -188,15 +207,7 @@ class Eagle3Spec:
             unsupported("transformer_layer_config.layer_types", layer_types,
                         "vLLM runs a head's layers in one KV cache group: all sliding or all full attention")
         ids = _aux_layer_ids(cfg, eagle, target_num_layers)
-        heads = t["num_attention_heads"]
-        return cls(hidden_size=t["hidden_size"], num_attention_heads=heads,
-                   num_key_value_heads=t.get("num_key_value_heads") or heads,
-                   head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                   rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-                   max_position_embeddings=t.get("max_position_embeddings", 8192),  # absent: vLLM's default
-                   vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
-                   target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"], aux_layer_ids=ids,
-                   rope_parameters=rope,
+        return cls(**HeadShape.read(cfg, t, max_position_embeddings=8192), aux_layer_ids=ids, rope_parameters=rope,
                    # vLLM's speculators reader: true when absent (published heads are validated in vLLM)
                    norm_before_residual=bool(cfg.get("norm_before_residual", True)),
                    norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
@@ -309,18 +320,9 @@ class EagleLayer(nn.Module):
         if index == 0:
             self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
-        a = self.self_attn = nn.Module()
-        a.q_proj = nn.Linear(width, s.num_attention_heads * D, bias=False)
-        a.k_proj = nn.Linear(width, s.num_key_value_heads * D, bias=False)
-        a.v_proj = nn.Linear(width, s.num_key_value_heads * D, bias=False)
-        a.o_proj = nn.Linear(s.num_attention_heads * D, H, bias=False)
-        if s.layer_type == "qwen3":
-            a.q_norm = RMSNorm(D, s.rms_norm_eps)
-            a.k_norm = RMSNorm(D, s.rms_norm_eps)
-        m = self.mlp = nn.Module()
-        m.gate_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        m.up_proj = nn.Linear(H, s.intermediate_size, bias=False)
-        m.down_proj = nn.Linear(s.intermediate_size, H, bias=False)
+        self.self_attn = attention(width, s.num_attention_heads, s.num_key_value_heads, D, H,
+                                   s.rms_norm_eps if s.layer_type == "qwen3" else None)
+        self.mlp = mlp(H, s.intermediate_size)
         self.fused: _Fused | None = None  # set by ``EagleHead.fuse`` for serving (no gradients through it)
         self.splits = (s.num_attention_heads * D, s.num_key_value_heads * D, s.num_key_value_heads * D)
 

@@ -44,3 +44,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     signed (``signed_sin``): rotate_half(x) * plain_sin is roll(x, D/2) * signed_sin exactly (a negation
     moved from x to the table), one roll where rotate_half takes a slice, a negation and a concatenation."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def attention(width: int, heads: int, kv_heads: int, head_dim: int, hidden: int, qk_norm_eps: float | None = None) -> nn.Module:
+    """A decoder layer's attention projections under the checkpoints' names (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj``, no biases) from an input ``width`` wide, with Qwen3's per-head ``q_norm`` and ``k_norm`` where
+    ``qk_norm_eps`` is given. The weights are made in that order (a seeded initialisation depends on it)."""
+    a = nn.Module()
+    a.q_proj = nn.Linear(width, heads * head_dim, bias=False)
+    a.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+    a.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+    a.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+    if qk_norm_eps is not None:
+        a.q_norm = RMSNorm(head_dim, qk_norm_eps)
+        a.k_norm = RMSNorm(head_dim, qk_norm_eps)
+    return a
+
+
+def mlp(hidden: int, intermediate: int) -> nn.Module:
+    """A decoder layer's SwiGLU MLP under the checkpoints' names (``gate_proj``, ``up_proj``, ``down_proj``, no biases)."""
+    m = nn.Module()
+    m.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+    m.up_proj = nn.Linear(hidden, intermediate, bias=False)
+    m.down_proj = nn.Linear(intermediate, hidden, bias=False)
+    return m
