@@ -49,6 +49,7 @@ from core.eagle3 import (
     check_draft_layers,
     check_weights,
     checkpoint_dir,
+    default_proposal,
     draft_layer_types,
     layer_config,
     load_weights,
@@ -107,8 +108,8 @@ class ParallelSpec(HeadShape):
         model_type = t.get("model_type", "qwen3")
         if model_type not in LAYER_TYPES:
             unsupported("transformer_layer_config.model_type", model_type,
-                "only Qwen3-type draft layers run here (vLLM's qwen3_dflash / qwen3_dspark); Gemma 4 DSpark's layers "
-                "(k = v, v_norm, logit soft-capping) are not implemented")
+                        "only Qwen3-type draft layers run here (vLLM's qwen3_dflash / qwen3_dspark); Gemma 4 DSpark's layers "
+                        "(k = v, v_norm, logit soft-capping) are not implemented")
         if t.get("is_neox_style", True) is not True:
             unsupported("transformer_layer_config.is_neox_style", t["is_neox_style"], "the rotary embedding here is the half-split (neox) form")
         rope = _rope_parameters({**t, "rope_theta": t.get("rope_theta", 1000000.0)} if "rope_parameters" not in t else t)
@@ -146,11 +147,7 @@ class ParallelSpec(HeadShape):
                 unsupported("markov_head_type", cfg["markov_head_type"], "vLLM runs the vanilla Markov head only")
             conf = bool(cfg.get("enable_confidence_head", False))
             conf_markov = bool(cfg.get("confidence_head_with_markov", False))
-        spec = cfg.get("speculators_config") or {}
-        methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
-        default = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
-                       methods[0] if methods else {})
-        k = default.get("speculative_tokens")
+        k = default_proposal(cfg).get("speculative_tokens")
         non_causal = cfg.get("sliding_window_non_causal")
         return cls(**HeadShape.read(cfg, t, max_position_embeddings=40960), method=method,
                    aux_layer_ids=[int(i) for i in ids], block_size=block, mask_token_id=mask, num_layers=n_layers,

@@ -69,6 +69,14 @@ def _rope_parameters(t: dict) -> dict:
     return rope
 
 
+def default_proposal(cfg: dict) -> dict:
+    """A Speculators config's default proposal method (``speculators_config.proposal_methods``): the one its
+    ``default_proposal_method`` names, else the first, else {} (its ``speculative_tokens`` is the head's k)."""
+    spec = cfg.get("speculators_config") or {}
+    methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
+    return next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")), methods[0] if methods else {})
+
+
 def unsupported(name: str, value, why: str) -> NoReturn:
     """Refuse a head config: ``UnsupportedHead``, one line naming the field and its value."""
     raise UnsupportedHead(f"{name} {value!r}: {why}")

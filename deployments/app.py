@@ -129,16 +129,14 @@ def head_defaults(head: str) -> dict:
     import json
 
     from configs.models import MAX_SPECULATIVE_TOKENS
+    from core.eagle3 import default_proposal
 
     path = Path(head)
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         cfg = {}  # check_eagle3 says what is wrong with the head
-    spec = cfg.get("speculators_config") or {}
-    methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
-    default = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
-                   methods[0] if methods else {})
+    default = default_proposal(cfg)
     k = default.get("speculative_tokens")
     k = min(int(k), MAX_SPECULATIVE_TOKENS) if isinstance(k, int) and k >= 0 else 4
     if cfg.get("speculators_model_type") in ("dflash", "dspark"):  # a parallel head: at most its block, else the block
@@ -148,7 +146,7 @@ def head_defaults(head: str) -> dict:
         except (KeyError, TypeError, ValueError):
             block = k  # check_parallel says what is wrong with the head
         k = min(k if default.get("speculative_tokens") is not None else block, block, MAX_SPECULATIVE_TOKENS)
-    return {"verifier": (spec.get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
+    return {"verifier": ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:
