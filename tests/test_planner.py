@@ -126,6 +126,7 @@ def test_cost_rises_with_the_price_and_nothing_else_moves():
     assert {k: x for k, x in lo.items() if "usd" not in k} == {k: x for k, x in hi.items() if "usd" not in k}
 
 
+@pytest.mark.heavy  # timed probes and a tiny model through the engine, seconds
 def test_the_cpu_probe_measures_this_machine():
     probe = P.probe_cpu([1 << 16, 1 << 24], "float32", seconds=0.05)
     (s0, b0), (s1, b1) = probe["bandwidth"]
