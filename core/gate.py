@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.policy import StepCosts
+from core.costs import StepCosts
 
 
 @dataclass

@@ -35,127 +35,11 @@ Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from core.costs import PositionAcceptance, StepCosts
 
-@dataclass
-class PositionAcceptance:
-    """Acceptance per draft position, decayed: draft j + 1 is tested when the j drafts before it
-    were accepted, so ``rate(j)`` is the chance draft j + 1 is accepted given the ones before."""
-
-    decay: float
-    tested: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def observe(self, k: int, num_accepted: int):
-        if len(self.tested) < k:
-            self.tested += [0.0] * (k - len(self.tested))
-            self.accepted += [0.0] * (k - len(self.accepted))
-        for j in range(len(self.tested)):
-            self.tested[j] *= self.decay
-            self.accepted[j] *= self.decay
-            if j < k and j <= num_accepted:
-                self.tested[j] += 1
-                self.accepted[j] += j < num_accepted
-
-    def age(self, factor: float):
-        self.tested = [x * factor for x in self.tested]
-        self.accepted = [x * factor for x in self.accepted]
-
-    def rate(self, j: int, prior: float, weight: float = 2.0, optimism: float = 0.0) -> float:
-        """Draft j + 1's acceptance, shrunk towards ``prior`` with ``weight`` pseudo-observations,
-        plus ``optimism`` pseudo-acceptances while it has never been tested."""
-        n = self.tested[j] if j < len(self.tested) else 0.0
-        a = self.accepted[j] if j < len(self.accepted) else 0.0
-        optimism = optimism if j >= len(self.tested) else 0.0  # (once tested, the evidence speaks)
-        return (a + weight * prior + optimism) / (n + weight + optimism)
-
-
-@dataclass
-class StepCosts:
-    """What a step costs where the loop runs, shared by every sequence on a replica: the wall
-    seconds of a step with k drafts, per verifier batch size (power-of-two buckets), each k from its
-    last ``per_k`` steady-state steps (see ``step_s``). A step's cost belongs to the replica (its
-    engines, its load, its network), so a new request starts from what the others measured (each
-    request measuring costs alone rarely got past k = 3 in a 256-token request served). Also the
-    replica's acceptance per draft position (a new request's prior), and the engine model's inputs,
-    ``plain_est_s`` and ``draft_per_token_s`` (engine seconds), used until steps are measured."""
-
-    per_k: int = 24  # recent steps per k and bucket
-    shrink: float = 4.0  # pseudo-steps of the line in a k's estimate
-    plain_est_s: float = 0.0  # a plain step, from the verify forward passes (engine time only)
-    draft_per_token_s: float = 0.0  # drafting on the critical path, per draft token
-    plain_steps: int = 0  # steps behind plain_est_s
-    draft_steps: int = 0  # ... behind draft_per_token_s
-    recheck_after: int = 0  # plain steps before a recheck, as the last failed one set it (0: the policy's own)
-    table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
-    spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
-    # every sequence's acceptance per draft position: a request's prior for each position (taking
-    # its last tested position's rate for the ones it has not tested traps a request at a low k)
-    acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
-
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return max(1, batch_size).bit_length()
-
-    def _near(self, table: dict, batch_size: int):
-        """The entry of the batch's bucket, else of the nearest bucket measured (None: nothing yet)."""
-        if not table:
-            return None
-        b = self.bucket(batch_size)
-        return table[min(table, key=lambda x: (abs(x - b), x))]
-
-    def observe(self, batch_size: int, k: int, step_s: float):
-        b = self.bucket(batch_size)
-        self.table.setdefault(b, {}).setdefault(k, deque(maxlen=self.per_k)).append(step_s)
-        if k > 0:
-            self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
-
-    def row(self, batch_size: int) -> dict[int, deque]:
-        """The recent wall seconds of steps, per k, at (or nearest) this batch size."""
-        return self._near(self.table, batch_size) or {}
-
-    def measured(self, batch_size: int) -> int:
-        """Speculative steps measured in (or nearest) this batch size's bucket."""
-        return self._near(self.spec_steps, batch_size) or 0
-
-    def step_s(self, batch_size: int, k: int, model) -> float | None:
-        """A step with k drafts (None: for k > 0, no speculative k measured; for k = 0, plain steps not
-        measured). Each k's mean, shrunk towards the line through every speculative k's mean (weighted
-        by its steps) with ``shrink`` pseudo-steps: steps are skewed (a late pre-draft or a queued
-        batch adds a drafting pass or a forward), and a k measured on a few bad ones must not be
-        written off for good; an unmeasured k is read off the line. With one k measured, the line
-        is its mean scaled by ``model(k)``, the engine model."""
-        return self.step_all(batch_size, [k], model)[0]
-
-    def step_all(self, batch_size: int, ks, model) -> list[float | None]:
-        """``step_s`` for each of ``ks``, the means and the line computed once (the policy asks for
-        every k each step, on the verifier's critical path)."""
-        row = self.row(batch_size)
-        mean = {m: sum(v) / len(v) for m, v in row.items() if v}
-        spec = {m: t for m, t in mean.items() if m > 0}
-        if spec:
-            w = {m: len(row[m]) for m in spec}
-            n = sum(w.values())
-            mk = sum(w[m] * m for m in spec) / n
-            mt = sum(w[m] * spec[m] for m in spec) / n
-            var = sum(w[m] * (m - mk) ** 2 for m in spec)
-            if var <= 0:
-                base = model(mk)
-            else:
-                slope = max(0.0, sum(w[m] * (m - mk) * (spec[m] - mt) for m in spec) / var)
-        out = []
-        for k in ks:
-            if k == 0 or not spec:
-                out.append(mean.get(0) if k == 0 else None)
-                continue
-            if var <= 0:
-                line = mt * model(k) / base if base > 0 else mt
-            else:
-                line = max(1e-6, mt + slope * (k - mk))
-            out.append(line if k not in spec else (w[k] * spec[k] + self.shrink * line) / (w[k] + self.shrink))
-        return out
+__all__ = ["AdaptiveK", "Breaker", "FixedK", "PositionAcceptance", "StepCosts"]
 
 
 @dataclass
@@ -169,7 +53,7 @@ class AdaptiveK:
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
     min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
     recheck_steps: int = 16  # plain steps before speculation is measured again (doubling while rechecks fail)
-    max_recheck_steps: int = 4096
+    max_recheck_steps: int = 1024
     recheck_budget: float = 0.02  # what failed rechecks may cost, as a share of the plain stretch between them
     margin: float = 0.03  # a k must look this much better than the current one to switch to it (noise)
     plain_margin: float = 0.02  # and plain decoding this much better than every speculative k
@@ -187,6 +71,7 @@ class AdaptiveK:
     _trying: tuple[int, int] = (0, 0)  # (k, steps left) of a try in progress
     _recheck: int = 16  # plain steps before the next recheck
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
+    _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _probe: list = field(default_factory=lambda: [0.0, 0])  # speculative steps' wall seconds and tokens since plain
     _prev_k: int | None = None  # the k of the previous observed step
     current: int | None = None  # the k chosen last (None: not yet)
@@ -244,9 +129,21 @@ class AdaptiveK:
             out.append((sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r)
         return out
 
+    def tokens_all(self) -> list[float]:
+        """Expected tokens of a step with k drafts, k = 0..bound: where this request has steps at k, their
+        mean tokens shrunk towards the per-position model (``expected_tokens``) with ``costs.shrink``
+        pseudo-steps. Why: on text that repeats, what k emits depends on where its blocks end, which no
+        per-position rate predicts (one held-out prompt: k = 3 emits 2.65 tokens a step, k = 4 3.85; the
+        model put k = 4 at 2.8, and the policy kept k = 3: docs/decisions/0027-one-policy.md)."""
+        out = self.expected_tokens(self.bound)
+        for k, (n, total) in self._tokens.items():
+            if 0 < k <= self.bound and n > 0:
+                out[k] = (total + self.costs.shrink * out[k]) / (n + self.costs.shrink)
+        return out
+
     def values(self, batch_size: int = 1) -> list[float]:
         extra_load = max(0.0, batch_size / self.saturation_batch - 1)
-        tokens = self.expected_tokens(self.bound)
+        tokens = self.tokens_all()
         out = []
         for k, cost in enumerate(self.costs_all(range(self.bound + 1), batch_size)):
             if cost <= 0:  # nothing measured at all yet
@@ -274,9 +171,10 @@ class AdaptiveK:
         plain = self.current == 0 and self.plain_run > 0
         # a plain stretch lasts until its recheck (aged evidence would otherwise lure the policy
         # into one-step probes at a large k, each paying a whole drafting pass)
-        if plain and (self.plain_run < max(self._recheck, self.costs.recheck_after)
+        if plain and (self.plain_run < self._recheck or self.costs.recheck_in > 0
                       or self.costs.step_s(batch_size, 0, self.model_s) is None):
             self.plain_run += 1
+            self.costs.recheck_in = max(0, self.costs.recheck_in - 1)
             return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
@@ -290,6 +188,8 @@ class AdaptiveK:
         self.current = best
         if best == 0 and cur != 0 or self._rechecking:
             self._verdict(best, batch_size)
+        if cur is None and best > 0:  # a request's first k: judged on a run of steps, not on its first
+            return self._try(best)
         if best == 0:
             self.plain_run = 1
             return 0
@@ -302,25 +202,25 @@ class AdaptiveK:
         return best
 
     def _verdict(self, best: int, batch_size: int) -> None:
-        """Speculation turned to plain, or a recheck ended. To plain: the recheck waits at least as long as
-        makes what the speculative steps since the last plain stretch cost (their time beyond what plain steps
-        take for their tokens) ``recheck_budget`` of the wait, and twice as long as the last after a failed
-        recheck; the replica's sequences start from that wait (``StepCosts.recheck_after``). A recheck that
-        speculates resets both. Why: with a drafter whose step costs more than the target's, rechecks every
-        16-64 steps, 3 speculative steps each, kept a request at 0.85x of plain decoding
-        (docs/decisions/0027-one-policy.md)."""
+        """Speculation turned to plain, or a recheck ended. After a failed recheck the next waits twice as
+        long, and no sequence here rechecks until the replica's sequences have taken enough plain steps
+        (``StepCosts.recheck_in``, counted down by each) that what the recheck cost (its time beyond what
+        plain steps take for its tokens) is ``recheck_budget`` of them. A recheck that speculates resets
+        both. Why: with a drafter whose step costs more than the target's, each request rechecking every
+        16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
+        per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
         spent, tokens = self._probe
         self._probe = [0.0, 0]
         if best > 0:
             self._rechecking = False
-            self._recheck, self.costs.recheck_after = self.recheck_steps, 0
+            self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
-        plain = self.costs.step_s(batch_size, 0, self.model_s) or self.model_s(0)
-        need = max(0.0, spent - tokens * plain) / (self.recheck_budget * plain) if plain > 0 else 0.0
+        plain = self.costs.step_s(batch_size, 0, self.model_s)
+        need = max(0.0, spent - tokens * plain) / (self.recheck_budget * plain) if self._rechecking and plain else 0.0
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
-        self._recheck = min(self.max_recheck_steps, max(wait, int(need), self.costs.recheck_after))
-        self.costs.recheck_after = self._recheck
+        self._recheck = min(self.max_recheck_steps, wait)
+        self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
 
     def observe(self, k: int, num_accepted: int, draft_s: float | None = None, verify_s: float = 0.0,
                 step_s: float = 0.0, batch_size: int = 1):
@@ -359,6 +259,10 @@ class AdaptiveK:
         self.accepted_w = self.decay * self.accepted_w + num_accepted
         self.tested_w = self.decay * self.tested_w + num_accepted + (1 if num_accepted < k else 0)
         self.positions.observe(k, num_accepted)
+        # (decayed as the positions are: a k's steps from another stretch of text fade)
+        self._tokens = {m: (self.decay * n, self.decay * t) for m, (n, t) in self._tokens.items()}
+        n, t = self._tokens.get(k, (0.0, 0.0))
+        self._tokens[k] = (n + 1, t + num_accepted + 1)
         self.costs.acceptance.observe(k, num_accepted)
 
 

@@ -120,17 +120,18 @@ def test_step_costs_are_kept_per_batch_size():
             for k in (2, 2, 6, 6):
                 p.observe(k, k - 1, draft_s=0.0005 * k, verify_s=0.006, step_s=0.010 + per_draft * k, batch_size=batch)
     assert costs.step_s(64, 6, lambda k: 1.0) > 2 * costs.step_s(1, 6, lambda k: 1.0)
-    probe = AdaptiveK(8, costs=costs)
-    for _ in range(20):
-        probe.observe(4, 3, draft_s=0.002, verify_s=0.006)
-    assert probe.next_k(batch_size=1) > probe.next_k(batch_size=64)
+    probes = [AdaptiveK(8, costs=costs) for _ in range(2)]  # (a request's first k is a run of steps: one call each)
+    for probe in probes:
+        for _ in range(20):
+            probe.observe(4, 3, draft_s=0.002, verify_s=0.006)
+    assert probes[0].next_k(batch_size=1) > probes[1].next_k(batch_size=64)
 
 
 def test_rechecks_from_plain_decoding_back_off_while_they_fail():
     """Plain decoding measures speculation again now and then; on text the drafter never guesses,
     each failed recheck doubles the wait before the next, and the wait is at least what makes the
     recheck's cost (its time beyond plain steps' for its tokens) ``recheck_budget`` of it: here a
-    recheck costs 3 steps x 4 ms over plain 5 ms ones, so the wait reaches 12 / (0.02 x 5) = 120."""
+    recheck costs 3 steps x 4 ms over plain 5 ms ones, so the wait is at least 12 / (0.02 x 5) = 120."""
     p = AdaptiveK(4, recheck_steps=8)
     ks = []
     for _ in range(2000):
@@ -139,7 +140,7 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
         p.observe(k, 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.005 + 0.004 * (k > 0))
     starts = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(gaps) >= 3 and 120 <= gaps[0] < gaps[1] < gaps[2], gaps
+    assert len(gaps) >= 3 and min(gaps) >= 120 and gaps[-1] > 2 * gaps[0], gaps
     # what speculating cost beyond plain decoding, the first try's steps aside: about the budget's share
     spent = sum(0.004 for k in ks[starts[0]:] if k > 0)
     assert spent < 2 * p.recheck_budget * 0.005 * (len(ks) - starts[0]), spent
@@ -162,7 +163,7 @@ def test_a_request_starts_from_the_replicas_recheck_wait():
         return ks
 
     drive(AdaptiveK(4, costs=costs), 400)
-    assert costs.recheck_after > 100, costs.recheck_after
+    assert costs.recheck_in > 100, costs.recheck_in
     late = drive(AdaptiveK(4, costs=costs), 100)
     assert sum(k > 0 for k in late) == 0, late  # plain from its first step: the replica measured plain faster
 
@@ -319,4 +320,4 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
     # its first step (the prompt's) and at most a try of `run` steps before plain, then at most one recheck
     assert spec and spec[0] == 0 and len(spec) <= 1 + 2 * AdaptiveK(4).run, spec
     assert sum(i.k > 0 for _, _, i in later) == 0, [i.k for _, _, i in later]
-    assert server.step_costs.recheck_after > n, server.step_costs.recheck_after
+    assert server.step_costs.recheck_in > n, server.step_costs.recheck_in
