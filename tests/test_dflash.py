@@ -280,7 +280,8 @@ def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve
             "drafter": {"method": method, "model": str(head_dirs / method), "dtype": "float32", "num_threads": 1},
             "k_policy": "fixed"}
     with side_app(serve_app, method, args) as url:  # the verifier: the one the head's config names
-        body = {"model": "tiny", "temperature": 0, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True}
+        body = {"model": "tiny", "temperature": 0, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True,
+                "return_timing": True}
         for text in ["def add(a, b):", "class Point:"]:
             r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": text}, timeout=120)
             assert r.status_code == 200, r.text
