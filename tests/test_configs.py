@@ -54,7 +54,8 @@ def test_bounds(cls, kwargs):
 
 def test_every_field_is_described():
     from configs import AppConfig
-    for cls in (SamplingParams, DraftModelConfig, NgramConfig, VerifierConfig, AppConfig):
+    from configs import ParallelHeadConfig
+    for cls in (SamplingParams, DraftModelConfig, NgramConfig, VerifierConfig, AppConfig, ParallelHeadConfig):
         missing = [n for n, f in cls.model_fields.items() if not f.description]
         assert not missing, f"{cls.__name__}: {missing}"
 
