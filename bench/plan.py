@@ -852,7 +852,15 @@ def check_gpu_markdown(data: dict) -> str:
 def check_markdown(data: dict) -> str:
     mc = data["machine"]
     bw = ", ".join(f"{s / 2**20:.1f} MiB: {b / 1e9:.1f} GB/s" for s, b in mc["bandwidth_bytes_per_s"])
+    probed = any(w.get("model") == "probes" for w in data["workloads"].values())
     L = ["# The planner against measurement, on this CPU", "",
+         (f"Machine model from probes: bandwidth by working set ({bw}); matmul {mc['flops'] / 1e9:.1f} GFLOP/s; "
+          f"a pass of 1, 2, 3, 5, 9, 16 rows over the target's weights with the engine's kernel ({mc.get('matmul_kernel')}) "
+          f"takes {', '.join(f'{f:.2f}' for _, f in mc.get('row_factors') or [])} times one row's; "
+          f"{mc['forward_overhead_ms']} ms per forward (a tiny model through the engine); a step adds "
+          f"{mc['step_overhead_ms']} ms and a drafter round trip {mc['rpc_ms']} ms (parameters). Load average at the "
+          f"probe {', '.join(f'{x:.2f}' for x in data['load_average_at_probe'])}; when bench.latency started "
+          f"{data.get('latency_load_average_at_start')}.") if not probed else  # a check from before the engine probe
          ("The projection composes terms measured apart from the requests it is checked against: the engines' own "
           "(an in-process probe of the shipped pair: the verify pass at each width 1-9 and the drafter's k passes at "
           "the contexts a generation passes through, the prompt's prefill, the loop's time per step outside the "
@@ -870,7 +878,10 @@ def check_markdown(data: dict) -> str:
     for name, w in data["workloads"].items():
         eng, srv = w.get("engine_probe"), w.get("served_terms")
         best = w.get("best") or {}
-        L += [f"## {name}", "",
+        if not best:  # a check from before the engine probe
+            L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
+                                     f"best fixed k {w['measured_best_k']}."), ""]
+        L += [] if not best else [f"## {name}", "",
               (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']} "
                f"({best.get('projected_ms_per_token')} ms/token), measured best fixed k {w['measured_best_k']} "
                f"({best.get('measured_ms_per_token')} ms/token): "
@@ -893,10 +904,11 @@ def check_markdown(data: dict) -> str:
                    f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms; a verify "
                    f"pass served takes {srv.get('verify_factor')}x the same pass in process (the drafter replica, router, "
                    "proxy and client share the 2 cores)."), ""]
-        L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | roofline alone | "
-               "verify / plain, projected / measured | drafting on the path ms, projected / measured | tokens/step, "
-               "projected / measured | in-process loop: projected / measured ms/token (error) |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        roofs = probed
+        L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | "
+               + ("roofline alone | " if roofs else "") + "verify / plain, projected / measured | drafting on the path ms, "
+               "projected / measured | tokens/step, projected / measured | in-process loop: projected / measured ms/token "
+               "(error) |"), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if roofs else "")]
         for r in w["rows"]:
             rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
             p = r.get("parts") or {}
@@ -906,7 +918,7 @@ def check_markdown(data: dict) -> str:
             roof = r.get("roofline_ms_per_token")
             L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
                      f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
-                     f"{'yes' if r['within_bound'] else '**no**'} | {'' if roof is None else f'{roof:.2f}'} | "
+                     f"{'yes' if r['within_bound'] else '**no**'} | " + (f"{'' if roof is None else f'{roof:.2f}'} | " if roofs else "")
                      + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
                         f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
                         if p else "| | |") + ip_cell)
