@@ -291,3 +291,21 @@ def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve
             assert spec["num_drafts"] > 3 and spec["mean_acceptance_length"] > (4.5 if method == "dspark" else 1.8), spec
             assert spec["degraded_steps"] == 0, spec
             assert spec["aux_bytes_per_token"] > 0, spec
+
+
+def test_the_app_builder_reads_and_checks_the_head(head_dirs):
+    from configs import AppConfig
+    from deployments.app import check_models, local_view, resolve_model_paths
+
+    def built(**drafter):
+        args = {"verifier": {"model": None}, "drafter": {"method": "dspark", "model": str(head_dirs / "dspark"), **drafter}}
+        return resolve_model_paths(AppConfig.model_validate(args))
+
+    cfg = built()  # the verifier the head's config names, k its block
+    assert cfg.verifier.model == str(head_dirs / "target") and cfg.drafter.num_speculative_tokens == 4
+    assert check_models(local_view(cfg)) == (0, 1)  # the states the verifier captures for it
+    with pytest.raises(ValueError, match="num_speculative_tokens 6 exceeds the head's block"):
+        check_models(local_view(built(num_speculative_tokens=6)))
+    vllm = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"backend": "vllm"})})
+    with pytest.raises(ValueError, match="verifier.backend transformers"):
+        check_models(local_view(vllm))
