@@ -324,7 +324,8 @@ def plan_section(pl: dict | None, rows: int = 6) -> list[str]:
         L.append(f"| {r['shape']} | {'yes' if r['meets_target'] else 'no'} | {r['k']} | {r['batch']} | {_f(r['tpot_ms'])} | "
                  f"{r['verifier_replicas']} | {r['drafter_replicas']} | {_f(r['usd_per_m_tokens'], 3)} |")
     rec = pl.get("recommendation")
-    L += ["", f"Recommendation: {rec['shape']}, k = {rec['k']}." if rec else "No shape meets the target.", ""]
+    L += ["", f"Recommendation: {rec['shape']}, k = {rec['k']}." if rec else "No shape meets the target.", "",
+          "![plan.png](plan.png)", ""]
     return L
 
 
