@@ -173,3 +173,17 @@ def test_cpu_affinity_pins_every_thread_and_refuses_missing_cores():
         t.join()
         pin_process(sorted(before))
     assert os.sched_getaffinity(0) == before
+
+
+def test_removed_app_fields_are_ignored_with_a_warning_naming_them():
+    """``pre_draft`` and ``pre_draft_alternatives`` only tuned speed: a config that still sets them deploys,
+    with a deprecation warning naming each; a field that never existed is still refused."""
+    from configs import AppConfig
+
+    base = {"verifier": {"model": "m"}, "drafter": {"method": "ngram"}}
+    with pytest.warns(DeprecationWarning, match="pre_draft_alternatives") as seen:
+        cfg = AppConfig.model_validate({**base, "pre_draft": "always", "pre_draft_alternatives": 2})
+    assert sorted(str(w.message).split()[0] for w in seen) == ["AppConfig.pre_draft", "AppConfig.pre_draft_alternatives"]
+    assert cfg.pipeline_drafts and "pre_draft" not in cfg.model_dump()
+    with pytest.raises(ValidationError, match="pre_drafts"):
+        AppConfig.model_validate({**base, "pre_drafts": "always"})
