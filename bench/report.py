@@ -369,7 +369,7 @@ def acceptance_section(acc: dict | None) -> list[str]:
         L.append(f"| {r['workload']} | {r['drafter']} | {r['temperature']:g} | {_f(r['acceptance_rate'], 3)} | "
                  f"{_f(r['per_token_acceptance'], 3)} | {', '.join(f'{x:.2f}' for x in r['mean_acceptance_length_by_k'])} | "
                  f"{meas or 'n/a'} | {', '.join(f'{x:.2f}' for x in r['accepted_length_distribution'] if x is not None)} |")
-    return L + [""]
+    return L + ["", "![acceptance.png](acceptance.png)", ""]
 
 
 def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None) -> str:
