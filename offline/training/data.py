@@ -37,7 +37,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 class TokenData:
     ids: torch.Tensor  # [N] int32: every example, one after another
     mask: torch.Tensor  # [N] bool: the tokens the loss learns
-    starts: torch.Tensor | None = None  # [n] int64: where a window may begin (examples' starts); None: anywhere
+    starts: torch.Tensor | None = None  # [n] int64: the examples' starts (a window lies in one example, or begins one); None: anywhere
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -47,8 +47,11 @@ class TokenData:
         last = len(self.ids) - seq_len - 1
         if self.starts is None:
             return torch.randint(0, last, (batch,), generator=gen)
-        pick = self.starts[torch.randint(0, len(self.starts), (batch,), generator=gen)]
-        return pick.clamp(max=last)
+        i = torch.randint(0, len(self.starts), (batch,), generator=gen)
+        ends = torch.cat([self.starts[1:], torch.tensor([len(self.ids)])])
+        room = (ends - self.starts - seq_len - 1).clamp(min=0)[i]  # an example longer than a window: any part of it
+        offset = (torch.rand(batch, generator=gen) * (room + 1)).long()
+        return (self.starts[i] + offset).clamp(max=last)
 
     def eval_starts(self, seq_len: int, windows: int) -> torch.Tensor:
         """Non-overlapping windows, or the examples' starts, deterministically."""

@@ -83,12 +83,14 @@ def build_head(target, counts: torch.Tensor, draft_vocab: int, aux_layers: list[
     """A new head for any family the server runs (the text model's config; a multimodal wrapper's
     language model): 1 Llama-type layer at the target's width."""
     tc = target.config.get_text_config()
-    heads = tc.num_attention_heads
-    inter = tc.intermediate_size
+    per_layer = getattr(tc, "per_layer_config", None)  # per-layer shapes (Gemma 4): the head takes the first layer's
+    layer = per_layer[0] if per_layer is not None else tc
+    heads = layer.num_attention_heads
+    inter = layer.intermediate_size
     inter = max(inter) if isinstance(inter, (list, tuple)) else inter
     spec = Eagle3Spec(hidden_size=tc.hidden_size, num_attention_heads=heads,
-                      num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-                      head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+                      num_key_value_heads=getattr(layer, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(layer, "head_dim", None) or tc.hidden_size // heads,
                       intermediate_size=inter, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
                       rope_parameters=head_rope(tc), max_position_embeddings=tc.max_position_embeddings,
                       vocab_size=tc.vocab_size, draft_vocab_size=min(draft_vocab, tc.vocab_size),
@@ -134,6 +136,8 @@ def ttt_terms(head: EagleHead, x: torch.Tensor, aux: torch.Tensor, tlogits: torc
     h = head.combine(aux[:, :T])
     past: list = []
     out = []
+    tlogits = tlogits[..., head.t2d]  # p over the draft vocabulary only: at 8B shapes a quarter of the full logits
+    every = torch.ones(tlogits.shape[-1], dtype=torch.bool, device=x.device)
     for s, valid in enumerate(ttt_counts(label_mask, steps)):
         ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
         ids[:, : T - s] = x[:, 1 + s:]
@@ -142,7 +146,7 @@ def ttt_terms(head: EagleHead, x: torch.Tensor, aux: torch.Tensor, tlogits: torc
         pos = (torch.arange(T, device=x.device) + s).expand(B, T)
         logits, h = head.layer(ids, h, pos, past, ttt_mask(T, s, x.device))
         n = valid.sum()
-        out.append((kl_to_target(tl, logits, head.t2d, valid) * n.clamp(min=1), n))
+        out.append((kl_to_target(tl, logits, every, valid) * n.clamp(min=1), n))
     return out
 
 
@@ -380,16 +384,20 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run(args, rank: int = 0, world: int = 1) -> dict | None:
+def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict | None:
     """The whole pipeline in one process, or as worker ``rank`` of ``world`` (a torch.distributed process group
     already set up): every worker draws the same batches (one seeded generator) and computes rows rank::world."""
     from transformers import AutoModelForCausalLM
 
+    from core.hub import local_dir
+
     main_process = rank == 0
+    # a Hugging Face id (org/name[@revision]) as well as a directory: downloaded into this node's cache
+    args.target = Path(local_dir(str(args.target), field="--target"))
+    if args.init:
+        args.init = Path(local_dir(str(args.init), field="--init"))
     torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if world > 1 and device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer, target = frozen_target(args.target, device)
@@ -463,11 +471,12 @@ def run(args, rank: int = 0, world: int = 1) -> dict | None:
 def _ray_worker(config: dict):
     """A Ray Train worker: the pipeline as rank r of the job's process group (set up by ``TorchTrainer``)."""
     import ray.train
+    import ray.train.torch
 
     ctx = ray.train.get_context()
     args = parser().parse_args(config["argv"])
     args.threads = config["threads"]
-    run(args, ctx.get_world_rank(), ctx.get_world_size())
+    run(args, ctx.get_world_rank(), ctx.get_world_size(), str(ray.train.torch.get_device()))
 
 
 def run_ray(args, argv: list[str]) -> None:
