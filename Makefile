@@ -87,7 +87,8 @@ clean:
 # (ignored by git) unless PUBLISH=1, which writes to bench/results/$(MACHINE)/, the one current report per
 # machine kind the repository keeps. MACHINE defaults to bench.common.machine_slug() (the CPU's model name and
 # the widest instruction set the engines pick kernels by, e.g. intel-xeon-amx). `make bench` runs the
-# report's scenarios and renders them (about 9 min on 2 idle cores in bf16). Measure on a quiet machine.
+# report's scenarios and renders them (about 12 min on 2 idle cores in bf16; bench-engine, which the report
+# does not render, runs on its own). Measure on a quiet machine.
 ifdef PUBLISH
 ifeq ($(origin MACHINE),undefined)
 MACHINE := $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "from bench.common import machine_slug; print(machine_slug())")
@@ -106,7 +107,7 @@ bench-check-out:
 	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
 
 bench: $(STAMP) bench-check-out
-	$(MAKE) bench-engine bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-plan bench-report \
+	$(MAKE) bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-plan bench-report \
 		BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
 
 # The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).

@@ -388,9 +388,9 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
     if load:
         L += ["Load average (1, 5, 15 min) when each scenario started: "
               + "; ".join(f"{a:.2f}, {b:.2f}, {c:.2f}" for a, b, c in load) + ".", ""]
-    L += ["What `make bench` wrote here: one JSON per scenario (latency.json, breakdown.json, load.json, cost.json; "
-          "engine.json from `make bench-engine`, not rendered here), results.json (every figure and the goals), "
-          "meta.json (the machine and the code the figures came from), this report and its plots. Each section "
+    L += ["What `make bench` wrote here: one JSON per scenario (latency.json, breakdown.json, load.json, cost.json, "
+          "acceptance.json, plan_check.json, plan.json; `make bench-engine` adds engine.json, not rendered here), "
+          "results.json (every figure and the goals), meta.json (the machine and the code the figures came from), this report and its plots. Each section "
           "names the command that measured it.", ""]
     if gl:
         L += ["## Goals", "", "| goal | measured | target | met | detail (measured) | what would close it |",
