@@ -24,11 +24,15 @@ $ per million output tokens. It recommends the cheapest shape that meets the tar
 (``plan.md``), ``plan.json``, a plot and a serve config (``plan_serve.yaml``) for it.
 
 Every GPU projection is **unvalidated**: no GPU has measured the shapes yet. ``python -m bench.plan
-check`` checks the method where it can be checked, on this CPU: a machine model from probes (memory
-bandwidth at the working-set sizes of the two models, a matmul's FLOP rate, one forward of a tiny model
-for the per-forward overhead), the shipped pair's projected ms/token for plain decoding and for each k,
-against what ``bench.latency`` measured served in the same run, per workload. ``check --gpu-json``
-compares the projections with the GPU kit's measured step times (``bench.gpu``'s ``planner_check``).
+check`` checks the method where it can be checked, on this CPU: the same step (a verify pass of k + 1
+tokens, the drafting a pre-draft did not hide, the drafter channel, the step's own overhead, over the
+measured tokens per step) with its terms from probes taken in the same run apart from the requests it is
+checked against (the engines' own passes in process, ``bench.gpu.engine_terms``; the served drafter's
+terms from ``bench.breakdown``'s requests), the roofline alone beside it; the shipped pair's projected
+ms/token for plain decoding, each k and the best k, against what ``bench.latency`` measured served in the
+same run, per workload. ``check --gpu-json`` sets the GPU kit's measurements (``bench.gpu``'s
+``planner_check``) beside the catalogue's projection; ``--gpu-json`` on a plan uses the kit's measured
+bandwidth, matmul rate and acceptance for the GPU it ran on.
 """
 
 from __future__ import annotations
