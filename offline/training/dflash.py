@@ -183,11 +183,11 @@ def main(argv=None) -> None:
 
     stats = train(head, target, windows, args.steps, args.lr, args.anchors, args.seed, progress)
     minutes = (time.time() - t0) / 60
+    arch = list(target.config.architectures or [])
+    save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)  # before the evaluation
     prompts = [tokenizer(p)["input_ids"] for p in held_out_prompts(args.acceptance_prompts)]
     truths = greedy_continuations(target, prompts, args.acceptance_max_tokens)
     acc = acceptance(truths, prompts, head.spec.max_k, head_drafter(target, head))
-    arch = list(target.config.architectures or [])
-    save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)
     (args.out / "acceptance.json").write_text(json.dumps(acc, indent=1) + "\n")
     s = head.spec
     card = [f"# {args.out.name}", "",
