@@ -502,6 +502,7 @@ def test_acceptance_figures_from_step_records():
     assert summarise(recs, 4)["per_position_acceptance_rate"] == [0.75, 0.75, 0.5, 0.5]
 
 
+@pytest.mark.heavy  # two drafters x two workloads x two temperatures through the real engines, tens of seconds
 def test_acceptance_in_process_measures_each_drafter_and_workload(tmp_path):
     """The real engines through the loop: the JSON's shape, and at k = k-max the curve's last point is
     the length measured by a run at that k (the same steps: one generation, run twice)."""
