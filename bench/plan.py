@@ -831,6 +831,37 @@ def check_gpu(gpu: dict, machines: dict[str, Machine], gpu_name: str, acceptance
             and all(e["within_bound"] for e in loop)}
 
 
+def plot_check(data: dict, path: Path) -> Path | None:
+    """Projected against measured served ms/token by k, one panel per workload (the bound shaded)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    wls = data["workloads"]
+    fig, axes = plt.subplots(1, len(wls), figsize=(5 * len(wls), 3.6), squeeze=False)
+    for ax, (name, w) in zip(axes[0], wls.items()):
+        rows = w["rows"]
+        ks = [r["k"] for r in rows]
+        meas = [r["measured_ms_per_token"] for r in rows]
+        ax.fill_between(ks, [m * (1 - data["tolerance"]) for m in meas], [m * (1 + data["tolerance"]) for m in meas],
+                        color="grey", alpha=0.2, label=f"measured +- {data['tolerance']:.0%}")
+        ax.plot(ks, meas, "k-o", ms=3, label="measured, served")
+        ax.plot(ks, [r["projected_ms_per_token"] for r in rows], "C0-s", ms=3, label="projected")
+        roof = [r.get("roofline_ms_per_token") for r in rows]
+        if all(x is not None for x in roof):
+            ax.plot(ks, roof, "C3:", marker="x", ms=3, label="roofline alone")
+        ax.set(xlabel="k (0: plain decoding)", ylabel="ms per output token", title=name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def check_gpu_markdown(data: dict) -> str:
     pr = data.get("probes") or {}
     L = [f"# The planner against the GPU kit: {data['gpu']} ({data.get('device')})", "",
@@ -927,6 +958,8 @@ def check_markdown(data: dict) -> str:
                         f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
                         if p else "| | |") + ip_cell)
         L.append("")
+    if probed:
+        L += ["![plan_check.png](plan_check.png)", ""]
     return "\n".join(L)
 
 
@@ -1018,6 +1051,7 @@ def main(argv=None):
             "breakdown": str(bd_path) if bd else None}
     write_json(out, "plan_check", data)
     (out / "plan_check.md").write_text(check_markdown(data))
+    plot_check(data, out / "plan_check.png")
     print(check_markdown(data))
 
 
