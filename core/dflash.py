@@ -112,7 +112,9 @@ class ParallelSpec(HeadShape):
                         "(k = v, v_norm, logit soft-capping) are not implemented")
         if t.get("is_neox_style", True) is not True:
             unsupported("transformer_layer_config.is_neox_style", t["is_neox_style"], "the rotary embedding here is the half-split (neox) form")
-        rope = _rope_parameters({**t, "rope_theta": t.get("rope_theta", 1000000.0)} if "rope_parameters" not in t else t)
+        rope = _rope_parameters(t)
+        if not any("rope_theta" in (d or {}) for d in (t, t.get("rope_parameters"), t.get("rope_scaling"))):
+            rope["rope_theta"] = 1000000.0  # vLLM's default for these layers (set_default_rope_theta)
         check_draft_layers(t, rope)
         extra = t.get("dflash_config") or {}
         for name in ("attention_sink_bias", "attention_value_scale", "use_swa"):
