@@ -282,11 +282,12 @@ class ParallelHead(nn.Module):
         cos, sin = (c.to(normed.dtype) for c in self.rope(positions))
         return [L.context_kv(normed, cos, sin) for L in self.layers]
 
-    def block_ids(self, anchor: torch.Tensor, k: int) -> torch.Tensor:
-        """The block's query ids [B, queries]: the anchor, then mask tokens (k of them, or k - 1 with
-        ``sample_from_anchor``)."""
-        n = k if self.spec.sample_from_anchor else k + 1
-        ids = anchor.new_full((anchor.shape[0], n), self.spec.mask_token_id)
+    def block_ids(self, anchor: torch.Tensor) -> torch.Tensor:
+        """The block's query ids [B, block_size]: the anchor, then mask tokens. Always the whole block, whatever
+        k: the queries of a bidirectional block see each other, so fewer masks would change every draft, and
+        the head was trained on whole blocks (vLLM runs ``num_speculative_tokens`` masks, the block for these
+        heads' published configs); the pass costs about the same."""
+        ids = anchor.new_full((anchor.shape[0], self.spec.block_size), self.spec.mask_token_id)
         ids[:, 0] = anchor
         return ids
 
@@ -365,7 +366,7 @@ class ParallelHead(nn.Module):
         assert aux.shape[0] == n, (aux.shape, n)
         dev = aux.device
         ctx = [(kk.unsqueeze(0), vv.unsqueeze(0)) for kk, vv in self.context_kv(aux, torch.arange(n, device=dev))]
-        ids = self.block_ids(torch.tensor([tokens[-1]], device=dev), k)
+        ids = self.block_ids(torch.tensor([tokens[-1]], device=dev))
         hidden = self.block(ids, torch.tensor([n], device=dev), ctx, torch.arange(n, device=dev).unsqueeze(0))
         base = self.logits(self.draft_rows(hidden)[0, :k])  # [k, Vd]
         drafts, rows, prev = [], [], tokens[-1]

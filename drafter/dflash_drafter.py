@@ -133,6 +133,7 @@ class ParallelDrafter(ModelDrafter):
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
         pinned = self._pinned(requests)
+        ready = []  # (request, tokens, n, k): sequences whose rows are in place, drafted in one batched pass
         for r in requests:
             if r.branches:
                 out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
@@ -141,20 +142,35 @@ class ParallelDrafter(ModelDrafter):
                 out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
                 continue
             try:
-                out[r.seq_id] = self._one(r, pinned)
+                entry = self._rows(r)
             except Exception as e:  # noqa: BLE001 - this sequence decodes without drafts (still lossless)
-                log.warning("sequence %s failed drafting: %r", r.seq_id, e)
-                self.cache.release(r.seq_id)
-                out[r.seq_id] = Proposal(r.seq_id, [])
-            if self.on_progress:
-                self.on_progress()
+                self._failed(r, e, out)
+                continue
+            if isinstance(entry, Proposal):
+                out[r.seq_id] = entry
+                continue
+            out[r.seq_id] = self._proposal(r, cached=entry[2])
+            if entry[3] > 0:
+                ready.append(entry)
+        for entry, (rows, base) in self._blocks(ready, out):
+            r = entry[0]
+            try:
+                self._sample(r, entry[1], entry[3], rows, base, out[r.seq_id])
+            except Exception as e:  # noqa: BLE001
+                self._failed(r, e, out)
         self.cache.fit(pinned)
         dt = time.perf_counter() - t0
         for p in out.values():
             p.draft_s = dt
         return [out[r.seq_id] for r in requests]
 
-    def _one(self, r: DraftRequest, pinned: set[str]) -> Proposal:
+    def _failed(self, r: DraftRequest, e: Exception, out: dict) -> None:
+        log.warning("sequence %s failed drafting: %r", r.seq_id, e)
+        self.cache.release(r.seq_id)
+        out[r.seq_id] = Proposal(r.seq_id, [])
+
+    def _rows(self, r: DraftRequest):
+        """Brings the sequence's context rows up to its anchor: (r, tokens, n rows, k), or a Proposal (a miss)."""
         s, dev = self.spec, self.config.device
         slot = self.cache.slots.get(r.seq_id)
         if r.full or slot is None:
@@ -180,16 +196,47 @@ class ParallelDrafter(ModelDrafter):
             slot.append(torch.stack([k for k, _ in kv]).to(self.kv_dtype), torch.stack([v for _, v in kv]).to(self.kv_dtype))
         slot.cut(n)
         slot.tokens = tokens[:n]
-        prop = self._proposal(r, cached=n)
-        k = max(0, min(r.k, s.max_k, self.max_len - len(tokens)))
-        if k == 0:
-            return prop
-        ids = self.head.block_ids(torch.tensor([tokens[-1]], device=dev), k)
-        ctx = [(slot.k[i, :n].unsqueeze(0), slot.v[i, :n].unsqueeze(0)) for i in range(s.num_layers)]
-        hidden = self.head.block(ids, torch.tensor([n], device=dev), ctx, torch.arange(n, device=dev).unsqueeze(0))
-        rows = self.head.draft_rows(hidden)[0, :k]  # [k, H]
-        base = self.head.logits(rows).float()  # [k, Vd]
-        self.stats["passes"] += 1
+        return r, tokens, n, max(0, min(r.k, s.max_k, self.max_len - len(tokens)))
+
+    def _blocks(self, ready: list, out: dict) -> list:
+        """One batched pass over the sequences' blocks (contexts padded to the longest) -> [(entry, (rows [k, H],
+        base draft-vocabulary logits [k, Vd]))]. If it raises, each sequence runs alone; one that still fails
+        decodes without drafts."""
+        if not ready:
+            return []
+        s, dev = self.spec, self.config.device
+        try:
+            slots = [self.cache.slots[e[0].seq_id] for e in ready]
+            ns = [e[2] for e in ready]
+            S, B = max(ns), len(ready)
+            ctx = []
+            for i in range(s.num_layers):
+                K = slots[0].k.new_zeros(B, S, s.num_key_value_heads, s.head_dim)
+                V = torch.zeros_like(K)
+                for b, (slot, n) in enumerate(zip(slots, ns)):
+                    K[b, :n], V[b, :n] = slot.k[i, :n], slot.v[i, :n]
+                ctx.append((K, V))
+            pos = torch.arange(S, device=dev).expand(B, S)
+            valid = pos < torch.tensor(ns, device=dev).unsqueeze(1)
+            ids = self.head.block_ids(torch.tensor([e[1][-1] for e in ready], device=dev))
+            hidden = self.head.block(ids, torch.tensor(ns, device=dev), ctx, pos, valid if min(ns) < S else None)
+            rows = self.head.draft_rows(hidden)  # [B, max_k, H]
+            base = self.head.logits(rows).float()
+            self.stats["passes"] += 1
+            if self.on_progress:
+                self.on_progress()
+            return [(e, (rows[b, : e[3]], base[b, : e[3]])) for b, e in enumerate(ready)]
+        except Exception as e:  # noqa: BLE001
+            if len(ready) == 1:
+                self._failed(ready[0][0], e, out)
+                return []
+            return [pair for entry in ready for pair in self._blocks([entry], out)]
+
+    def _sample(self, r: DraftRequest, tokens: list[int], k: int, rows: torch.Tensor, base: torch.Tensor,
+                prop: Proposal) -> None:
+        """Draws the block's drafts into ``prop``: each from its own q_i (DSpark: after the Markov bias of the draft
+        before it), ending early where DSpark's confidence is below ``confidence_stop``."""
+        s, dev = self.spec, self.config.device
         history, prev = list(tokens), tokens[-1]
         for i in range(k):
             row = base[i]
@@ -204,4 +251,3 @@ class ParallelDrafter(ModelDrafter):
             prop.tokens.append(prev)
             history.append(prev)
         self.stats["drafts"] += len(prop.tokens)
-        return prop

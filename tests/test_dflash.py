@@ -115,6 +115,9 @@ def test_drafts_equal_the_reference_whole_incremental_and_after_misses(method):
     (p,) = dr.propose([_request("a", T[:28], aux[:27], 0)])
     assert p.tokens == ref(28) and dr.num_cached() == 1
     assert dr.release("a") and dr.num_cached() == 0
+    # sequences of different lengths in one call: one padded pass, each its own drafts
+    pc, pd = dr.propose([_request("c", T[:12], aux[:11], 0), _request("d", T[:27], aux[:26], 0, k=2)])
+    assert pc.tokens == ref(12) and pd.tokens == ref(27, 2)
 
 
 # ------------------------------------------------------------ heads built to copy the target: drafts accepted

@@ -28,7 +28,7 @@ def test_draft_logits_equal_vllms(name):
     if "confidence" in meta:
         n = len(tokens) - 1
         ctx = [(a.unsqueeze(0), b.unsqueeze(0)) for a, b in head.context_kv(tensors["aux"], torch.arange(n))]
-        hidden = head.block(head.block_ids(torch.tensor([tokens[-1]]), k), torch.tensor([n]), ctx,
+        hidden = head.block(head.block_ids(torch.tensor([tokens[-1]])), torch.tensor([n]), ctx,
                             torch.arange(n).unsqueeze(0))
         rows = head.draft_rows(hidden)[0, :k]
         prev = torch.tensor([tokens[-1]] + drafts[:-1])

@@ -46,7 +46,7 @@ def block_loss(head: ParallelHead, x: torch.Tensor, aux: torch.Tensor, tlogits: 
     a = anchors.reshape(-1)
     ctx = [(K[bi], V[bi]) for K, V in ctx]
     ctx_pos = pos[bi]
-    hidden = head.block(head.block_ids(x[bi, a], k), a, ctx, ctx_pos, ctx_pos < a.unsqueeze(1))
+    hidden = head.block(head.block_ids(x[bi, a]), a, ctx, ctx_pos, ctx_pos < a.unsqueeze(1))
     rows = head.draft_rows(hidden)[:, :k]  # [B m, k, H]
     logits = head.logits(rows)  # [B m, k, Vd]
     label = a.unsqueeze(1) + torch.arange(k, device=dev)  # mask position i (1..k) learns p at a + i - 1
