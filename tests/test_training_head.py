@@ -130,3 +130,21 @@ def test_a_warm_start_from_the_shipped_head_lowers_kl_on_humaneval(tmp_path):
     assert {"eagle3", "eagle3_before"} <= set(acc)
     assert load_head(tmp_path / "head", verifier=target).spec == load_head(head, verifier=target).spec
     assert "(before)" in (tmp_path / "head" / "README.md").read_text()
+
+
+def test_a_draft_model_distils_from_the_same_chat_data(chat_target, tmp_path):
+    """offline.training.distill reads the chat data as the head trainer does: the drafter learns the assistant turns
+    and its acceptance is measured on the held-out conversations' first replies."""
+    from offline.training import distill
+
+    target_dir, tok, _ = chat_target
+    chats = chat_dataset(tmp_path / "chats.jsonl", 24)
+    distill.main(["--target", str(target_dir), "--data", str(chats), "--out", str(tmp_path / "drafter"),
+                  "--work", str(tmp_path / "work"), "--hidden", "32", "--heads", "2", "--intermediate", "64",
+                  "--seq-len", "96", "--batch", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "1", "--eval-every", "6",
+                  "--ckpt-every", "6", "--eval-windows", "4", "--acceptance-prompts", "2", "--acceptance-max-tokens", "8",
+                  "--no-bf16-target", "--threads", "1", "--no-progress"])
+    history = json.loads((tmp_path / "work" / "history.json").read_text())
+    assert history[-1]["held_out_kl"] < history[0]["held_out_kl"]
+    acc = json.loads((tmp_path / "drafter" / "acceptance.json").read_text())
+    assert acc["num_prompts"] >= 1 and acc["temperature_0.0"]["num_drafts"] > 0

@@ -6,7 +6,9 @@ acceptance it reaches and write it into the drafter's model card.
 
 Works for any local Hugging Face target and any drafter architecture that uses the
 target's tokenizer, on CPU or GPU (picked automatically). Training text is the train
-split of the standard library (``offline.training.corpus``); optionally every
+split of the standard library (``offline.training.corpus``), or ``--data``: chat conversations learned on
+their assistant turns, or texts, read as ``offline.training.data`` reads them for the EAGLE-3 trainer
+(acceptance is then measured on the held-out conversations' first replies); optionally every
 ``--generated-every`` steps a batch of target-generated continuations replaces the
 corpus batch, so the drafter also learns the target's own outputs. Seeded; a progress
 bar; checkpoints every ``--ckpt-every`` steps and resumes from the last one.
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from offline.training import data as datasets
 from offline.training.corpus import held_out_prompts, load_split
 from offline.training.loop import Schedule, add_model_args, add_schedule_args, batch_at, train
 from offline.training.pretrain import encode_documents
@@ -52,11 +55,12 @@ def frozen_target(path: Path, device: str):
     return tokenizer, target
 
 
-def kl_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p || q), logits [B, T, V] (nats)."""
+def kl_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over positions (those ``mask`` [B, T] marks, when given) of KL(p || q), logits [B, T, V] (nats)."""
     log_p = F.log_softmax(target_logits.float(), -1)
     log_q = F.log_softmax(draft_logits.float(), -1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl.mean() if mask is None else (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
 def corpus_ids(tokenizer, work: Path, limit_files: int | None):
@@ -74,18 +78,19 @@ def corpus_ids(tokenizer, work: Path, limit_files: int | None):
 
 
 @torch.no_grad()
-def held_out_kl(target, drafter, ids: torch.Tensor, seq_len: int, windows: int, autocast) -> float:
-    n = min(windows, (len(ids) - 1) // seq_len)
-    starts = torch.arange(n) * seq_len
-    total = 0.0
+def held_out_kl(target, drafter, data, seq_len: int, windows: int, autocast) -> float:
+    """Mean KL(p || q) over the learned positions of held-out windows (``offline.training.data.TokenData``)."""
+    total = count = 0.0
     drafter.eval()
-    for chunk in starts.split(8):
-        x = batch_at(ids, chunk, seq_len)[:, :-1].to(target.device)
+    for chunk in data.eval_starts(seq_len, windows).split(8):
+        x = batch_at(data.ids, chunk, seq_len)[:, :-1].to(target.device)
+        mask = batch_at(data.mask, chunk, seq_len)[:, 1:].float().to(target.device)  # is the token after t learned
         with autocast:
             tl = target(input_ids=x).logits
-        total += kl_loss(tl, drafter(input_ids=x).logits).item() * len(chunk)
+        total += kl_loss(tl, drafter(input_ids=x).logits, mask).item() * mask.sum().item()
+        count += mask.sum().item()
     drafter.train()
-    return total / max(n, 1)
+    return total / max(count, 1.0)
 
 
 @torch.no_grad()
@@ -98,7 +103,7 @@ def generated_batch(target, x: torch.Tensor, prompt_len: int, temperature: float
     return out[:, : x.shape[1]]
 
 
-def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, max_tokens: int = 128,
+def measure_acceptance(target_dir, drafter_dir, prompts: list, k: int = 4, max_tokens: int = 128,
                        temperatures=(0.0, 0.8), seed: int = 0, target=None, drafter=None,
                        verification: str = "rejection") -> dict:
     """Acceptance of the pair on the prompts, as vLLM defines it: acceptance rate =
@@ -111,7 +116,7 @@ def measure_acceptance(target_dir, drafter_dir, prompts: list[str], k: int = 4, 
 
     ver = VerifierEngine(VerifierConfig(model=str(target_dir), cache_budget_mb=2048), model=target)
     dr = ModelDrafter(DraftModelConfig(model=str(drafter_dir), cache_budget_mb=512), model=drafter)
-    ids = [ver.tokenizer(p)["input_ids"] for p in prompts]
+    ids = [p if isinstance(p, list) else ver.tokenizer(p)["input_ids"] for p in prompts]  # texts or token ids
     report = {"k": k, "num_prompts": len(prompts), "max_tokens": max_tokens, "seed": seed}
     for temp in temperatures:
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed, ignore_eos=True,
@@ -167,6 +172,9 @@ def main(argv=None):
     ap.add_argument("--generated-every", type=int, default=0,
                     help="every N steps train on target-generated continuations instead of corpus text (0: never)")
     ap.add_argument("--generated-temperature", type=float, default=0.8)
+    ap.add_argument("--data", type=Path, nargs="+", default=None,
+                    help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
+    ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
     add_training_args(ap, "run the target's forward pass under bf16 autocast (faster on CPUs with AVX512-BF16)")
     args = ap.parse_args(argv)
 
@@ -190,24 +198,30 @@ def main(argv=None):
     drafter = LlamaForCausalLM(config).to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
-    train_ids, held_ids = corpus_ids(tokenizer, args.work, args.corpus_files)
+    if args.data:  # chat conversations (learned on the assistant turns) or texts, as offline.training.eagle3 reads them
+        train_d, held_d, held_records = datasets.load(args.data, tokenizer, args.held_out)
+    else:
+        train_ids, held_ids = corpus_ids(tokenizer, args.work, args.corpus_files)
+        train_d, held_d = (datasets.TokenData(i, torch.ones(len(i), dtype=torch.bool)) for i in (train_ids, held_ids))
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.bf16_target)
-    seq_len = min(args.seq_len, len(train_ids) - 2)
+    seq_len = min(args.seq_len, len(train_d) - 2)
 
     def loss_at(step):
-        starts = torch.randint(0, len(train_ids) - seq_len - 1, (args.batch,), generator=gen)
-        x = batch_at(train_ids, starts, seq_len)[:, :-1].to(device)
+        starts = train_d.window_starts(args.batch, seq_len, gen)
+        x = batch_at(train_d.ids, starts, seq_len)[:, :-1].to(device)
+        mask = batch_at(train_d.mask, starts, seq_len)[:, 1:].float().to(device)
         if args.generated_every and step % args.generated_every == args.generated_every - 1:
             x = generated_batch(target, x, min(64, seq_len // 2), args.generated_temperature, gen)
+            mask = torch.ones_like(mask)
         with torch.no_grad(), autocast:
             target_logits = target(input_ids=x).logits
-        loss = kl_loss(target_logits, drafter(input_ids=x).logits)
+        loss = kl_loss(target_logits, drafter(input_ids=x).logits, mask)
         return loss, loss.item()
 
     run = train(drafter, opt, gen, args.work / "last.pt",
                 Schedule(args.steps, args.lr, args.warmup, args.ckpt_every, args.eval_every, name="kl",
                          tokens_per_step=args.batch * seq_len, progress=not args.no_progress),
-                loss_at, lambda: held_out_kl(target, drafter, held_ids, args.seq_len, args.eval_windows, autocast))
+                loss_at, lambda: held_out_kl(target, drafter, held_d, args.seq_len, args.eval_windows, autocast))
     history = run.history
 
     drafter.to(torch.bfloat16).save_pretrained(args.out)  # 16-bit storage; engines compute in float32
@@ -216,7 +230,8 @@ def main(argv=None):
             shutil.copy(args.target / name, args.out / name)
     (args.work / "history.json").write_text(json.dumps(history, indent=1))
 
-    prompts = held_out_prompts(args.acceptance_prompts)
+    prompts = (datasets.prompts(tokenizer, held_records, args.acceptance_prompts) if args.data
+               else held_out_prompts(args.acceptance_prompts))
     acceptance = measure_acceptance(args.target, args.out, prompts, k=4, max_tokens=args.acceptance_max_tokens,
                                     seed=args.seed)
     acceptance["held_out_kl"] = history[-1]["held_out_kl"]
