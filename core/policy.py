@@ -72,7 +72,6 @@ class AdaptiveK:
     _recheck: int = 16  # plain steps before the next recheck
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
-    _probe: list = field(default_factory=lambda: [0.0, 0])  # speculative steps' wall seconds and tokens since plain
     _prev_k: int | None = None  # the k of the previous observed step
     current: int | None = None  # the k chosen last (None: not yet)
 
@@ -93,13 +92,16 @@ class AdaptiveK:
         acceptance of draft j given the ones before. On predictable text acceptance comes in runs,
         so a draft after accepted ones is likelier accepted than the pooled rate says (the i.i.d.
         model, a^j, undervalues large k there). Each position is shrunk towards what the replica's
-        sequences measured there (a position this request has not tested takes that; before the
-        replica has, the rate of the position before it)."""
+        sequences measured there or this request's rate at the position before, whichever is higher:
+        a request that beats the replica where it has tested expects to where it has not. Why: served,
+        with hard prompts on the replica, easy ones took the replica's low rates past their k, never
+        tested them, and stayed at k = 1-2 where k = 4 emitted twice the tokens a step
+        (docs/decisions/0027-one-policy.md)."""
         a = min(max(self.acceptance, 1e-3), 0.999)
         shared = self.costs.acceptance
         out, surv, c = [1.0], 1.0, a
         for j in range(bound):
-            prior = shared.rate(j, c) if j < len(shared.tested) and shared.tested[j] > 1 else c
+            prior = max(c, shared.rate(j, c)) if j < len(shared.tested) and shared.tested[j] > 1 else c
             c = self.positions.rate(j, prior)  # (the next untested position's prior, without optimism)
             surv *= min(max(self.positions.rate(j, prior, optimism=self.optimism), 1e-3), 0.999)
             out.append(out[-1] + surv)
@@ -179,7 +181,7 @@ class AdaptiveK:
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         if plain:  # measure speculation again: conditions may have changed
-            self.plain_run, self.current, self._rechecking, self._probe = 0, best_spec, True, [0.0, 0]
+            self.plain_run, self.current, self._rechecking = 0, best_spec, True
             return self._try(best_spec)
         best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
         cur = self.current
@@ -187,7 +189,7 @@ class AdaptiveK:
             best = cur  # not clearly better: stay, measurements are noisy
         self.current = best
         if best == 0 and cur != 0 or self._rechecking:
-            self._verdict(best, batch_size)
+            self._verdict(best, batch_size, k)
         if cur is None and best > 0:  # a request's first k: judged on a run of steps, not on its first
             return self._try(best)
         if best == 0:
@@ -201,22 +203,25 @@ class AdaptiveK:
                 return self._try(best + step)
         return best
 
-    def _verdict(self, best: int, batch_size: int) -> None:
+    def _verdict(self, best: int, batch_size: int, tried: int) -> None:
         """Speculation turned to plain, or a recheck ended. After a failed recheck the next waits twice as
         long, and no sequence here rechecks until the replica's sequences have taken enough plain steps
-        (``StepCosts.recheck_in``, counted down by each) that what the recheck cost (its time beyond what
-        plain steps take for its tokens) is ``recheck_budget`` of them. A recheck that speculates resets
+        (``StepCosts.recheck_in``, counted down by each) that what a recheck at its k costs (a step's
+        measured time beyond what plain steps take for its expected tokens, for ``run`` steps: the tables,
+        not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
+        recheck that speculates resets
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
         16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
-        spent, tokens = self._probe
-        self._probe = [0.0, 0]
         if best > 0:
             self._rechecking = False
             self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
-        plain = self.costs.step_s(batch_size, 0, self.model_s)
-        need = max(0.0, spent - tokens * plain) / (self.recheck_budget * plain) if self._rechecking and plain else 0.0
+        need = 0.0
+        if self._rechecking and tried > 0:
+            plain, spec = self.costs_all([0, tried], batch_size)
+            loss = self.run * max(0.0, spec - self.tokens_all()[tried] * plain)
+            need = loss / (self.recheck_budget * plain) if plain > 0 else 0.0
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
         self._recheck = min(self.max_recheck_steps, wait)
@@ -239,9 +244,6 @@ class AdaptiveK:
             w = max(self.step_weight, 1 / costs.draft_steps)
             costs.draft_per_token_s += w * (draft_s / k - costs.draft_per_token_s)
         wall = step_s if step_s > 0 else verify_s + (draft_s or 0.0)
-        if k > 0 and wall > 0:  # (speculation's cost since the last plain stretch: see _verdict)
-            self._probe[0] += wall
-            self._probe[1] += num_accepted + 1
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
         if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
