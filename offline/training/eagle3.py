@@ -362,7 +362,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=Path, default=Path("models/tiny-code-target"))
     ap.add_argument("--out", type=Path, default=Path("models/tiny-code-eagle3"))
     ap.add_argument("--work", type=Path, default=Path("build/eagle3"), help="checkpoints and token cache")
-    ap.add_argument("--init", type=Path, default=None, help="start from this Speculators eagle3 head (a warm start)")
+    ap.add_argument("--init", type=Path, default=None, help=(
+        "start from this Speculators eagle3 head (a warm start; use a small --lr such as 3e-5: "
+        "docs/decisions/0028-warm-start-learning-rate.md)"))
     ap.add_argument("--data", type=Path, nargs="+", default=None,
                     help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
     ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
