@@ -27,6 +27,7 @@ def capture_engine(tmp_path, target, tok, **capture):
                           tokenizer=tok)
 
 
+@pytest.mark.heavy
 def test_captured_states_are_the_targets_and_opted_out_requests_are_not_recorded(tmp_path):
     tok = tiny_tokenizer()
     target = tiny_llama(len(tok), layers=4, peak=30.0, eos_token_id=None).eval()

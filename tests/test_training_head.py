@@ -73,6 +73,7 @@ def chat_target(tmp_path_factory):
     return root, tok, target.eval()
 
 
+@pytest.mark.heavy
 def test_a_chat_dataset_trains_a_head_the_server_loads(chat_target, tmp_path):
     target_dir, tok, target = chat_target
     chats = chat_dataset(tmp_path / "chats.jsonl", 24)
@@ -132,6 +133,7 @@ def test_a_warm_start_from_the_shipped_head_lowers_kl_on_humaneval(tmp_path):
     assert "(before)" in (tmp_path / "head" / "README.md").read_text()
 
 
+@pytest.mark.heavy
 def test_a_draft_model_distils_from_the_same_chat_data(chat_target, tmp_path):
     """offline.training.distill reads the chat data as the head trainer does: the drafter learns the assistant turns
     and its acceptance is measured on the held-out conversations' first replies."""
