@@ -7,8 +7,9 @@ parallel heads (DFlash, DSpark), greedy, one stream.
 compare: per drafter and k, the drafting time on the critical path per step (the drafter's engine time per
 call: its passes and its sampling; a pool adds one round trip per call whatever k) and ms per output token,
 each prompt running every (drafter, k) in a rotated order (paired; noisy machines drift between runs).
-confidence: a DSpark head with and without ending blocks at low confidence (``confidence_stop``): accepted
-tokens per drafter pass, mean acceptance length and ms per token, paired the same way.
+confidence: a DSpark head without ending blocks early at each k, and ending them at low confidence
+(``confidence_stop``) at the largest k: accepted tokens per drafter pass, mean acceptance length and ms per
+token, paired the same way.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def main(argv=None) -> None:
         names_ks = [(n, k) for n in ds for k in args.ks]
     else:
         ds = drafters(args.head, args.threads, args.dtype, stops=(None, *args.stops))
-        names_ks = [(n, max(args.ks)) for n in ds]
+        plain = [n for n in ds if " stop " not in n]  # the head without stops at each k, the stops at the largest
+        names_ks = [(n, k) for n in plain for k in args.ks] + [(n, max(args.ks)) for n in ds if n not in plain]
     out = measure(names_ks, ds, verifier, prompts, args.max_tokens)
     print("| drafter | k | ms/token | drafting ms per step | mean acceptance length | accepted per drafter pass |")
     print("|---|---|---|---|---|---|")
