@@ -175,7 +175,7 @@ class ParallelHeadConfig(_HeadConfig):
         "the speculative_tokens of the head's default proposal method, else the block's; the app builder sets it."))
     confidence_stop: float | None = Field(None, ge=0.0, le=1.0, description=(
         "dspark with a confidence head: end a block at the first position (after the first) whose confidence is below this; default: draft the "
-        "whole block (docs/parallel-drafters.md has the measurement)."))
+        "whole block (docs/decisions/0029-dspark-whole-blocks.md)."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
 
