@@ -238,9 +238,10 @@ class _WrongQ:
 
 
 @pytest.mark.heavy  # 3000 sampled sequences through the loop
-@pytest.mark.parametrize("method,control", [("dflash", False), ("dspark", False), ("dspark", True)],
-                         ids=["dflash", "dspark", "dspark-wrong-q"])
-def test_sampled_output_is_the_targets_distribution(method, control):
+@pytest.mark.parametrize("method,control,verification", [("dflash", False, "rejection"), ("dspark", False, "rejection"),
+                                                         ("dspark", False, "gumbel"), ("dspark", True, "rejection")],
+                         ids=["dflash", "dspark", "dspark-gumbel", "dspark-wrong-q"])
+def test_sampled_output_is_the_targets_distribution(method, control, verification):
     from core.loop import generate
     from tests.test_eagle3_serving import _exact
     from tests.test_rejection import min_p_value_of
@@ -248,7 +249,8 @@ def test_sampled_output_is_the_targets_distribution(method, control):
     target, ver, head = _tiny(method)
     dr = drafter(method, head, cache_budget_mb=64)
     N = 3000
-    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s) for s in range(N)]
+    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s, verification=verification)
+              for s in range(N)]
     prompt = [0, 3]
     seqs = generate([prompt] * N, params, 3, _WrongQ(dr) if control else dr, ver)
     tokens = torch.tensor([s.output_ids for s in seqs])
