@@ -7,7 +7,7 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit test-ray test-all soak test-cluster test-long serve models models-eagle3 clean
+.PHONY: install test test-unit test-ray test-all soak test-cluster test-long serve models models-eagle3 models-eagle3-warm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,21 @@ EAGLE3_STEPS ?= 2000
 models-eagle3: $(STAMP)
 	rm -rf build/eagle3 models/tiny-code-eagle3
 	$(PY) -m offline.training.eagle3 --target models/tiny-code-target --out models/tiny-code-eagle3 --steps $(EAGLE3_STEPS)
+
+# Continue the shipped head through the training pipeline (docs/training.md): a warm start from
+# models/tiny-code-eagle3 on the same train split (seeded; 120 steps at lr 3e-5, about 15 minutes on 2 CPU cores),
+# measured before and after on the same 16 held-out prompts; it replaces the shipped head only when its mean
+# acceptance length is at least the shipped one's. Checkpoints go to build/eagle3-warm.
+EAGLE3_WARM_STEPS ?= 120
+models-eagle3-warm: $(STAMP)
+	rm -rf build/eagle3-warm build/tiny-code-eagle3-warm
+	$(PY) -m offline.training.eagle3 --target models/tiny-code-target --init models/tiny-code-eagle3 \
+		--out build/tiny-code-eagle3-warm --work build/eagle3-warm --steps $(EAGLE3_WARM_STEPS) --lr 3e-5 --warmup 10 \
+		--eval-every 40 --ckpt-every 20
+	$(PY) -c "import json, shutil, sys; a = json.load(open('build/tiny-code-eagle3-warm/acceptance.json')); \
+		after, before = a['eagle3']['mean_acceptance_length'], a['eagle3_before']['mean_acceptance_length']; \
+		print('mean acceptance length', before, '->', after); \
+		sys.exit(0) if after < before else shutil.copytree('build/tiny-code-eagle3-warm', 'models/tiny-code-eagle3', dirs_exist_ok=True)"
 
 clean:
 	rm -rf $(VENV) build
