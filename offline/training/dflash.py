@@ -11,6 +11,9 @@
 - DSpark: the Markov head's bias from the token before each position, teacher-forced with the target's
   greedy token there (the anchor for the first), as drafting feeds the drafted one; the confidence head
   learns (binary cross-entropy, weight 0.1) whether the head's argmax equals the target's.
+- ``--regenerate N``: learn instead on the target's own greedy continuations of N corpus prompts (generated
+  once, cached in ``--work``), blocks anchored in the generated part: there each mask position's label is
+  what greedy decoding would verify, a function of the context and the anchor alone.
 - Mask token: ``--mask-token`` (default: the tokenizer's pad token): its embedding is the target's, frozen,
   as the head's whole embedding.
 - At the end: greedy acceptance at k on held-out prompts (the reference drafting, ``ParallelHead.draft``),
@@ -67,7 +70,7 @@ def block_loss(head: ParallelHead, x: torch.Tensor, aux: torch.Tensor, tlogits: 
 
 
 def train(head: ParallelHead, target, windows, steps: int, lr: float = 1e-3, anchors: int = 8, seed: int = 0,
-          progress=None) -> dict:
+          progress=None, first_anchor: int = 1) -> dict:
     """``steps`` AdamW steps (cosine decay) on windows from ``windows(step) -> [B, T]`` token ids; the target is
     frozen. Returns the last step's metrics."""
     g = torch.Generator().manual_seed(seed)
@@ -82,7 +85,7 @@ def train(head: ParallelHead, target, windows, steps: int, lr: float = 1e-3, anc
         with torch.no_grad():
             aux, tl = aux_states(target, x, head.spec.aux_layer_ids)
         T = x.shape[1]
-        a = torch.randint(1, T - k + 1, (x.shape[0], anchors), generator=g)
+        a = torch.randint(first_anchor, T - k + 1, (x.shape[0], anchors), generator=g)
         loss, stats = block_loss(head, x, aux.float(), tl.float(), a)
         opt.zero_grad()
         loss.backward()
@@ -125,6 +128,26 @@ def new_head(target, method: str, block: int, mask_token: int, counts: torch.Ten
     return head
 
 
+@torch.no_grad()
+def regenerated(target, ids: torch.Tensor, n: int, prompt_len: int, length: int, work: Path, seed: int) -> torch.Tensor:
+    """[n, length] windows: corpus prompts of prompt_len tokens and the target's greedy continuation (cached in work)."""
+    from offline.training.loop import batch_at
+
+    cache = work / f"regenerated-{n}-{prompt_len}-{length}-{seed}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = batch_at(ids, torch.randint(0, len(ids) - prompt_len - 1, (n,), generator=g), prompt_len)[:, :prompt_len]
+    out = []
+    for chunk in prompts.split(32):
+        out.append(target.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                                   max_new_tokens=length - prompt_len, min_new_tokens=length - prompt_len,
+                                   pad_token_id=target.config.pad_token_id))
+    data = torch.cat(out)
+    torch.save(data, cache)
+    return data
+
+
 def head_drafter(target, head: ParallelHead):
     """draft_fn for ``offline.training.eagle3.acceptance``: the head's reference drafting from the target's states."""
     def fn(tokens: list[int], k: int) -> list[int]:
@@ -137,7 +160,7 @@ def main(argv=None) -> None:
     from offline.training.corpus import held_out_prompts
     from offline.training.distill import corpus_ids, frozen_target
     from offline.training.eagle3 import acceptance, greedy_continuations
-    from offline.training.pretrain import batch_at
+    from offline.training.loop import batch_at
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, required=True)
@@ -152,6 +175,10 @@ def main(argv=None) -> None:
     ap.add_argument("--markov-rank", type=int, default=32)
     ap.add_argument("--mask-token", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--regenerate", type=int, default=0, help=(
+        "learn on the target's own greedy continuations of this many corpus prompts (--prompt-len tokens, continued "
+        "to --seq-len) instead of the corpus: what greedy decoding verifies (0: the corpus)"))
+    ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--anchors", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -175,13 +202,21 @@ def main(argv=None) -> None:
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch,), generator=g)
         return batch_at(train_ids, starts, args.seq_len)[:, :-1]
 
+    first_anchor = 1
+    if args.regenerate:
+        data = regenerated(target, train_ids, args.regenerate, args.prompt_len, args.seq_len - 1, args.work, args.seed)
+        first_anchor = args.prompt_len - 1  # blocks whose masks are the target's own tokens
+
+        def windows(step):  # noqa: F811 - the regenerated data replaces the corpus windows
+            return data[torch.randint(0, len(data), (args.batch,), generator=g)]
+
     t0 = time.time()
 
     def progress(step, stats):
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step} kl {stats['kl']:.3f} top1 {stats['top1']:.3f} {time.time() - t0:.0f}s", flush=True)
 
-    stats = train(head, target, windows, args.steps, args.lr, args.anchors, args.seed, progress)
+    stats = train(head, target, windows, args.steps, args.lr, args.anchors, args.seed, progress, first_anchor)
     minutes = (time.time() - t0) / 60
     arch = list(target.config.architectures or [])
     save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)  # before the evaluation
@@ -197,7 +232,7 @@ def main(argv=None) -> None:
             f"- training: {args.steps} steps x {args.batch} x {args.seq_len} tokens x {args.anchors} blocks, lr {args.lr}, seed "
             f"{args.seed}; {minutes:.1f} min on {args.threads} CPU thread(s); last step KL {stats['kl']:.3f}, top-1 {stats['top1']:.3f}",
             f"- command: `python -m offline.training.dflash --target {args.target} --out {args.out} --method {args.method} "
-            f"--steps {args.steps} --block {args.block}`", "",
+            f"--steps {args.steps} --block {args.block}" + (f" --regenerate {args.regenerate}" if args.regenerate else "") + "`", "",
             f"Greedy acceptance on {len(prompts)} held-out prompts x {args.acceptance_max_tokens} tokens, k = {acc['k']}: "
             f"mean acceptance length {acc['mean_acceptance_length']}, per position {acc['per_position_acceptance_rate']}."]
     (args.out / "README.md").write_text("\n".join(card) + "\n")
