@@ -37,6 +37,9 @@ def test_captured_states_are_the_targets_and_opted_out_requests_are_not_recorded
     params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=24, capture=False),
               SamplingParams(temperature=0.8, seed=3, max_tokens=24)]
     seqs = generate(prompts, params, 4, drafter, ver)
+    want = target.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                           attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long), pad_token_id=2)[0, len(prompts[0]):]
+    assert seqs[0].output_ids == want.tolist()  # recording changes nothing the request gets
     records, layers = read_shards(tmp_path / "shards")
     assert layers == [1, 2, 4] and ver.capture.stats["opted_out"] == 1
     assert sorted(len(r["tokens"]) for r in records) == sorted(len(prompts[i]) + len(seqs[i].output_ids) - 1 for i in (0, 2))
