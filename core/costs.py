@@ -57,7 +57,6 @@ class StepCosts:
     plain_steps: int = 0  # steps behind plain_est_s
     draft_steps: int = 0  # ... behind draft_per_token_s
     recheck_in: int = 0  # plain steps (any sequence's) before the sequences here recheck speculation again
-    failed_rechecks: int = 0  # in a row, by any sequence here (each doubles the most recheck_in may be)
     table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
     spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
     # every sequence's acceptance per draft position: a request's prior for each position (taking

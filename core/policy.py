@@ -208,29 +208,24 @@ class AdaptiveK:
         long, and no sequence here rechecks until the replica's sequences have taken enough plain steps
         (``StepCosts.recheck_in``, counted down by each) that what a recheck at its k costs (a step's
         measured time beyond what plain steps take for its expected tokens, for ``run`` steps: the tables,
-        not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them, but at
-        most 4 ``recheck_steps`` after one failure, twice that after each more in a row. A recheck that
-        speculates resets
+        not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
+        recheck that speculates resets
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
         16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
         if best > 0:
             self._rechecking = False
-            self._recheck, self.costs.recheck_in, self.costs.failed_rechecks = self.recheck_steps, 0, 0
+            self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
         need = 0.0
         if self._rechecking and tried > 0:
             plain, spec = self.costs_all([0, tried], batch_size)
             loss = self.run * max(0.0, spec - self.tokens_all()[tried] * plain)
             need = loss / (self.recheck_budget * plain) if plain > 0 else 0.0
-            self.costs.failed_rechecks += 1
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
         self._recheck = min(self.max_recheck_steps, wait)
-        # at most twice as long with each failure in a row: a stretch of stalled steps that made one recheck
-        # look costly holds the replica plain for 4 recheck_steps, not for good
-        cap = min(self.max_recheck_steps, 2 * self.recheck_steps << self.costs.failed_rechecks)
-        self.costs.recheck_in = max(self.costs.recheck_in, min(int(need), cap))
+        self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
 
     def observe(self, k: int, num_accepted: int, draft_s: float | None = None, verify_s: float = 0.0,
                 step_s: float = 0.0, batch_size: int = 1):

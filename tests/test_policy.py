@@ -129,12 +129,10 @@ def test_step_costs_are_kept_per_batch_size():
 
 def test_rechecks_from_plain_decoding_back_off_while_they_fail():
     """Plain decoding measures speculation again now and then; on text the drafter never guesses,
-    each failed recheck doubles the wait before the next (the replica's, at most 4 ``recheck_steps``
-    after one failure and twice that after each more), and the wait is no longer than what makes a
+    each failed recheck doubles the wait before the next, and the wait is at least what makes the
     recheck's cost (a step's measured time beyond plain steps' for its expected tokens, for a run of
     steps) ``recheck_budget`` of it: here a step costs 9 ms against plain 5 ms ones, and is expected
-    to bring little more than one token, so the wait reaches about 3 x (9 - 5 x 1.3) / (0.02 x 5) = 75,
-    and speculating costs less than that share of the time."""
+    to bring little more than one token, so the wait is about 3 x (9 - 5 x 1.3) / (0.02 x 5) = 75."""
     p = AdaptiveK(4, recheck_steps=8)
     ks = []
     for _ in range(2000):
@@ -143,18 +141,16 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
         p.observe(k, 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.005 + 0.004 * (k > 0))
     starts = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(gaps) >= 4 and gaps[0] >= 4 * 8 and all(a < b for a, b in itertools.pairwise(gaps)), gaps
-    assert gaps[2] >= 60, gaps
-    # what speculating cost beyond plain decoding, the first try's steps aside: within the budget's share
+    assert len(gaps) >= 3 and min(gaps) >= 60 and gaps[-1] > 2 * gaps[0], gaps
+    # what speculating cost beyond plain decoding, the first try's steps aside: about the budget's share
     spent = sum(0.004 for k in ks[starts[0]:] if k > 0)
-    assert spent < p.recheck_budget * 0.005 * (len(ks) - starts[0]), spent
+    assert spent < 2 * p.recheck_budget * 0.005 * (len(ks) - starts[0]), spent
     assert max(gaps) <= p.max_recheck_steps + p.run, gaps
 
 
 def test_a_request_starts_from_the_replicas_recheck_wait():
-    """A slow drafter is the replica's: a new request waits out the replica's countdown of plain steps
-    (``StepCosts.recheck_in``) before it rechecks, instead of rechecking after ``recheck_steps``, and
-    plays plain from its first step (the replica measured plain decoding faster)."""
+    """A slow drafter is the replica's: a new request's first plain stretch waits as long as the
+    replica's last failed recheck set, instead of rechecking after ``recheck_steps``."""
     from core.policy import StepCosts
 
     costs = StepCosts()
@@ -168,10 +164,9 @@ def test_a_request_starts_from_the_replicas_recheck_wait():
         return ks
 
     drive(AdaptiveK(4, costs=costs), 400)
-    wait = costs.recheck_in
-    assert costs.failed_rechecks >= 3 and wait > 16, (costs.failed_rechecks, wait)
-    late = drive(AdaptiveK(4, costs=costs), 200)
-    assert late[:wait] == [0] * wait and any(late), late  # plain through the countdown, then a recheck
+    assert costs.recheck_in > 100, costs.recheck_in
+    late = drive(AdaptiveK(4, costs=costs), 100)
+    assert sum(k > 0 for k in late) == 0, late  # plain from its first step: the replica measured plain faster
 
 
 def _gate_server(tiny_engines):
@@ -292,10 +287,9 @@ def test_every_ks_cost_read_in_one_pass_is_each_ones_own():
 def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(tiny_engines, monkeypatch):
     """A drafter replica slowed by fault injection (30 ms more per batch, against a few ms for a plain
     step of the tiny target; well inside the drafter timeout, so no step degrades): the default policy
-    goes plain within a few steps and rechecks speculation at most twice in the replica's first request,
-    a later request on the same replica plays plain from its first step (the replica measured it) and
-    rechecks at most once, the replica's wait growing with each failed recheck; the target's own greedy
-    tokens throughout."""
+    goes plain within a few steps, the replica's first request rechecks speculation at most once, and
+    a later request on the same replica plays plain from its first step (the replica measured it), with
+    the target's own greedy tokens."""
     import asyncio
 
     from configs import SamplingParams
@@ -324,9 +318,7 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
         assert [t for ids, _, _ in steps for t in ids] == reference(target, prompt, n)
         assert not any(i.degraded for _, _, i in steps)
     spec = [j for j, (_, _, i) in enumerate(first) if i.k > 0]
-    # its first step (the prompt's) and the rest of a try of `run` steps before plain, then at most two rechecks
-    run = AdaptiveK(4).run
-    assert spec and spec[0] == 0 and len(spec) <= 3 * run, spec
-    later_ks = [i.k for _, _, i in later]
-    assert later_ks[:16] == [0] * 16 and sum(k > 0 for k in later_ks) <= run, later_ks
-    assert server.step_costs.failed_rechecks >= 2, server.step_costs.failed_rechecks
+    # its first step (the prompt's) and at most a try of `run` steps before plain, then at most one recheck
+    assert spec and spec[0] == 0 and len(spec) <= 1 + 2 * AdaptiveK(4).run, spec
+    assert sum(i.k > 0 for _, _, i in later) == 0, [i.k for _, _, i in later]
+    assert server.step_costs.recheck_in > n, server.step_costs.recheck_in
