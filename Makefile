@@ -86,14 +86,14 @@ models-eagle3: $(STAMP)
 # acceptance length is at least the shipped one's. Checkpoints go to build/eagle3-warm.
 EAGLE3_WARM_STEPS ?= 120
 models-eagle3-warm: $(STAMP)
-	rm -rf build/eagle3-warm build/tiny-code-eagle3-warm
+	rm -rf build/eagle3-warm
 	$(PY) -m offline.training.eagle3 --target models/tiny-code-target --init models/tiny-code-eagle3 \
-		--out build/tiny-code-eagle3-warm --work build/eagle3-warm --steps $(EAGLE3_WARM_STEPS) --lr 3e-5 --warmup 10 \
+		--out build/eagle3-warm/tiny-code-eagle3 --work build/eagle3-warm --steps $(EAGLE3_WARM_STEPS) --lr 3e-5 --warmup 10 \
 		--eval-every 40 --ckpt-every 20
-	$(PY) -c "import json, shutil, sys; a = json.load(open('build/tiny-code-eagle3-warm/acceptance.json')); \
+	$(PY) -c "import json, shutil, sys; a = json.load(open('build/eagle3-warm/tiny-code-eagle3/acceptance.json')); \
 		after, before = a['eagle3']['mean_acceptance_length'], a['eagle3_before']['mean_acceptance_length']; \
 		print('mean acceptance length', before, '->', after); \
-		sys.exit(0) if after < before else shutil.copytree('build/tiny-code-eagle3-warm', 'models/tiny-code-eagle3', dirs_exist_ok=True)"
+		sys.exit(0) if after < before else shutil.copytree('build/eagle3-warm/tiny-code-eagle3', 'models/tiny-code-eagle3', dirs_exist_ok=True)"
 
 clean:
 	rm -rf $(VENV) build
