@@ -83,7 +83,8 @@ models-eagle3: $(STAMP)
 # Continue the shipped head through the training pipeline (docs/training.md): a warm start from
 # models/tiny-code-eagle3 on the same train split (seeded; 120 steps at lr 3e-5, about 15 minutes on 2 CPU cores),
 # measured before and after on the same 16 held-out prompts; it replaces the shipped head only when its mean
-# acceptance length is at least the shipped one's. Checkpoints go to build/eagle3-warm.
+# acceptance length is at least the shipped one's (then `python -m bench.vllm eagle3 --update-card` adds the card's vLLM rows).
+# Checkpoints go to build/eagle3-warm.
 EAGLE3_WARM_STEPS ?= 120
 models-eagle3-warm: $(STAMP)
 	rm -rf build/eagle3-warm
