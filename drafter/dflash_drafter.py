@@ -4,8 +4,9 @@ The head reads the target's aux states g_t (the EAGLE-3 transport: the verifier 
 verification pass and the loop sends them with the next draft request, ``DraftRequest.aux``) as keys
 and values only (``core.dflash``): a position's context row depends on its own state alone, so a
 sequence's rows are computed once, when its state arrives, and kept. A draft call then runs one
-pass over the block (the anchor and k mask queries) whatever k is: drafting depth costs no sequential
-passes, and the pool answers in one round trip.
+pass over the blocks of all its sequences (each the anchor and the head's mask queries, the whole block
+whatever k: k reads its first rows) whatever k is: drafting depth costs no sequential passes, and the
+pool answers in one round trip.
 
 Cache. A sequence holds its tokens x_0..x_{c-1} and context rows for positions 0..c-1 (``cached`` = c:
 the loop then sends states from position c - 1 on). A call names its prefix (start, hash) as for any
