@@ -5,7 +5,7 @@ verification pass and the loop sends them with the next draft request, ``DraftRe
 and values only (``core.dflash``): a position's context row depends on its own state alone, so a
 sequence's rows are computed once, when its state arrives, and kept. A draft call then runs one
 pass over the blocks of all its sequences (each the anchor and the head's mask queries, the whole block
-whatever k: k reads its first rows) whatever k is: drafting depth costs no sequential passes, and the
+whatever k: k reads its first rows): drafting depth costs no sequential passes, and the
 pool answers in one round trip.
 
 Cache. A sequence holds its tokens x_0..x_{c-1} and context rows for positions 0..c-1 (``cached`` = c:
