@@ -110,6 +110,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
     source = Proposer(seq, call, ahead, predicted, clock)
     source.plan()
     (k, degraded), prefill = _plan(seq, policy, breaker, 1), True
+    quiet = False  # in a long plain stretch: no states captured for a head (see LONG_PLAIN)
     try:
         while not seq.done:
             t0, misses, sent = clock(), dict(seq.cache_misses), seq.aux_bytes_sent
@@ -122,7 +123,9 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             # a lone stream's verify runs on it: sent after, the request waits out the pass)
             source.pre_draft(k, drafts, proposal, info)
             t_verify = clock()
-            res = await asyncio.ensure_future(_verified(seq, verify, drafts, probs))  # verify
+            plain_left = policy.plain_ahead() if k == 0 else 0
+            quiet = plain_left > 0 and (quiet or plain_left >= LONG_PLAIN)
+            res = await asyncio.ensure_future(_verified(seq, verify, drafts, probs, not quiet))  # verify
             info.verify_s, info.engine_s = clock() - t_verify, res.engine_s
             n_lp = len(seq.logprobs)
             new, _ = seq.apply(res)  # accept
@@ -147,6 +150,13 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         source.close()
 
 
+# a plain stretch the policy holds at least this long captures no states for a head: capturing them costs
+# every plain step a few percent (served, a head's request that played every step plain ran at 0.95-0.97x
+# of speculation off), and the states missed are recomputed in one prefill when speculation resumes
+# (docs/decisions/0027-one-policy.md)
+LONG_PLAIN = 64
+
+
 def _plan(seq: Sequence, policy, breaker: Breaker, batch: int) -> tuple[int, bool]:
     """The next step's k, and whether it is plain because the drafter's breaker is open (a head's
     first step is plain too: it computes the prompt's states)."""
@@ -158,13 +168,13 @@ def _plan(seq: Sequence, policy, breaker: Breaker, batch: int) -> tuple[int, boo
     return k, False
 
 
-async def _verified(seq: Sequence, verify, drafts: list[int], probs):
+async def _verified(seq: Sequence, verify, drafts: list[int], probs, capture: bool = True):
     """The step's verify; a cache miss (evicted, or another replica) is resent with the whole sequence."""
-    (res,) = await verify([seq.verify_request(drafts, probs)])
+    (res,) = await verify([seq.verify_request(drafts, probs, capture=capture)])
     if res.cache_miss:
         seq.cache_misses["verifier"] += 1
         first = res.engine_s
-        (res,) = await verify([seq.verify_request(drafts, probs, full=True)])
+        (res,) = await verify([seq.verify_request(drafts, probs, full=True, capture=capture)])
         res.engine_s += first
     if res.error:  # the request's fault (no replica will take it) or the engine's (another may)
         raise (RuntimeError if res.retryable else ValueError)(res.error)

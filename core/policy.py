@@ -159,6 +159,12 @@ class AdaptiveK:
         v = self.values()
         return self.steps >= self.min_steps and len(v) > 1 and v[0] > max(v[1:])
 
+    def plain_ahead(self) -> int:
+        """Plain steps certain to follow the one last planned: the rest of a plain stretch."""
+        if self.current != 0 or self.plain_run == 0:
+            return 0
+        return max(self._recheck - self.plain_run, self.costs.recheck_in)
+
     def _try(self, k: int) -> int:
         self._trying = (k, self.run - 1)
         return k
@@ -276,6 +282,9 @@ class FixedK:
 
     def next_k(self, batch_size: int = 1) -> int:
         return self.bound
+
+    def plain_ahead(self) -> int:
+        return 0
 
     def observe(self, *args, **kwargs):
         pass

@@ -204,10 +204,12 @@ class Sequence:
             self.aux, self.aux_start = self.aux[drop:].clone(), self.aux_start + drop
 
     def verify_request(self, drafts: list[int] = (), probs: DraftProbs | None = None,
-                       full: bool = False) -> VerifyRequest:
+                       full: bool = False, capture: bool = True) -> VerifyRequest:
+        """``capture`` False: no states for a head this step (it will not draft soon: see ``core.loop``)."""
         self._verifying = list(drafts)
         kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
-                  draft_probs=probs if drafts else None, num_prompt=self.num_prompt, capture=self.capture)
+                  draft_probs=probs if drafts else None, num_prompt=self.num_prompt,
+                  capture=self.capture if capture else ())
         if full:
             return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
         return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),

@@ -56,6 +56,9 @@ class ReplicaGatedK:
             return 0
         return self.policy.next_k(batch_size)
 
+    def plain_ahead(self) -> int:
+        return self.policy.plain_ahead()
+
     def observe(self, *args, **kwargs):
         self.policy.observe(*args, **kwargs)
 

@@ -207,3 +207,47 @@ def test_waiting_for_a_pre_draft_counts_as_drafting_on_the_critical_path(tiny_en
     # the wait is not counted as exposed: a step is its drafting and its verify, nothing else
     assert all(i.step_s - i.forward_s - i.draft_s == pytest.approx(0, abs=1e-9) for i in infos if i.k), \
         [(i.step_s, i.forward_s, i.draft_s) for i in infos]
+
+
+class _PlainThen(FixedK):
+    """k = 0 for the first ``plain`` steps, saying how many plain steps remain, then the bound."""
+
+    def __init__(self, bound: int, plain: int):
+        super().__init__(bound)
+        self.left = plain + 1
+
+    def next_k(self, batch_size: int = 1) -> int:
+        self.left = max(0, self.left - 1)
+        return 0 if self.left else self.bound
+
+    def plain_ahead(self) -> int:
+        return self.left
+
+
+def test_a_head_captures_no_states_deep_in_a_long_plain_stretch_and_recomputes_them():
+    """In a plain stretch the policy holds LONG_PLAIN steps or more, verify requests carry no capture
+    (its cost is every plain step's); when speculation resumes the head's missing states are
+    recomputed in one prefill, and the greedy output is the target's."""
+    from core.loop import LONG_PLAIN
+    from tests.test_eagle3_serving import CODE, shipped_engines
+    from tests.test_processors import hf_greedy
+
+    ver, dr = shipped_engines.__wrapped__()
+    ids = ver.tokenizer(CODE[0])["input_ids"]
+    n, plain = LONG_PLAIN + 40, LONG_PLAIN + 8
+    seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), 4, ver.tokenizer,
+                   ver.eos_ids, ver.max_len)
+    captured, verify = [], ver.verify
+
+    def recording(requests):
+        captured.extend(bool(r.capture) for r in requests)
+        return verify(requests)
+
+    ver.verify = recording
+    try:
+        asyncio.run(speculate_local(seq, dr, ver, _PlainThen(4, plain)))
+    finally:
+        del ver.verify
+    assert seq.output_ids == hf_greedy(ver.model, ids, n)
+    assert not any(captured[: plain + 1 - LONG_PLAIN]) and all(captured[plain + 1:]), captured
+    assert seq.cache_misses["states"] >= 1 and seq.stats.num_drafts > 0
