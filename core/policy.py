@@ -212,7 +212,8 @@ class AdaptiveK:
     def _verdict(self, best: int, batch_size: int, tried: int) -> None:
         """Speculation turned to plain, or a recheck ended. After a failed recheck the next waits twice as
         long, and no sequence here rechecks until the replica's sequences have taken enough plain steps
-        (``StepCosts.recheck_in``, counted down by each) that what a recheck at its k costs (a step's
+        (``StepCosts.recheck_in``, counted down by each; only where a step at that k costs more than
+        the k + 1 plain steps it could save) that what a recheck at its k costs (a step's
         measured time beyond what plain steps take for its expected tokens, for ``run`` steps: the tables,
         not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
         recheck that speculates resets
@@ -224,10 +225,13 @@ class AdaptiveK:
             self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
         need = 0.0
-        if self._rechecking and tried > 0:
-            plain, spec = self.costs_all([0, tried], batch_size)
-            loss = self.run * max(0.0, spec - self.tokens_all()[tried] * plain)
-            need = loss / (self.recheck_budget * plain) if plain > 0 else 0.0
+        plain, spec = self.costs_all([0, tried], batch_size) if self._rechecking and tried > 0 else (0.0, 0.0)
+        # the replica's wait only where speculating loses at any acceptance (a step costs more than the k + 1
+        # plain steps its tokens could save): that is the drafter's and the hardware's, shared by every
+        # sequence here; a recheck that failed on its text's acceptance is the request's alone
+        if plain > 0 and spec > (tried + 1) * plain:
+            loss = self.run * (spec - self.tokens_all()[tried] * plain)
+            need = loss / (self.recheck_budget * plain)
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
         self._recheck = min(self.max_recheck_steps, wait)
