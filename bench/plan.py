@@ -640,7 +640,8 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
     pre-draft hid, the channel's time, the step's time outside the engines) from ``bench.breakdown``'s
     requests; tokens per step from the acceptance curve. Served step at k: verify(k + 1) + (1 - hidden(k))
     draft(k) + channel(k) + overhead. Without them (``engines`` None) it falls back on the roofline alone
-    (``step``: the GPU model), which is also kept beside it per row."""
+    (``step``: the GPU model), which is also kept beside it per row; why the terms are probed:
+    docs/decisions/0030-planner-machine-model.md."""
     cfg = lat["config"]
     nbytes = DTYPE_BYTES[cfg["dtype"]]
     v, d = load_shape(TARGET, nbytes), load_shape(DRAFTER, nbytes)
