@@ -53,8 +53,7 @@ def test_bounds(cls, kwargs):
 
 
 def test_every_field_is_described():
-    from configs import AppConfig
-    from configs import ParallelHeadConfig
+    from configs import AppConfig, ParallelHeadConfig
     for cls in (SamplingParams, DraftModelConfig, NgramConfig, VerifierConfig, AppConfig, ParallelHeadConfig):
         missing = [n for n, f in cls.model_fields.items() if not f.description]
         assert not missing, f"{cls.__name__}: {missing}"
