@@ -88,6 +88,44 @@ def relative_links(text: str) -> list[str]:
     return out
 
 
+
+# Product code stays readable in one screen: no function longer than 60 lines in the serving and
+# engine packages, and no module of the policy or the router over 400 lines (tests and benchmarks exempt).
+PRODUCT = ("core", "drafter", "verifier", "deployments")
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 400
+
+
+def _long_functions(root: Path, limit: int, base: Path = ROOT) -> list[str]:
+    import ast
+
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(base)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_product_function_is_longer_than_a_screen():
+    long = [f for pkg in PRODUCT for f in _long_functions(ROOT / pkg, MAX_FUNCTION_LINES)]
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * 61)
+    (tmp_path / "n.py").write_text("def g():\n" + "    x = 1\n" * 59)
+    assert _long_functions(tmp_path, MAX_FUNCTION_LINES, base=tmp_path) == ["m.py:1 f (62 lines)"]
+
+
+def test_the_policy_and_the_router_stay_under_400_lines():
+    modules = [ROOT / "core" / "policy.py", ROOT / "deployments" / "router.py"]
+    modules += sorted((ROOT / "core" / "policy").glob("*.py")) if (ROOT / "core" / "policy").is_dir() else []
+    big = {str(m.relative_to(ROOT)): n for m in modules if m.exists() and (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, big
+
+
 def broken_links(paths) -> list[str]:
     broken = []
     for md in paths:
