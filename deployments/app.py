@@ -188,28 +188,14 @@ def check_models(config: AppConfig) -> tuple[int, ...]:
     return aux_layers
 
 
-def check_eagle3(config: AppConfig) -> Eagle3Spec:
-    """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
-    hidden size and vocabulary size, layer ids inside the verifier, a backend that returns the states
-    (transformers, or vllm with vLLM running the loop), and the verifier's architecture when the head
-    records it."""
+def _head_problems(spec, path, verifier_model: str) -> list[str]:
+    """What keeps a head (EAGLE-3, DFlash, DSpark) from fitting a verifier: the hidden size it reads, the
+    vocabulary, layer ids outside the verifier, and the verifier architecture the head records, if any."""
     import json
-    from pathlib import Path
 
     from transformers import AutoConfig
 
-    from core.eagle3 import check_head
-
-    path = Path(config.drafter.model)
-    try:
-        spec = check_head(path, config.verifier.model)
-    except (KeyError, TypeError, ValueError, OSError) as e:
-        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
-    raw = json.loads((path / "config.json").read_text())
-    if config.verifier.backend == "vllm" and config.verifier.vllm_loop != "engine":
-        raise ValueError("an eagle3 drafter needs the verifier's hidden states: with verifier.backend vllm use "
-                         "vllm_loop engine (vLLM's loop returns them; per_step does not)")
-    verifier = AutoConfig.from_pretrained(config.verifier.model)
+    verifier = AutoConfig.from_pretrained(verifier_model)
     target = verifier.get_text_config()
     problems = []
     if spec.target_hidden_size != target.hidden_size:
@@ -219,9 +205,31 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
     bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
     if bad:
         problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
+    raw = json.loads((path / "config.json").read_text())
     arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
     if arch and getattr(target, "architectures", None) and set(arch) != set(verifier.architectures or []):
         problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
+    return problems
+
+
+def check_eagle3(config: AppConfig) -> Eagle3Spec:
+    """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
+    hidden size and vocabulary size, layer ids inside the verifier, a backend that returns the states
+    (transformers, or vllm with vLLM running the loop), and the verifier's architecture when the head
+    records it."""
+    from pathlib import Path
+
+    from core.eagle3 import check_head
+
+    path = Path(config.drafter.model)
+    try:
+        spec = check_head(path, config.verifier.model)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
+    if config.verifier.backend == "vllm" and config.verifier.vllm_loop != "engine":
+        raise ValueError("an eagle3 drafter needs the verifier's hidden states: with verifier.backend vllm use "
+                         "vllm_loop engine (vLLM's loop returns them; per_step does not)")
+    problems = _head_problems(spec, path, config.verifier.model)
     if problems:
         raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
     return spec
@@ -230,10 +238,7 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
 def check_parallel(config: AppConfig) -> ParallelSpec:
     """A DFlash or DSpark head must be one for this verifier (``check_eagle3``'s checks), and the verifier must
     return its states: this package's engine (the vLLM backend's loop feeds vLLM's own drafters)."""
-    import json
     from pathlib import Path
-
-    from transformers import AutoConfig
 
     from core.dflash import check_head
 
@@ -245,20 +250,7 @@ def check_parallel(config: AppConfig) -> ParallelSpec:
     if config.verifier.backend == "vllm":
         raise ValueError(f"a {d.method} drafter needs the verifier's hidden states on every step: use verifier.backend "
                          "transformers")
-    verifier = AutoConfig.from_pretrained(config.verifier.model)
-    target = verifier.get_text_config()
-    problems = []
-    if spec.target_hidden_size != target.hidden_size:
-        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
-    if spec.vocab_size != target.vocab_size:
-        problems.append(f"its vocab_size {spec.vocab_size} is not the verifier's {target.vocab_size}")
-    bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
-    if bad:
-        problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
-    raw = json.loads((path / "config.json").read_text())
-    arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
-    if arch and getattr(target, "architectures", None) and set(arch) != set(verifier.architectures or []):
-        problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
+    problems = _head_problems(spec, path, config.verifier.model)
     if d.num_speculative_tokens and d.num_speculative_tokens > spec.max_k:
         problems.append(f"drafter.num_speculative_tokens {d.num_speculative_tokens} exceeds the head's block "
                         f"({spec.max_k} drafts)")

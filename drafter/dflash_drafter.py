@@ -32,9 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.dflash import ParallelHead, load_head
-from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype, resolve_kv_dtype
+from core.models import DTYPES, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
-from core.sampling import NoiseCache
 from drafter.model_drafter import ModelDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -103,29 +102,11 @@ class ParallelDrafter(ModelDrafter):
     drafter's (``ModelDrafter._draw``) over the head's target-vocabulary logits."""
 
     def __init__(self, config: ParallelHeadConfig, head: ParallelHead | None = None, eos_ids: set[int] | None = None):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        pin_process(config.cpu_affinity)
-        self.config = config
-        name = resolve_dtype(config.dtype, config.device)
-        self.dtype = DTYPES[name]
-        if head is None:
-            head = load_head(config.model, verifier=config.verifier_model)
-        self.head = head.to(device=config.device, dtype=self.dtype).eval()
-        if self.head.spec.markov and self.head.spec.confidence_head:
+        name = self._init_head(config, head, load_head, eos_ids)
+        if self.spec.markov and self.spec.confidence_head:
             self.head.confidence_head.float()
-        self.spec = s = self.head.spec
-        self.aux_layers = tuple(s.aux_layer_ids)
-        self.max_len = config.max_model_len or s.max_position_embeddings
         self.kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
         self.cache = _Cache(int(config.cache_budget_mb * 2**20))
-        self.model = None
-        if eos_ids is None:
-            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
-        self.eos_ids = eos_ids
-        self.on_progress = None
-        self.noise = NoiseCache()
-        self.narrowed = {}  # (a head drafts no trees)
         self.confidence_stop = getattr(config, "confidence_stop", None)
         self.stats = {"passes": 0, "drafts": 0, "stopped": 0}  # DSpark's confidence stops, for the measurement
 

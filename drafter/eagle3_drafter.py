@@ -36,13 +36,9 @@ from core.eagle3 import EagleHead, load_head, sdpa, window_mask
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.models import (
     DTYPES,
-    eos_token_ids,
-    pin_process,
-    resolve_dtype,
     resolve_kv_dtype,
 )
 from core.protocol import DraftRequest, Proposal, prefix_hash
-from core.sampling import NoiseCache
 from drafter.model_drafter import ModelDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -113,31 +109,13 @@ class Eagle3Drafter(ModelDrafter):
     drafter's (``ModelDrafter._draw``), over the head's target-vocabulary logits."""
 
     def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        pin_process(config.cpu_affinity)
-        self.config = config
-        name = resolve_dtype(config.dtype, config.device)
-        self.dtype = DTYPES[name]
-        if head is None:
-            head = load_head(config.model, verifier=config.verifier_model)
-        self.head = head.to(device=config.device, dtype=self.dtype)
-        self.head.eval()
-        self.spec = s = self.head.spec
-        self.aux_layers = tuple(s.aux_layer_ids)
-        self.max_len = config.max_model_len or s.max_position_embeddings
+        name = self._init_head(config, head, load_head, eos_ids)
+        s = self.spec
         shape = SimpleNamespace(num_hidden_layers=s.num_layers, num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim,
                                 num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size)
         kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
         self.runner = HeadRunner(self.head, self.max_len)
-        self.model = None
-        if eos_ids is None:
-            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
-        self.eos_ids = eos_ids
-        self.on_progress = None
-        self.noise = NoiseCache()  # (ModelDrafter._draw's Gumbel noise rows)
-        self.narrowed = {}  # (ModelDrafter.narrow: a head drafts chains, never trees, so nothing reads it)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:

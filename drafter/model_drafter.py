@@ -16,7 +16,7 @@ import torch
 
 from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
-from core.models import eos_token_ids, pin_process
+from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
 from core.sampling import History, NoiseCache, Stream, gumbel_argmax, processed_probs, sample_inverse_cdf, target_logits, uniform
 
@@ -39,6 +39,31 @@ class ModelDrafter:
         self.noise = NoiseCache()  # Gumbel noise rows its draws reuse (trees overlap, steps redraw)
         # seq_id -> (a pre-draft tree's context length, the one branch (n, c) still wanted, or None: none)
         self.narrowed: dict[str, tuple[int, tuple[int, int] | None]] = {}
+
+    def _init_head(self, config, head, load_head, eos_ids: set[int] | None) -> str:
+        """What every head drafter (EAGLE-3, DFlash, DSpark) sets up alike: threads and pinning, the head
+        (loaded for the verifier's model unless given) in the configured dtype, its limits, and the
+        verifier's end-of-sequence ids (a head has no tokenizer of its own). Returns the dtype's name."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        pin_process(config.cpu_affinity)
+        self.config = config
+        name = resolve_dtype(config.dtype, config.device)
+        self.dtype = DTYPES[name]
+        if head is None:
+            head = load_head(config.model, verifier=config.verifier_model)
+        self.head = head.to(device=config.device, dtype=self.dtype).eval()
+        self.spec = self.head.spec
+        self.aux_layers = tuple(self.spec.aux_layer_ids)
+        self.max_len = config.max_model_len or self.spec.max_position_embeddings
+        self.model = None
+        if eos_ids is None:
+            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
+        self.eos_ids = eos_ids
+        self.on_progress = None
+        self.noise = NoiseCache()  # (_draw's Gumbel noise rows)
+        self.narrowed = {}  # (narrow: a head drafts chains or blocks, never trees, so nothing reads it)
+        return name
 
     def release(self, seq_id: str) -> bool:
         self.narrowed.pop(seq_id, None)
