@@ -9,11 +9,21 @@ its code (``PYTHONPATH`` in their runtime environment), this checkout's apps thi
 directory first on its workers' path, so the driver runs from a temporary directory.
 
     python -m bench.ab --old /tmp/old            # or: make bench-ab OLD=/tmp/old
+
+``--streams N`` (N > 1) pairs waves instead of requests: N concurrent requests (the prompts cycled, a seed
+each) on one version, then the same N on the other, order alternating per wave. A wave's ``ms_per_token``
+is the median of its requests' (the latency a client sees under that load); ``wave_ms_per_token`` is its wall
+time over all its tokens, the inverse of throughput.
+
+``--slow-drafter S`` makes every drafter batch S seconds slower (the replicas' fault injection), a drafter
+too slow to pay; with ``--systems default,off`` the summary's ``off_over`` is each version's speed over
+speculation off, paired the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import subprocess
 import sys
@@ -28,6 +38,7 @@ from bench.common import (
     DEFAULT_OUT,
     ROOT,
     TARGET,
+    TIMING_HEADERS,
     app_args,
     complete,
     completion_body,
@@ -67,6 +78,10 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--streams", type=int, default=1,
+                    help="concurrent requests per run: 1 pairs single requests, N > 1 pairs waves of N")
+    ap.add_argument("--slow-drafter", type=float, default=0.0, metavar="S",
+                    help="every drafter batch S seconds slower (fault injection) in every app")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -75,6 +90,8 @@ def parse(argv=None):
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"--systems: unknown {sorted(unknown)}")
+    if args.streams < 1:
+        ap.error("--streams: at least 1")
     if not (Path(args.old) / "deployments").is_dir():
         ap.error(f"--old {args.old}: not a splitspec checkout")
     return args
@@ -88,10 +105,23 @@ def _commit(tree: Path) -> str:
         return "unknown"
 
 
-def _with_path(tree: Path) -> dict:
-    """BENCH_OVERRIDES with the replicas importing from ``tree``."""
-    env = {"runtime_env": {"env_vars": {"PYTHONPATH": str(tree)}}}
+def _with_path(tree: Path, faults: bool = False) -> dict:
+    """BENCH_OVERRIDES with the replicas importing from ``tree`` (and fault injection on, if ``faults``)."""
+    from deployments.server import FAULT_INJECTION_ENV
+
+    env = {"runtime_env": {"env_vars": {"PYTHONPATH": str(tree), **({FAULT_INJECTION_ENV: "1"} if faults else {})}}}
     return {name: {**o, "ray_actor_options": {**o["ray_actor_options"], **env}} for name, o in BENCH_OVERRIDES.items()}
+
+
+def _slow_drafters(apps, seconds: float) -> None:
+    """Every app's drafter replicas ``seconds`` slower per batch (a call reaches one replica: several calls,
+    the distinct replicas that answered logged)."""
+    from ray import serve
+
+    for name in apps:
+        handle = serve.get_deployment_handle("Drafter", app_name=f"bench-{name}")
+        replicas = {handle.inject_fault.remote("slow", seconds).result() for _ in range(8)}
+        log(f"{name}: drafter replicas {sorted(replicas)} slowed by {seconds * 1000:.0f} ms per batch")
 
 
 def run(args) -> dict:
@@ -108,6 +138,53 @@ def run(args) -> dict:
         sys.path[:] = path
 
 
+def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
+    """One request at a time, each (repeat, prompt) on both versions back to back."""
+    for rep in range(args.repeats):
+        for i, (_, ids) in enumerate(prompts):
+            seed = 1000 + 100 * rep + i
+            versions = ("old", "new") if (rep + i) % 2 == 0 else ("new", "old")
+            for s in args.systems:
+                policy, k = SYSTEMS[s]
+                for ver in versions:
+                    wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
+                                                  completion_body(ids, args.max_tokens, args.temperature, seed, k))
+                    runs[f"{s}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
+                                               "tokens": n, "output_ids": out, **_step_stats(spec)})
+            log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
+                                                               for key, r in runs.items()))
+
+
+async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
+    """Waves of ``args.streams`` concurrent requests, each wave on both versions back to back."""
+    import httpx
+
+    async def one(client, url, body):
+        t0 = time.perf_counter()
+        r = await client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
+        r.raise_for_status()
+        data = r.json()
+        return time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids")
+
+    limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
+    async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
+        for rep in range(args.repeats):
+            versions = ("old", "new") if rep % 2 == 0 else ("new", "old")
+            for s in args.systems:
+                policy, k = SYSTEMS[s]
+                bodies = [completion_body(prompts[j % len(prompts)][1], args.max_tokens, args.temperature,
+                                          1000 + 100 * rep + j, k) for j in range(args.streams)]
+                for ver in versions:
+                    t0 = time.perf_counter()
+                    done = await asyncio.gather(*(one(client, urls[f"{ver}-{policy}"], b) for b in bodies))
+                    wall, tokens = time.perf_counter() - t0, sum(n for _, n, _ in done)
+                    runs[f"{s}-{ver}"].append({
+                        "pair": [rep], "ms_per_token": median([1000 * w / max(1, n) for w, n, _ in done]),
+                        "wave_ms_per_token": 1000 * wall / max(1, tokens), "tokens": tokens,
+                        "output_ids": [out for _, _, out in done]})
+            log(f"wave {rep + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}" for key, r in runs.items()))
+
+
 def _measure(args, trees: dict) -> dict:
     import httpx
     from transformers import AutoTokenizer
@@ -118,28 +195,21 @@ def _measure(args, trees: dict) -> dict:
     apps, overrides = {}, {}
     for ver, tree in trees.items():
         for policy in policies:
-            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, dtype=args.dtype)
-            overrides[f"{ver}-{policy}"] = _with_path(tree)
+            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, streams=args.streams, dtype=args.dtype)
+            overrides[f"{ver}-{policy}"] = _with_path(tree, faults=args.slow_drafter > 0)
     t0 = time.perf_counter()
     runs = {f"{s}-{v}": [] for s in args.systems for v in trees}
     # the old version's apps built by its own app builder: its config and constructors may differ from this one's
     builders = {name: trees["old"] for name in apps if name.startswith("old-")}
     with serving(apps, args.threads, overrides, builders) as urls, httpx.Client(timeout=600) as client:
+        if args.slow_drafter:
+            _slow_drafters(apps, args.slow_drafter)
         for name, url in urls.items():  # warm-up: first-call costs
             complete(client, url, completion_body(prompts[0][1], 16, args.temperature, 7, None))
-        for rep in range(args.repeats):
-            for i, (_, ids) in enumerate(prompts):
-                seed = 1000 + 100 * rep + i
-                versions = ("old", "new") if (rep + i) % 2 == 0 else ("new", "old")
-                for s in args.systems:
-                    policy, k = SYSTEMS[s]
-                    for ver in versions:
-                        wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
-                                                      completion_body(ids, args.max_tokens, args.temperature, seed, k))
-                        runs[f"{s}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
-                                                   "tokens": n, "output_ids": out, **_step_stats(spec)})
-                log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
-                                                                   for key, r in runs.items()))
+        if args.streams == 1:
+            _singles(args, client, urls, prompts, runs)
+        else:
+            asyncio.run(_waves(args, urls, prompts, runs))
     summary = {}
     for s in args.systems:
         old, new = runs[f"{s}-old"], runs[f"{s}-new"]
@@ -149,6 +219,9 @@ def _measure(args, trees: dict) -> dict:
         summary[s] = {"old_ms_per_token": rnd(median([r["ms_per_token"] for r in old])),
                       "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
                       "new_over_old_paired": paired_ratio(new, old), "new_faster_runs": sum(x < 1 for x in ratios),
+                      # waves: throughput's inverse, paired per wave (a ratio under 1: more tokens per second)
+                      **({"wave_ms_per_token_new_over_old_paired": paired_ratio(new, old, "wave_ms_per_token")}
+                         if args.streams > 1 else {}),
                       "runs": len(ratios),
                       # what moved: the router's per-step means (speculative steps), paired the same way
                       **{f"{f}_new_over_old_paired": paired_ratio([b for _, b in pairs], [a for a, _ in pairs], f)
@@ -156,6 +229,8 @@ def _measure(args, trees: dict) -> dict:
                       # greedy: both versions must emit the same tokens
                       "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
                       if args.temperature == 0 else None}
+        if "off" in args.systems:  # each version's speed over speculation off, paired per run
+            summary[s]["off_over"] = {v: paired_ratio(runs[f"off-{v}"], runs[f"{s}-{v}"]) for v in trees}
         log(f"{s}: new / old {summary[s]['new_over_old_paired']} (faster in {summary[s]['new_faster_runs']} of "
             f"{len(ratios)}), same tokens {summary[s]['same_tokens']}")
     for r in runs.values():
