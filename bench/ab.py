@@ -155,6 +155,16 @@ def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
                                                                for key, r in runs.items()))
 
 
+def _wave_stats(specs: list[dict]) -> dict:
+    """A wave's steps by k (summed over its requests) and its requests' median per-step means."""
+    by_k: dict[str, int] = {}
+    for spec in specs:
+        for k, n in (spec.get("steps_by_k") or {}).items():
+            by_k[k] = by_k.get(k, 0) + n
+    means = {f: median(v) for f in STEP_FIELDS if (v := [x[f] for x in specs if x.get(f) is not None])}
+    return {"steps_by_k": dict(sorted(by_k.items(), key=lambda kv: int(kv[0]))), **means}
+
+
 async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
     """Waves of ``args.streams`` concurrent requests, each wave on both versions back to back."""
     import httpx
@@ -164,7 +174,8 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
         r = await client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
         r.raise_for_status()
         data = r.json()
-        return time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids")
+        return (time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids"),
+                data.get("speculation") or {})
 
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
@@ -177,11 +188,11 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
                 for ver in versions:
                     t0 = time.perf_counter()
                     done = await asyncio.gather(*(one(client, urls[f"{ver}-{policy}"], b) for b in bodies))
-                    wall, tokens = time.perf_counter() - t0, sum(n for _, n, _ in done)
+                    wall, tokens = time.perf_counter() - t0, sum(d[1] for d in done)
                     runs[f"{s}-{ver}"].append({
-                        "pair": [rep], "ms_per_token": median([1000 * w / max(1, n) for w, n, _ in done]),
+                        "pair": [rep], "ms_per_token": median([1000 * w / max(1, n) for w, n, _, _ in done]),
                         "wave_ms_per_token": 1000 * wall / max(1, tokens), "tokens": tokens,
-                        "output_ids": [out for _, _, out in done]})
+                        "output_ids": [d[2] for d in done], **_wave_stats([d[3] for d in done])})
             log(f"wave {rep + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}" for key, r in runs.items()))
 
 
