@@ -200,6 +200,30 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
     assert all(r["num_drafts"] > 0 and r["mean_step_ms"] >= r["mean_forward_ms"] > 0 for r in res["runs"]["k2-new"])
 
 
+@pytest.mark.long  # four apps deployed
+def test_ab_pairs_waves_of_streams_with_a_drafter_slowed_by_fault_injection(ray_cluster, tmp_path):
+    """``bench.ab --streams 3 --slow-drafter``: each version runs waves of 3 concurrent requests; every
+    drafter batch 50 ms slower makes fixed k = 2 far slower than speculation off on both sides (the
+    fault reached the drafter replicas), which ``off_over`` reports per version."""
+    from bench import ab
+    from bench.common import ROOT
+
+    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--slow-drafter", "0.05",
+                           "--prompts", "2", "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32",
+                           "--out", str(tmp_path)]))
+    for s, e in res["summary"].items():
+        assert e["runs"] == 2 and e["wave_ms_per_token_new_over_old_paired"] > 0, s
+    for v in ("old", "new"):
+        assert res["summary"]["k2"]["off_over"][v] < 0.8, res["summary"]["k2"]
+        assert res["summary"]["off"]["off_over"][v] == 1.0
+        for r in res["runs"][f"k2-{v}"]:
+            assert r["tokens"] == 3 * TOKENS and r["wave_ms_per_token"] < r["ms_per_token"], r
+            assert int(max(r["steps_by_k"], key=int)) == 2 and r["mean_draft_ms"] >= 50, r
+        assert all(set(r["steps_by_k"]) == {"0"} for r in res["runs"][f"off-{v}"])
+    with pytest.raises(SystemExit):
+        ab.parse(["--old", str(ROOT), "--streams", "0"])
+
+
 @pytest.mark.slow
 def test_vllm_peer_smoke():
     """vLLM, plain and with draft-model speculation, answers through the peer protocol with the
