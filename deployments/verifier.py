@@ -176,16 +176,19 @@ class VerifierServer(EngineServer):
 
     def _run(self, requests: list) -> list:
         out = super()._run(requests)
-        self._gate_step(out)
+        self._gate_step(out, prefill=any(r.full or r.start == 0 for r in requests))
         return out
 
-    def _gate_step(self, out: list[VerifyResult], streams: int | None = None) -> None:
+    def _gate_step(self, out: list[VerifyResult], streams: int | None = None, prefill: bool = False) -> None:
         """An engine step ended (on the engine's thread): credit its emitted tokens and the time since the step
         before to the arm in use, and choose the arm of the steps that follow, per bucket of ``streams`` (the
         requests running here). Keyed by streams, not by the step's batch: speculating sequences wait on drafts
         and fill smaller batches than plain ones, so batch-size buckets each see one arm only: they hand the
         choice back and forth and speculation runs on where plain decoding is faster
-        (docs/decisions/0016-replica-gate.md). A few streams are the requests' own policies' business."""
+        (docs/decisions/0016-replica-gate.md). A few streams are the requests' own policies' business.
+        A step that carries a prompt's prefill (or a resend of a whole sequence) is credited to neither arm:
+        it costs many times a decoding step for one token a sequence, and a burst of new requests landing
+        in one arm's few measured steps made that arm look slower for as long as its window held them."""
         if self.gate is None:
             return
         streams = self.streams if streams is None else streams
@@ -198,6 +201,8 @@ class VerifierServer(EngineServer):
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
             self._gate_load = streams
         tokens = sum(r.num_accepted + 1 for r in out if not (r.cache_miss or r.error))
+        if prefill:
+            self.gate.reset()  # (the time to the next step is measured from here)
         c = self.gate.choice(self._gate_load)  # (the one choice `use` can change)
         before = c.best
         self.speculating = self.gate.use(self._gate_load, tokens, self.clock())

@@ -195,15 +195,17 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     from core.protocol import VerifyResult
     from deployments.verifier import GATE_MIN_STREAMS
 
-    def run(spec_cost, plain_cost, steps=400):
+    def run(spec_cost, plain_cost, steps=400, prefill_every=0):
         server, now = _gate_server(tiny_engines)
         arms = []
-        for _ in range(steps):
+        for j in range(steps):
             spec = server.speculating
             arms.append(spec)
-            out = [VerifyResult(f"s{i}", num_accepted=2 if spec else 0, num_drafts=4 if spec else 0) for i in range(8)]
-            now[0] += spec_cost if spec else plain_cost
-            server._gate_step(out, streams=8)
+            prefill = prefill_every and j % prefill_every == prefill_every - 1
+            out = [VerifyResult(f"s{i}", num_accepted=2 if spec and not prefill else 0,
+                                num_drafts=4 if spec and not prefill else 0) for i in range(8)]
+            now[0] += 0.5 if prefill else spec_cost if spec else plain_cost
+            server._gate_step(out, streams=8, prefill=bool(prefill))
         return server, arms[-200:]
 
     choice = lambda s: s.gate.choices[next(iter(s.gate.choices))]  # noqa: E731
@@ -218,6 +220,12 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
     c = choice(server)
     assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
+    # prompts' prefills (0.5 s for a token a sequence) every 13 steps: credited to neither arm, so plain
+    # decoding is still measured the faster (credited, one in an arm's window of 6 makes it the slower)
+    server, arms = run(0.060, 0.012, prefill_every=13)
+    assert sum(arms) <= 200 * c.run / c.explore_every + c.run, sum(arms)
+    rep = server.gate.report()["8"]
+    assert rep["spec_ms"] > rep["off_ms"] > 0, rep
 
 
 def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_tokens(tiny_engines, monkeypatch):
