@@ -88,7 +88,6 @@ def relative_links(text: str) -> list[str]:
     return out
 
 
-
 # Product code stays readable in one screen: no function longer than 60 lines in the serving and
 # engine packages, and no module of the policy or the router over 400 lines (tests and benchmarks exempt).
 PRODUCT = ("core", "drafter", "verifier", "deployments")
