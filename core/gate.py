@@ -17,7 +17,17 @@ class MeasuredChoice:
     includes both sides, which a step right after a switch would split between the arms. Both arms
     are tried first, in runs of ``run`` steps; then the faster is used, and the other is tried for
     a run every ``explore_every`` steps. ``use()`` picks the arm of a step; ``observe`` records the
-    step once it is done."""
+    step once it is done.
+
+    ``prefer``: the safe arm (plain decoding), left only where the other measures ``margin`` times
+    faster in a run of it and again in a second run, and returned to once it measures ``back_margin``
+    times faster. ``max_explore_every``:
+    each try that confirms the arm in use doubles the steps to the next, up to this; a change of
+    arm starts again from ``explore_every``. Why both: served in waves of 16 streams, where a
+    speculating batch ran at 1.34x the ms/token of a plain one, a try's few steps on lucky text
+    measured speculation 1.7x faster; with a symmetric margin of 1.2 the replica then speculated
+    on while it measured less than 1.2x slower, and tries every 128 steps landed in every wave
+    (docs/decisions/0016-replica-gate.md)."""
 
     always: bool = False  # always the first arm, measuring nothing (pre-drafting: pools on hardware of their own)
     explore_every: int = 32
@@ -27,7 +37,13 @@ class MeasuredChoice:
     window: int = 0  # > 0: an arm's seconds per token is that of its last `window` steps instead of an average
     margin: float = 1.0  # the other arm must measure this many times faster to replace the chosen one
     settle: int = 1  # an arm is measured once it has been used this many steps in a row (its caches warm)
+    prefer: bool | None = None  # the safe arm (None: both alike, ``margin`` either way)
+    back_margin: float = 1.0  # with ``prefer``: how much faster it must measure to be returned to
+    max_explore_every: int = 0  # > explore_every: tries back off, doubling while they confirm the arm in use
     _best: bool | None = None
+    _interval: int = 0  # steps from one try to the next (explore_every, doubled while tries confirm)
+    _next_try: int = 0  # the step of the next try
+    _confirming: bool = False  # a second run of the other arm is on, before leaving the safe one
     _streak: int = 0
     s_per_token: dict[bool, float] = field(default_factory=dict)
     _recent: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
@@ -44,18 +60,53 @@ class MeasuredChoice:
             self._left -= 1
             arm = self._arms[1]
         else:
-            unmeasured = [a for a in (True, False) if self.n[a] < self.first]
-            best = None if unmeasured else min((True, False), key=lambda a: self.s_per_token[a])
-            if best is not None and self._best is not None and best != self._best \
-                    and self.s_per_token[best] * self.margin > self.s_per_token[self._best]:
-                best = self._best  # not faster by the margin: stay (noise would flip it back and forth)
+            order = (True, False) if self.prefer is None else (self.prefer, not self.prefer)
+            unmeasured = [a for a in order if self.n[a] < self.first]
+            best = None if unmeasured else self._choose()
+            if best is not None and best != self.prefer and best != self._best and self.prefer is not None \
+                    and not self._confirming:  # leaving the safe arm: on a second run of the other, measured anew
+                self._confirming, self._left = True, self.run - 1
+                self._streak += 1
+                self._arms = [self._arms[1], best]
+                return best
+            self._confirming = False
+            if self._interval and best is not None and best == self._best and self._arms[1] == (not best):
+                # a try just ended and confirmed the arm in use: the next waits twice as long
+                self._interval = min(self.max_explore_every, 2 * self._interval)
+                self._next_try = self.steps + self._interval
+            if best != self._best:
+                self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
+                self._next_try = self.steps + self.explore_every
             self._best = best
-            arm = unmeasured[0] if unmeasured else (not best) if self.steps % self.explore_every == 0 else best
+            arm = unmeasured[0] if unmeasured else best
+            if not unmeasured and self._due():
+                arm = not best
             if arm != best:
                 self._left = self.run - 1
         self._streak = self._streak + 1 if arm == self._arms[1] else 1
         self._arms = [self._arms[1], arm]
         return arm
+
+    def _choose(self) -> bool:
+        """The faster arm, both measured: the arm in use stays unless the other is faster by ``margin`` (noise
+        would flip it back and forth), or, with ``prefer``, the safe arm unless the other is faster by it."""
+        s = self.s_per_token
+        if self.prefer is not None:
+            other = not self.prefer
+            if self._best == other:
+                return self.prefer if s[self.prefer] * self.back_margin < s[other] else other
+            # (only on a run of the other just ended: its window is fresh)
+            return other if self._arms[1] == other and s[other] * self.margin < s[self.prefer] else self.prefer
+        best = min((True, False), key=lambda a: s[a])
+        if self._best is not None and best != self._best and s[best] * self.margin > s[self._best]:
+            return self._best
+        return best
+
+    def _due(self) -> bool:
+        """Whether the arm not in use is tried now: every ``explore_every`` steps, or backed off."""
+        if not self._interval:
+            return self.steps % self.explore_every == 0
+        return self.steps >= self._next_try  # (the try's end sets the next: ``use``)
 
     @property
     def best(self) -> bool | None:
@@ -89,6 +140,11 @@ class BatchSpeculation:
     explore_every: int = 64  # engine steps between runs that re-measure the arm not in use
     run: int = 12  # steps of such a run; the first `settle` of them are not measured (the switch's lag)
     settle: int = 6
+    window: int = 6  # measured steps an arm's speed is pooled over (each arm's own last ones)
+    margin: float = 1.2
+    prefer: bool | None = None  # (``MeasuredChoice``)
+    back_margin: float = 1.0
+    max_explore_every: int = 0
     choices: dict[int, MeasuredChoice] = field(default_factory=dict)
     _last: tuple | None = None  # (choice, arm, time) of the previous step
 
@@ -107,7 +163,9 @@ class BatchSpeculation:
     def choice(self, batch: int) -> MeasuredChoice:
         """The choice for this batch size's bucket (made on first use)."""
         return self.choices.setdefault(StepCosts.bucket(batch), MeasuredChoice(
-            explore_every=self.explore_every, run=self.run, first=6, window=6, margin=1.2, settle=self.settle))
+            explore_every=self.explore_every, run=self.run, first=self.window, window=self.window, margin=self.margin,
+            settle=self.settle, prefer=self.prefer, back_margin=self.back_margin,
+            max_explore_every=self.max_explore_every))
 
     def reset(self) -> None:
         """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were

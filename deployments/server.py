@@ -20,14 +20,15 @@ class EngineServer:
     role = "engine"
 
     def __init__(self, engine, call: Callable[[list], list], max_batch: int, max_queue: int,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, regroup: float = 0.0):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self._stall_next = 0.0  # injected: the next batch hangs this long in the engine thread
         self._slow_s = 0.0  # injected: every batch takes this much longer (a slow replica)
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
-        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id)
+        self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id,
+                                         regroup=regroup)
         if hasattr(engine, "on_progress"):  # the engine reports each finished forward pass: a long batch is alive
             engine.on_progress = self.batcher.heartbeat
         self.load = LoadWindow()  # engine load since the last autoscaling report
@@ -76,6 +77,7 @@ class EngineServer:
             self._gauges[name] = value
 
     async def release(self, seq_ids: list[str]) -> int:
+        self.batcher.arrived(seq_ids)  # (ended: the next batch does not wait for them)
         # on the engine thread: a running batch never sees its cache change under it
         released = await self.batcher.call(lambda: sum(self.engine.release(s) for s in seq_ids))
         self._report_cache()
@@ -84,7 +86,7 @@ class EngineServer:
     async def stats(self) -> dict:
         cache = getattr(self.engine, "cache", None)
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
-                "cached_sequences": self.engine.num_cached(), **where(),
+                "cached_sequences": self.engine.num_cached(), "regroups": dict(self.batcher.regroups), **where(),
                 **({"cache": dict(cache.stats)} if cache is not None else {})}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -140,12 +140,18 @@ class VerifierServer(EngineServer):
         self.step_costs = StepCosts()  # what a step costs here, measured by every sequence (the adaptive policy)
         # whether adaptive requests speculate while GATE_MIN_STREAMS or more run here, measured per load bucket;
         # None: no measuring, ``speculating`` stays as set
-        # (the arm not in use re-measured for 8 engine steps in 128, 6% of them; vLLM's proposer's 12 in 64 spends 19%)
-        self.gate: BatchSpeculation | None = BatchSpeculation(explore_every=128, run=8, settle=4)
+        # plain decoding is the safe arm: speculation is chosen where it measures 1.1x faster, and left where it
+        # measures 1.05x slower; the arm not in use is re-measured for 16 engine steps (12 measured: a stretch of
+        # text long enough that its luck does not decide) after 128, backing off to one try in 1,024 steps while
+        # tries confirm the choice (docs/decisions/0016-replica-gate.md)
+        self.gate: BatchSpeculation | None = BatchSpeculation(
+            explore_every=128, run=16, settle=4, window=12, margin=1.1, prefer=False, back_margin=1.05,
+            max_explore_every=1024)
         self.speculating = True
         self.clock = time.perf_counter
         self.streams = 0  # requests whose loop runs here now (the gate's load measure)
         self._gate_load = 0  # the stream count the gate's choice is keyed by (see _gate_step)
+        self._gate_prev = (0, False)  # (streams, prefill) of the engine step before
         engine = engine or self._engine(config, in_engine)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
@@ -155,7 +161,9 @@ class VerifierServer(EngineServer):
         self._drafter_eps: list[Endpoint] = []  # the drafter replicas the proposer was last told of
         self._vllm_ids, self._streams = itertools.count(), 0
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
-        super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s)
+        # a batch's sequences queue their next verify at once (or after a draft): the next batch waits for
+        # them up to a quarter of the batch's time, at most 5 ms, so a split batch merges again (batcher)
+        super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s, regroup=0.25)
 
     def _engine(self, config: dict, in_engine: bool):
         """The engine this replica builds from its config: its own, or vLLM's (then with the EAGLE-3 head in
@@ -188,10 +196,16 @@ class VerifierServer(EngineServer):
         (docs/decisions/0016-replica-gate.md). A few streams are the requests' own policies' business.
         A step that carries a prompt's prefill (or a resend of a whole sequence) is credited to neither arm:
         it costs many times a decoding step for one token a sequence, and a burst of new requests landing
-        in one arm's few measured steps made that arm look slower for as long as its window held them."""
+        in one arm's few measured steps made that arm look slower for as long as its window held them. Nor is
+        the step after one (its sequences send their first tokens out), one right after a stream started or
+        ended, or one whose streams are more than an eighth off the load its choice is keyed by: the last
+        steps of a wave, a few sequences left at the same fixed cost a step, read plain decoding 1.3x slower
+        than it was, and the next wave then speculated (docs/decisions/0016-replica-gate.md)."""
         if self.gate is None:
             return
         streams = self.streams if streams is None else streams
+        steady = not (prefill or self._gate_prev[1]) and streams == self._gate_prev[0]
+        self._gate_prev = (streams, prefill)
         if streams < GATE_MIN_STREAMS:
             self.gate.reset()  # (the next large load starts a fresh measurement)
             self.speculating = True
@@ -201,7 +215,9 @@ class VerifierServer(EngineServer):
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
             self._gate_load = streams
         tokens = sum(r.num_accepted + 1 for r in out if not (r.cache_miss or r.error))
-        if prefill:
+        # (a step allowed to speculate where no sequence drafted says nothing of speculation's cost)
+        unsure = self.speculating and not any(r.num_drafts for r in out)
+        if not steady or unsure or 8 * abs(streams - self._gate_load) > self._gate_load:
             self.gate.reset()  # (the time to the next step is measured from here)
         c = self.gate.choice(self._gate_load)  # (the one choice `use` can change)
         before = c.best
