@@ -17,7 +17,8 @@ time over all its tokens, the inverse of throughput.
 
 ``--slow-drafter S`` makes every drafter batch S seconds slower (the replicas' fault injection), a drafter
 too slow to pay; with ``--systems default,off`` the summary's ``off_over`` is each version's speed over
-speculation off, paired the same way.
+speculation off, paired the same way. ``--drafter eagle3`` serves the shipped EAGLE-3 head instead of the
+draft model.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--streams", type=int, default=1,
                     help="concurrent requests per run: 1 pairs single requests, N > 1 pairs waves of N")
+    ap.add_argument("--drafter", default="draft_model", choices=["draft_model", "eagle3"],
+                    help="the shipped draft model, or the shipped EAGLE-3 head (models/tiny-code-eagle3)")
     ap.add_argument("--slow-drafter", type=float, default=0.0, metavar="S",
                     help="every drafter batch S seconds slower (fault injection) in every app")
     ap.add_argument("--threads", type=int, default=1)
@@ -206,7 +209,8 @@ def _measure(args, trees: dict) -> dict:
     apps, overrides = {}, {}
     for ver, tree in trees.items():
         for policy in policies:
-            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, streams=args.streams, dtype=args.dtype)
+            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, streams=args.streams, dtype=args.dtype,
+                                               drafter=args.drafter)
             overrides[f"{ver}-{policy}"] = _with_path(tree, faults=args.slow_drafter > 0)
     t0 = time.perf_counter()
     runs = {f"{s}-{v}": [] for s in args.systems for v in trees}

@@ -94,7 +94,7 @@ class ContinuousBatcher(Generic[T, R]):
     async def _regroup(self, loop) -> None:
         """Wait for the last batch's callers to queue again, until its share of time has passed."""
         wait = self.regroup_until - loop.time()
-        if self.away and wait > 0:
+        if self.away and wait > 0 and len(self.pending) < self.max_batch:  # (a full batch has no room for them)
             t0 = loop.time()
             self.back = asyncio.Event()
             try:
