@@ -354,6 +354,8 @@ class VerifierServer(EngineServer):
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=PRE_DRAFT_ALTERNATIVES, narrow=self._narrow,
                                                   predicted=PredictedOutput(prediction) if prediction else None):
+                if info.done:  # (its last verify: the next batch need not wait for it)
+                    self.batcher.arrived([seq_id])
                 yield new, lps, info
         finally:
             self.streams -= 1

@@ -278,6 +278,33 @@ def test_the_replica_gate_holds_plain_decoding_through_lucky_tries(tiny_engines)
     assert sum(arms[500:]) > 0.9 * 2500 and cost < 0.85, (sum(arms[500:]), cost)
 
 
+def test_the_replica_gate_credits_no_step_at_a_waves_edges(tiny_engines):
+    """Waves of 16 streams: each ends with 30 steps where streams leave (15 down to 12, the choice still
+    keyed by 16: fewer tokens a step at the same fixed cost, and a wait for each sequence that ended, so
+    plain decoding is 1.5x dearer a token at 12-13 streams) and starts again with a prefill. Speculating
+    steps cost 1.2x plain's. Credited, the edges read plain decoding slow and tries after them move the
+    replica to speculation; uncredited (more than an eighth off the load), it stays plain."""
+    import random
+
+    from core.protocol import VerifyResult
+
+    server, now = _gate_server(tiny_engines)
+    rng, arms = random.Random(0), []
+    for step in range(3000):
+        phase = step % 100
+        streams = 16 if phase < 70 else 15 - (phase - 70) // 8
+        spec, prefill = server.speculating, phase == 0
+        arms.append(spec and not prefill)
+        accepted = [rng.randint(0, 4) if spec and not prefill else 0 for _ in range(streams)]
+        n = sum(a + 1 for a in accepted)
+        dearer = {16: 1.0, 15: 1.03, 14: 1.06}.get(streams, 1.5)
+        per_token = 0.0016 * (1.2 * rng.uniform(0.8, 1.2) if spec else dearer * rng.uniform(0.95, 1.05))
+        now[0] += 0.5 if prefill else n * per_token
+        server._gate_step([VerifyResult(f"s{i}", num_accepted=a, num_drafts=4 if spec and not prefill else 0)
+                           for i, a in enumerate(accepted)], streams=streams, prefill=prefill)
+    assert sum(arms[500:]) < 0.05 * 2500, sum(arms[500:])
+
+
 def test_the_replica_gate_returns_to_speculation_when_it_pays_again(tiny_engines):
     """Backed off to its longest wait on a load where speculation lost, the gate finds it faster again (the
     text turned predictable) within one wait and a try, and speculates from then on."""
