@@ -35,11 +35,12 @@ class Overloaded(Exception):
 class ContinuousBatcher(Generic[T, R]):
     def __init__(self, run: Callable[[list[T]], list[R]], max_batch: int, max_queue: int,
                  on_batch: Callable[[int, float], None] | None = None, key: Callable[[T], object] | None = None,
-                 regroup: float = 0.0, max_regroup_s: float = 0.005):
+                 regroup: float = 0.0, max_regroup_s: float = 0.005, at_once: Callable[[T], bool] | None = None):
         self.run = run
         self.key = key  # items with the same key never share a batch; they run in arrival order
-        # > 0 (with ``key``): the next batch waits for the last one's callers up to this share of its time
-        self.regroup, self.max_regroup_s = regroup, max_regroup_s
+        # > 0 (with ``key``): the next batch waits for the last one's callers up to this share of its time,
+        # those of its items ``at_once`` says call again at once (None: all)
+        self.regroup, self.max_regroup_s, self.at_once = regroup, max_regroup_s, at_once
         self.away: set = set()  # keys of the last batch's callers not back yet
         self.back: asyncio.Event | None = None  # set when none is away
         self.regroup_until = 0.0  # (event-loop time) when the next batch stops waiting for them
@@ -166,7 +167,8 @@ class ContinuousBatcher(Generic[T, R]):
             await self.wakeup.wait()
             self.wakeup.clear()
             while self.pending:
-                await self._regroup(loop)
+                if self.away:
+                    await self._regroup(loop)
                 live.clear()
                 rest, keys = [], set()
                 for item, fut in self.pending:
@@ -191,7 +193,8 @@ class ContinuousBatcher(Generic[T, R]):
                             fut.set_exception(e)
                     continue
                 if self.regroup and self.key is not None:
-                    self.away = {self.key(i) for i, _ in live} - {self.key(i) for i, _ in self.pending}
+                    self.away = {self.key(i) for i, _ in live if self.at_once is None or self.at_once(i)} \
+                        - {self.key(i) for i, _ in self.pending}
                     self.regroup_until = loop.time() + min(self.max_regroup_s, self.regroup * (loop.time() - t0))
                 for (_, fut), res in zip(live, results):
                     if not fut.done():

@@ -20,7 +20,7 @@ class EngineServer:
     role = "engine"
 
     def __init__(self, engine, call: Callable[[list], list], max_batch: int, max_queue: int,
-                 stall_timeout_s: float = 30.0, regroup: float = 0.0):
+                 stall_timeout_s: float = 30.0, regroup: float = 0.0, at_once: Callable | None = None):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self._stall_next = 0.0  # injected: the next batch hangs this long in the engine thread
@@ -28,7 +28,7 @@ class EngineServer:
         self._call = call  # the engine's batched method: a list of requests -> a list of results
         # a sequence never has two calls in one batch: they run in arrival order
         self.batcher = ContinuousBatcher(self._run, max_batch, max_queue, self._on_batch, key=lambda r: r.seq_id,
-                                         regroup=regroup)
+                                         regroup=regroup, at_once=at_once)
         if hasattr(engine, "on_progress"):  # the engine reports each finished forward pass: a long batch is alive
             engine.on_progress = self.batcher.heartbeat
         self.load = LoadWindow()  # engine load since the last autoscaling report

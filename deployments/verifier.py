@@ -161,9 +161,11 @@ class VerifierServer(EngineServer):
         self._drafter_eps: list[Endpoint] = []  # the drafter replicas the proposer was last told of
         self._vllm_ids, self._streams = itertools.count(), 0
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
-        # a batch's sequences queue their next verify at once (or after a draft): the next batch waits for
-        # them up to a quarter of the batch's time, at most 5 ms, so a split batch merges again (batcher)
-        super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s, regroup=0.25)
+        # a batch's sequences decoding plain queue their next verify at once: the next batch waits for them up
+        # to a quarter of the batch's time, at most 5 ms, so a split batch merges again (batcher). Not for one
+        # that speculated: its next step may wait on a draft (at 2 streams, waiting for those cost 6%)
+        super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s, regroup=0.25,
+                         at_once=lambda r: not r.draft_tokens)
 
     def _engine(self, config: dict, in_engine: bool):
         """The engine this replica builds from its config: its own, or vLLM's (then with the EAGLE-3 head in
