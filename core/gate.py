@@ -64,27 +64,28 @@ class MeasuredChoice:
             best = None if unmeasured else self._choose()
             if best is not None and best != self.prefer and best != self._best and self.prefer is not None \
                     and not self._confirming:  # leaving the safe arm: on a second run of the other, measured anew
-                self._confirming, self._left = True, self.run - 1
-                self._streak += 1
-                self._arms = [self._arms[1], best]
-                return best
-            self._confirming = False
-            if self._interval and best is not None and best == self._best and self._arms[1] == (not best):
-                # a try just ended and confirmed the arm in use: the next waits twice as long
-                self._interval = min(self.max_explore_every, 2 * self._interval)
-                self._next_try = self.steps + self._interval
-            if best != self._best:
-                self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
-                self._next_try = self.steps + self.explore_every
-            self._best = best
-            arm = unmeasured[0] if unmeasured else best
-            if not unmeasured and self._due():
-                arm = not best
-            if arm != best:
-                self._left = self.run - 1
+                self._confirming, self._left, arm = True, self.run - 1, best
+            else:
+                self._confirming = False
+                arm = unmeasured[0] if unmeasured else self._settle(best)
+                if arm != best:
+                    self._left = self.run - 1
         self._streak = self._streak + 1 if arm == self._arms[1] else 1
         self._arms = [self._arms[1], arm]
         return arm
+
+    def _settle(self, best: bool) -> bool:
+        """Make ``best`` the choice (both arms measured) and pick this step's arm: it, or the other on a try.
+        A try that just ended confirming the choice doubles the wait for the next; a change of choice starts
+        the tries again from ``explore_every``."""
+        if self._interval and best == self._best and self._arms[1] == (not best):
+            self._interval = min(self.max_explore_every, 2 * self._interval)
+            self._next_try = self.steps + self._interval
+        if best != self._best:
+            self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
+            self._next_try = self.steps + self.explore_every
+        self._best = best
+        return (not best) if self._due() else best
 
     def _choose(self) -> bool:
         """The faster arm, both measured: the arm in use stays unless the other is faster by ``margin`` (noise

@@ -228,8 +228,8 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     assert rep["spec_ms"] > rep["off_ms"] > 0, rep
 
 
-def _noisy_gate(gate, spec_over_plain: float, steps: int, seed: int = 0):
-    """Drive a replica's gate with 16 streams on fake time: a plain engine step emits 16 tokens in 25.6 ms (+-10%);
+def _noisy_gate(gate, now: list, spec_over_plain: float, steps: int, seed: int = 0):
+    """Drive a replica's gate with 16 streams on fake time (``now``, its clock's): a plain engine step emits 16 tokens in 25.6 ms (+-10%);
     a speculating one 16-80 tokens, at ``spec_over_plain`` times plain's seconds per token on average (+-50%),
     as served steps vary with the text's luck. -> (the arm of each step, seconds per token over all-plain)."""
     import random
@@ -244,7 +244,7 @@ def _noisy_gate(gate, spec_over_plain: float, steps: int, seed: int = 0):
         accepted = [rng.randint(0, 4) if spec else 0 for _ in range(16)]
         n = sum(a + 1 for a in accepted)
         dt = n * plain_s * (spec_over_plain * rng.uniform(0.5, 1.5) if spec else rng.uniform(0.9, 1.1))
-        gate.now[0] += dt
+        now[0] += dt
         total, tokens = total + dt, tokens + n
         gate._gate_step([VerifyResult(f"s{i}", num_accepted=a, num_drafts=4 if spec else 0)
                          for i, a in enumerate(accepted)], streams=16)
@@ -262,19 +262,17 @@ def test_the_replica_gate_holds_plain_decoding_through_lucky_tries(tiny_engines)
     costs = []
     for seed in range(4):
         server, now = _gate_server(tiny_engines)
-        server.now = now
-        arms, cost = _noisy_gate(server, 1.34, 3000, seed)
+        arms, cost = _noisy_gate(server, now, 1.34, 3000, seed)
         costs.append(cost)
         starts = [i for i in range(1, len(arms)) if arms[i] and not arms[i - 1]]
         gaps = [b - a for a, b in itertools.pairwise(starts)]
         assert max(gaps) >= 1024 and gaps[-1] >= 512, gaps
     assert max(costs) < 1.035, costs
     old, now = _gate_server(tiny_engines)
-    old.now, old.gate = now, BatchSpeculation(explore_every=128, run=8, settle=4)
-    assert _noisy_gate(old, 1.34, 3000, 0)[1] > 1.045  # (the earlier gate, on the same steps)
+    old.gate = BatchSpeculation(explore_every=128, run=8, settle=4)
+    assert _noisy_gate(old, now, 1.34, 3000, 0)[1] > 1.045  # (the earlier gate, on the same steps)
     server, now = _gate_server(tiny_engines)
-    server.now = now
-    arms, cost = _noisy_gate(server, 0.8, 3000)
+    arms, cost = _noisy_gate(server, now, 0.8, 3000)
     assert sum(arms[500:]) > 0.9 * 2500 and cost < 0.85, (sum(arms[500:]), cost)
 
 
@@ -309,9 +307,8 @@ def test_the_replica_gate_returns_to_speculation_when_it_pays_again(tiny_engines
     """Backed off to its longest wait on a load where speculation lost, the gate finds it faster again (the
     text turned predictable) within one wait and a try, and speculates from then on."""
     server, now = _gate_server(tiny_engines)
-    server.now = now
-    _noisy_gate(server, 1.34, 4000)
-    arms, _ = _noisy_gate(server, 0.7, 1500, seed=1)
+    _noisy_gate(server, now, 1.34, 4000)
+    arms, _ = _noisy_gate(server, now, 0.7, 1500, seed=1)
     c = next(iter(server.gate.choices.values()))
     first = arms.index(True)
     assert first <= c.max_explore_every, first

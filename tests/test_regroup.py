@@ -6,10 +6,7 @@ import time
 from types import SimpleNamespace
 
 from deployments.batcher import ContinuousBatcher
-
-
-def item(name, seq=None):
-    return SimpleNamespace(name=name, seq_id=seq or name)
+from tests.test_batcher import item
 
 
 def _decode(regroup: float, steps: int = 30):
