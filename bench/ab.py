@@ -76,6 +76,8 @@ def parse(argv=None):
     ap.add_argument("--old", required=True, help="a checkout of the other version (its repository root)")
     ap.add_argument("--systems", default="default,k4", help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--workload", default=None, help="this workload's prompts (bench.workloads: humaneval, held-out or "
+                    "a JSONL file; default: the bench prompts)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -204,7 +206,14 @@ def _measure(args, trees: dict) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TARGET)
-    prompts = load_prompts(args.prompts, tok)
+    if args.workload:
+        from bench import workloads
+
+        chosen = workloads.load(args.workload, args.prompts, tok)
+        prompts, source = chosen.prompts, chosen.describe()
+    else:
+        prompts = load_prompts(args.prompts, tok)
+        source = {"name": "bench prompts", "prompts": len(prompts)}
     policies = sorted({SYSTEMS[s][0] for s in args.systems})
     apps, overrides = {}, {}
     for ver, tree in trees.items():
@@ -253,7 +262,7 @@ def _measure(args, trees: dict) -> dict:
             x.pop("output_ids")
     return {"scenario": "ab", "config": {k: v for k, v in vars(args).items()},
             "commits": {v: _commit(t) for v, t in trees.items()}, "environment": environment(args.threads),
-            "summary": summary, "runs": runs, "duration_s": round(time.perf_counter() - t0, 1)}
+            "workload": source, "summary": summary, "runs": runs, "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):

@@ -37,18 +37,20 @@ TRACES = Path(__file__).resolve().parent / "traces" / "policy_traces.json"
 SERVED_MS = [6.0, 9.1, 9.2, 10.5, 11.0, 12.0, 12.9, 13.9, 14.4]
 
 
-def record(prompts: int, max_k: int, tokens: int, out: Path):
+def record(prompts: int, max_k: int, tokens: int, out: Path, workload: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from bench import workloads
     from bench.common import DRAFTER, TARGET, load_prompts
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     drafter = AutoModelForCausalLM.from_pretrained(DRAFTER, dtype=torch.float32).eval()
+    chosen = workloads.load(workload, prompts, tok).prompts if workload else load_prompts(prompts, tok)
     traces = []
     with torch.no_grad():
-        for _, ids in load_prompts(prompts, tok):
+        for _, ids in chosen:
             n = tokens + max_k
             out_ids = target.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False)[0, len(ids):].tolist()
@@ -100,6 +102,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="record the traces first")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--workload", default=None, help="record this workload's prompts (bench.workloads: humaneval, "
+                    "held-out or a JSONL file; default: the bench prompts)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--max-k", type=int, default=8)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -114,7 +118,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="also write policy_replay.json to this folder")
     args = ap.parse_args(argv)
     if args.record:
-        record(args.prompts, args.max_k, args.tokens, args.traces)
+        record(args.prompts, args.max_k, args.tokens, args.traces, args.workload)
     traces = json.loads(args.traces.read_text())
     cost_ms = [float(x) for x in args.cost_ms.split(",")]
     miss_ms = [float(x) for x in args.miss_ms.split(",")] if args.miss_ms else None

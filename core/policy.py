@@ -15,10 +15,12 @@ tested (which would trap a request at a low k), and under-speculating on predict
 more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
 (on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
 at this batch size by every sequence on the replica (``StepCosts``: per k, shrunk towards a line
-through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
-on the request too: its pre-drafts hit as often as its drafts are accepted). A new request thus
-starts from what the replica knows. Until ``min_steps`` speculative steps are measured, the
-engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
+through the measured ks, less the step's drafting on the critical path), and this request's own
+steps shrunk towards that; then this request's drafting on the critical path added (a pre-draft
+misses as often as its text defeats the drafter: ``miss_rates``), and the result made
+non-decreasing in k (``monotone``). A new request thus starts from what the replica knows; a cold
+replica tries a coarse grid of k once (``_sparse_k``) so that its cost line has a spread behind it.
+Until ``min_steps`` speculative steps are measured, the engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
 and d the drafter's time per token on the critical path; an unmeasured plain step is the model's
 t0, so speculation must beat plain decoding as measured (once chosen, plain steps are measured
 too). No CPU or GPU constant decides: c_verify only shapes estimates until the measurements
@@ -30,7 +32,8 @@ speculative k is tried again, twice as long after each failed recheck and long e
 speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``). Every
 ``explore_every`` steps a neighbour of the best k is tried; a k is tried for ``run`` steps and
 measured on steady-state steps only (the step after a change pays for it: its pre-draft misses).
-Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md.
+Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md,
+docs/decisions/0032-policy-cold-start.md.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class AdaptiveK:
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _prev_k: int | None = None  # the k of the previous observed step
+    _prev_whole: bool | None = None  # whether it accepted its whole block (None: plain)
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
@@ -109,27 +113,50 @@ class AdaptiveK:
 
     def model_s(self, k: float) -> float:
         """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
-        return self.costs.plain_est_s * (1 + self.c_verify * k) + k * self.costs.draft_per_token_s
+        return self.model_base_s(k) + k * self.costs.draft_per_token_s
+
+    def model_base_s(self, k: float) -> float:
+        """The engine model's step without its drafting: a plain step and extra verified tokens."""
+        return self.costs.plain_est_s * (1 + self.c_verify * k)
+
+    def miss_rates(self, ks) -> list[float]:
+        """The chance a step with k drafts leaves the next step's drafts unready (a pre-draft's miss: the next
+        step drafts on the critical path), for each k of ``ks``: by whether its whole block is accepted (this
+        request's S(k)) and how often the replica's pre-drafts were ready after each outcome. Why: the step
+        cost tables hold steps less their drafting, which depends on the request's text (k = 2 measured on
+        hard text, and k = 7 on easy text, once read alike, and a hard request took k = 7)."""
+        e = self.expected_tokens(max([1, *ks]))
+        whole, part = self.costs.ready_rate(True), self.costs.ready_rate(False)
+        return [0.0 if k == 0 else 1 - ((e[k] - e[k - 1]) * whole + (1 - (e[k] - e[k - 1])) * part) for k in ks]
 
     def costs_all(self, ks, batch_size: int = 1) -> list[float]:
         """Wall time of a step with each of ``ks`` drafts at this batch size (each table read once):
         measured on this replica (``StepCosts``) once ``min_steps`` speculative steps are, else the
         engine model; where this request has steps of its own at k, their mean shrunk towards that.
         An unmeasured plain step is the model's (the verify forward alone), so speculation must beat
-        plain decoding as measured (once chosen, plain steps are measured too)."""
+        plain decoding as measured (once chosen, plain steps are measured too). Made non-decreasing in k
+        over every k up to the bound (``monotone``), whichever ``ks`` are asked for."""
+        wanted, ks = list(ks), range(max([self.bound, *ks]) + 1)
         if self.costs.measured(batch_size) < self.min_steps:
-            replica = [self.model_s(k) for k in ks]
+            replica = [self.model_base_s(k) for k in ks]
         else:
-            replica = [r if r is not None else self.model_s(k)
-                       for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_s))]
-        own = self.own.row(batch_size)
-        out = []
-        for k, r in zip(ks, replica):
+            replica = [r if r is not None else self.model_base_s(k)
+                       for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_base_s))]
+        own, row = self.own.row(batch_size), self.costs.row(batch_size)
+        # drafting on the critical path, this request's: a miss drafts k tokens there
+        per_token = self.costs.draft_per_token(batch_size)
+        misses = self.miss_rates(ks) if per_token is not None else [1.0] * len(ks)
+        per_token = per_token if per_token is not None else self.costs.draft_per_token_s
+        out, weights = [], []
+        for k, r, miss in zip(ks, replica, misses):
             mine = own.get(k)
             # this request's own steps, shrunk towards the replica's: what a step costs depends on the
-            # request too (its pre-drafts hit as often as its drafts are accepted)
-            out.append((sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r)
-        return out
+            # request too (the tables hold steps less their drafting, which is added per request)
+            base = (sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r
+            out.append(base + miss * k * per_token)
+            weights.append(1 + len(row.get(k, ())) + len(mine or ()))
+        full = monotone(list(ks), out, weights)
+        return [full[k] for k in wanted]
 
     def tokens_all(self) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: where this request has steps at k, their
@@ -189,7 +216,7 @@ class AdaptiveK:
         if plain:  # measure speculation again: conditions may have changed
             self.plain_run, self.current, self._rechecking = 0, best_spec, True
             return self._try(best_spec)
-        best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] else best_spec
+        best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] and self._plain_shown(best_spec, batch_size) else best_spec
         cur = self.current
         if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
             best = cur  # not clearly better: stay, measurements are noisy
@@ -202,12 +229,35 @@ class AdaptiveK:
             self.plain_run = 1
             return 0
         self.plain_run = 0
+        sparse = self._sparse_k(batch_size) if self.steps >= self.min_steps and self.steps % (2 * self.run) == 0 else None
+        if sparse is not None and sparse != best:
+            return self._try(sparse)
         if self.steps >= self.min_steps and self.steps % self.explore_every == 0:
             self._explore_up = not self._explore_up
             step = 1 if self._explore_up else -1
             if 1 <= best + step <= self.bound:
                 return self._try(best + step)
         return best
+
+    def _sparse_k(self, batch_size: int) -> int | None:
+        """A k of a coarse grid (1, 2, 4, 8, the bound) the replica has not measured a try of at this batch
+        size, else None. Why: a cold replica's cost line is fitted where its first requests ran (k = 1-2,
+        on text the drafter missed), and its steep slope kept every k above out of reach; one try at each
+        grid point spreads the line and tests the deep draft positions once for the replica's lifetime."""
+        row = self.costs.row(batch_size)
+        for k in sorted({1, 2, 4, 8, self.bound}):
+            if k <= self.bound and len(row.get(k, ())) < self.run - 1:
+                return k
+        return None
+
+    def _plain_shown(self, k: int, batch_size: int) -> bool:
+        """Plain decoding beats speculating at k on evidence enough: ``min_steps`` speculative steps of this
+        request, or a step at k measured to cost more than the k + 1 plain steps it could save (no acceptance
+        pays, so no more steps need to show it)."""
+        if self.steps >= self.min_steps:
+            return True
+        plain, spec = self.costs_all([0, k], batch_size)
+        return plain > 0 and spec > (k + 1) * plain
 
     def _verdict(self, best: int, batch_size: int, tried: int) -> None:
         """Speculation turned to plain, or a recheck ended. After a failed recheck the next waits twice as
@@ -257,9 +307,11 @@ class AdaptiveK:
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
         if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
-            costs.observe(batch_size, k, wall)
-            self.own.observe(batch_size, k, wall)
-        self._prev_k = k
+            costs.observe(batch_size, k, wall, draft_s or 0.0)
+            self.own.observe(batch_size, k, wall, draft_s or 0.0)
+            if k > 0 and draft_s is not None and self._prev_whole is not None:
+                costs.ready(self._prev_whole, draft_s > 0)
+        self._prev_k, self._prev_whole = k, (num_accepted == k if k > 0 else None)
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
             # speculation tried again after a plain stretch must be judged on what it meets then
@@ -276,6 +328,27 @@ class AdaptiveK:
         n, t = self._tokens.get(k, (0.0, 0.0))
         self._tokens[k] = (n + 1, t + num_accepted + 1)
         self.costs.acceptance.observe(k, num_accepted)
+
+
+def monotone(ks: list[int], costs: list[float], weights: list[float]) -> list[float]:
+    """``costs`` made non-decreasing in k over the speculative ks (k = 0 as it is), by pooling adjacent
+    violators, weighted by the steps behind each estimate: a step with more drafts verifies and drafts
+    more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
+    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
+    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
+    idx = sorted((k, i) for i, k in enumerate(ks) if k > 0)
+    blocks: list[list[float]] = []  # [pooled cost, weight, count]
+    for _, i in idx:
+        blocks.append([costs[i], weights[i], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            c2, w2, n2 = blocks.pop()
+            c1, w1, n1 = blocks[-1]
+            blocks[-1] = [(c1 * w1 + c2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    out = list(costs)
+    pooled = (c for c, _, n in blocks for _ in range(n))
+    for (_, i), c in zip(idx, pooled):
+        out[i] = c
+    return out
 
 
 @dataclass

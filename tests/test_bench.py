@@ -188,8 +188,10 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
 
     cwd = os.getcwd()
     res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,default", "--prompts", "1", "--repeats", "2",
-                           "--max-tokens", str(TOKENS), "--dtype", "float32", "--out", str(tmp_path)]))
+                           "--workload", "humaneval", "--max-tokens", str(TOKENS), "--dtype", "float32",
+                           "--out", str(tmp_path)]))
     assert os.getcwd() == cwd
+    assert [t.split("/")[0] for t in res["workload"]["task_ids"]] == ["HumanEval"]
     assert set(res["summary"]) == {"k2", "default"} and res["commits"]["old"] == res["commits"]["new"]
     for s, e in res["summary"].items():
         assert e["runs"] == 2 and e["same_tokens"] is True, s
@@ -402,6 +404,11 @@ def test_policy_replay_records_traces_and_replays_policies_on_them(tmp_path):
                                       "adaptive (each request alone)"}
     assert r["ms_per_token"]["fixed k=0"] == [pytest.approx(policy_replay.SERVED_MS[0], rel=0.5)]
     assert json.loads((tmp_path / "policy_replay.json").read_text())["best_fixed_k_per_prompt"] == r["best_fixed_k_per_prompt"]
+    # another workload's prompts: one HumanEval problem's trace
+    policy_replay.main(["--record", "--workload", "humaneval", "--prompts", "1", "--tokens", "8", "--max-k", "2",
+                        "--seeds", "1", "--traces", str(traces)])
+    (trace_he,) = json.loads(traces.read_text())
+    assert len(trace_he) == 8 and all(0 <= n <= 2 for n in trace_he)
 
 
 def test_predraft_tree_coverage_grows_with_the_alternatives(tmp_path):
