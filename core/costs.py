@@ -57,13 +57,7 @@ class StepCosts:
     plain_steps: int = 0  # steps behind plain_est_s
     draft_steps: int = 0  # ... behind draft_per_token_s
     recheck_in: int = 0  # plain steps (any sequence's) before the sequences here recheck speculation again
-    # bucket -> k -> recent wall seconds, less the step's drafting on the critical path: that part is the
-    # request's (its pre-drafts miss as often as its text defeats the drafter), the rest the replica's
-    table: dict[int, dict[int, deque]] = field(default_factory=dict)
-    drafting: dict[int, deque] = field(default_factory=dict)  # bucket -> recent (k, seconds) of steps that drafted on the path
-    # how often a step's drafts were ready (pre-drafted during the step before), by how that step ended:
-    # [ready, steps] (decayed) after a whole block accepted, and after a rejection (its correction guessed)
-    ready_after: dict[bool, list[float]] = field(default_factory=lambda: {True: [0.0, 0.0], False: [0.0, 0.0]})
+    table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
     spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
     # every sequence's acceptance per draft position: a request's prior for each position (taking
     # its last tested position's rate for the ones it has not tested traps a request at a low k)
@@ -80,32 +74,11 @@ class StepCosts:
         b = self.bucket(batch_size)
         return table[min(table, key=lambda x: (abs(x - b), x))]
 
-    def observe(self, batch_size: int, k: int, step_s: float, draft_s: float = 0.0):
-        """A steady-state step: its wall seconds, of which ``draft_s`` drafting on the critical path."""
+    def observe(self, batch_size: int, k: int, step_s: float):
         b = self.bucket(batch_size)
-        self.table.setdefault(b, {}).setdefault(k, deque(maxlen=self.per_k)).append(max(0.0, step_s - draft_s))
+        self.table.setdefault(b, {}).setdefault(k, deque(maxlen=self.per_k)).append(step_s)
         if k > 0:
             self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
-            if draft_s > 0:
-                self.drafting.setdefault(b, deque(maxlen=4 * self.per_k)).append((k, draft_s))
-
-    def ready(self, whole: bool, drafted: bool, decay: float = 0.98):
-        """A speculative step's drafts were ready (not ``drafted`` on the critical path), after a step that
-        accepted its ``whole`` block or not."""
-        row = self.ready_after[whole]
-        row[0], row[1] = decay * row[0] + (not drafted), decay * row[1] + 1
-
-    def ready_rate(self, whole: bool) -> float:
-        """Shrunk towards both outcomes' rate (one outcome rarely seen reads as the other)."""
-        (r1, n1), (r0, n0) = self.ready_after[True], self.ready_after[False]
-        ready, n = self.ready_after[whole]
-        return (ready + 2 * (r1 + r0 + 1) / (n1 + n0 + 2)) / (n + 2)
-
-    def draft_per_token(self, batch_size: int) -> float | None:
-        """Drafting on the critical path per draft token, over the recent steps that drafted there (a
-        pre-draft's miss: k drafter passes), at (or nearest) this batch size; None: none yet."""
-        recent = self._near(self.drafting, batch_size)
-        return sum(d for _, d in recent) / sum(k for k, _ in recent) if recent else None
 
     def row(self, batch_size: int) -> dict[int, deque]:
         """The recent wall seconds of steps, per k, at (or nearest) this batch size."""

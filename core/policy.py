@@ -15,12 +15,11 @@ tested (which would trap a request at a low k), and under-speculating on predict
 more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
 (on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
 at this batch size by every sequence on the replica (``StepCosts``: per k, shrunk towards a line
-through the measured ks, less the step's drafting on the critical path), and this request's own
-steps shrunk towards that; then this request's drafting on the critical path added (a pre-draft
-misses as often as its text defeats the drafter: ``miss_rates``), and the result made
-non-decreasing in k (``monotone``). A new request thus starts from what the replica knows; a cold
-replica tries a coarse grid of k once (``_sparse_k``) so that its cost line has a spread behind it.
-Until ``min_steps`` speculative steps are measured, the engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
+through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
+on the request too: its pre-drafts hit as often as its drafts are accepted), made non-decreasing in
+k (``monotone``). A new request thus starts from what the replica knows; a cold replica tries a
+coarse grid of k once (``_sparse_k``), so that its cost line has a spread of ks behind it. Until ``min_steps`` speculative steps are measured, the
+engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
 and d the drafter's time per token on the critical path; an unmeasured plain step is the model's
 t0, so speculation must beat plain decoding as measured (once chosen, plain steps are measured
 too). No CPU or GPU constant decides: c_verify only shapes estimates until the measurements
@@ -76,7 +75,6 @@ class AdaptiveK:
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _prev_k: int | None = None  # the k of the previous observed step
-    _prev_whole: bool | None = None  # whether it accepted its whole block (None: plain)
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
@@ -113,21 +111,7 @@ class AdaptiveK:
 
     def model_s(self, k: float) -> float:
         """Engine-model step time: a plain step, extra verified tokens, drafting on the critical path."""
-        return self.model_base_s(k) + k * self.costs.draft_per_token_s
-
-    def model_base_s(self, k: float) -> float:
-        """The engine model's step without its drafting: a plain step and extra verified tokens."""
-        return self.costs.plain_est_s * (1 + self.c_verify * k)
-
-    def miss_rates(self, ks) -> list[float]:
-        """The chance a step with k drafts leaves the next step's drafts unready (a pre-draft's miss: the next
-        step drafts on the critical path), for each k of ``ks``: by whether its whole block is accepted (this
-        request's S(k)) and how often the replica's pre-drafts were ready after each outcome. Why: the step
-        cost tables hold steps less their drafting, which depends on the request's text (k = 2 measured on
-        hard text, and k = 7 on easy text, once read alike, and a hard request took k = 7)."""
-        e = self.expected_tokens(max([1, *ks]))
-        whole, part = self.costs.ready_rate(True), self.costs.ready_rate(False)
-        return [0.0 if k == 0 else 1 - ((e[k] - e[k - 1]) * whole + (1 - (e[k] - e[k - 1])) * part) for k in ks]
+        return self.costs.plain_est_s * (1 + self.c_verify * k) + k * self.costs.draft_per_token_s
 
     def costs_all(self, ks, batch_size: int = 1) -> list[float]:
         """Wall time of a step with each of ``ks`` drafts at this batch size (each table read once):
@@ -138,22 +122,17 @@ class AdaptiveK:
         over every k up to the bound (``monotone``), whichever ``ks`` are asked for."""
         wanted, ks = list(ks), range(max([self.bound, *ks]) + 1)
         if self.costs.measured(batch_size) < self.min_steps:
-            replica = [self.model_base_s(k) for k in ks]
+            replica = [self.model_s(k) for k in ks]
         else:
-            replica = [r if r is not None else self.model_base_s(k)
-                       for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_base_s))]
+            replica = [r if r is not None else self.model_s(k)
+                       for k, r in zip(ks, self.costs.step_all(batch_size, ks, self.model_s))]
         own, row = self.own.row(batch_size), self.costs.row(batch_size)
-        # drafting on the critical path, this request's: a miss drafts k tokens there
-        per_token = self.costs.draft_per_token(batch_size)
-        misses = self.miss_rates(ks) if per_token is not None else [1.0] * len(ks)
-        per_token = per_token if per_token is not None else self.costs.draft_per_token_s
         out, weights = [], []
-        for k, r, miss in zip(ks, replica, misses):
+        for k, r in zip(ks, replica):
             mine = own.get(k)
             # this request's own steps, shrunk towards the replica's: what a step costs depends on the
-            # request too (the tables hold steps less their drafting, which is added per request)
-            base = (sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r
-            out.append(base + miss * k * per_token)
+            # request too (its pre-drafts hit as often as its drafts are accepted)
+            out.append((sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r)
             weights.append(1 + len(row.get(k, ())) + len(mine or ()))
         full = monotone(list(ks), out, weights)
         return [full[k] for k in wanted]
@@ -307,11 +286,9 @@ class AdaptiveK:
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
         if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
-            costs.observe(batch_size, k, wall, draft_s or 0.0)
-            self.own.observe(batch_size, k, wall, draft_s or 0.0)
-            if k > 0 and draft_s is not None and self._prev_whole is not None:
-                costs.ready(self._prev_whole, draft_s > 0)
-        self._prev_k, self._prev_whole = k, (num_accepted == k if k > 0 else None)
+            costs.observe(batch_size, k, wall)
+            self.own.observe(batch_size, k, wall)
+        self._prev_k = k
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
             # speculation tried again after a plain stretch must be judged on what it meets then
