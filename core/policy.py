@@ -18,8 +18,8 @@ at this batch size by every sequence on the replica (``StepCosts``: per k, shrun
 through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
 on the request too: its pre-drafts hit as often as its drafts are accepted), made non-decreasing in
 k (``monotone``). A new request thus starts from what the replica knows; a cold replica tries a
-coarse grid of k once (``_sparse_k``), so that its cost line has a spread of ks behind it. Until ``min_steps`` speculative steps are measured, the
-engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
+coarse grid of k once (``_sparse_k``), so that its cost line has a spread of ks behind it. Until
+``min_steps`` speculative steps are measured, the engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
 and d the drafter's time per token on the critical path; an unmeasured plain step is the model's
 t0, so speculation must beat plain decoding as measured (once chosen, plain steps are measured
 too). No CPU or GPU constant decides: c_verify only shapes estimates until the measurements
@@ -134,7 +134,7 @@ class AdaptiveK:
             # request too (its pre-drafts hit as often as its drafts are accepted)
             out.append((sum(mine) + self.costs.shrink * r) / (len(mine) + self.costs.shrink) if mine else r)
             weights.append(1 + len(row.get(k, ())) + len(mine or ()))
-        full = monotone(list(ks), out, weights)
+        full = monotone(out, weights)
         return [full[k] for k in wanted]
 
     def tokens_all(self) -> list[float]:
@@ -307,25 +307,20 @@ class AdaptiveK:
         self.costs.acceptance.observe(k, num_accepted)
 
 
-def monotone(ks: list[int], costs: list[float], weights: list[float]) -> list[float]:
-    """``costs`` made non-decreasing in k over the speculative ks (k = 0 as it is), by pooling adjacent
-    violators, weighted by the steps behind each estimate: a step with more drafts verifies and drafts
-    more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
+def monotone(costs: list[float], weights: list[float]) -> list[float]:
+    """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
+    pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
+    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
     tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
     k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
-    idx = sorted((k, i) for i, k in enumerate(ks) if k > 0)
-    blocks: list[list[float]] = []  # [pooled cost, weight, count]
-    for _, i in idx:
-        blocks.append([costs[i], weights[i], 1])
+    blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
+    for c, w in zip(costs[1:], weights[1:]):
+        blocks.append([c, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             c2, w2, n2 = blocks.pop()
             c1, w1, n1 = blocks[-1]
             blocks[-1] = [(c1 * w1 + c2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    out = list(costs)
-    pooled = (c for c, _, n in blocks for _ in range(n))
-    for (_, i), c in zip(idx, pooled):
-        out[i] = c
-    return out
+    return costs[:1] + [c for c, _, n in blocks for _ in range(n)]
 
 
 @dataclass

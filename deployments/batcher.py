@@ -167,8 +167,7 @@ class ContinuousBatcher(Generic[T, R]):
             await self.wakeup.wait()
             self.wakeup.clear()
             while self.pending:
-                if self.away:
-                    await self._regroup(loop)
+                await self._regroup(loop)
                 live.clear()
                 rest, keys = [], set()
                 for item, fut in self.pending:
