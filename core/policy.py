@@ -285,10 +285,12 @@ class AdaptiveK:
         wall = step_s if step_s > 0 else verify_s + (draft_s or 0.0)
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the
         # old k misses), which would make every k tried once look slower than the one in use
-        if wall > 0 and self._prev_k == k:  # (a sequence's first step, cold, is never measured)
+        if wall > 0 and self._prev_k == k:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
-        self._prev_k = k
+        # nor is the step after one without times (the prompt's prefill): it is a sequence's first decoding
+        # step, cold (the drafter catches up on the prompt: served, 6.9-12.3 ms against 4.7-7.6 steady)
+        self._prev_k = k if wall > 0 else None
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
             # speculation tried again after a plain stretch must be judged on what it meets then

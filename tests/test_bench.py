@@ -365,17 +365,19 @@ def test_machine_slug_names_the_cpu_line_and_the_widest_instruction_set_the_kern
 
 def test_published_results_hold_one_current_report_per_machine(tmp_path):
     """bench/results/ holds machine folders only, each with its meta.json (named like the folder), and
-    its report.md is what bench.report renders from the folder's own JSON today."""
+    its report.md is what bench.report renders from the folder's own JSON today; so is a scenario's
+    report in a folder of its own inside (``make bench-policy``: policy/)."""
     from bench import report
 
-    folders = sorted(PUBLISHED.iterdir())
-    assert folders and all(f.is_dir() for f in folders), folders
+    machines = sorted(PUBLISHED.iterdir())
+    assert machines and all(f.is_dir() for f in machines), machines
+    folders = [f for machine in machines for f in [machine, *sorted(d for d in machine.iterdir() if d.is_dir())]]
     for folder in folders:
         m = json.loads((folder / "meta.json").read_text())
-        assert m["machine"] == folder.name
+        assert m["machine"] == (folder.name if folder.parent == PUBLISHED else folder.parent.name)
         for key in ("commit", "date", "dtype", "torch_threads_per_engine", "cpu_flags", "host_cpus"):
             assert m.get(key) not in (None, "unknown"), (folder.name, key)
-        copy = tmp_path / folder.name
+        copy = tmp_path / folder.relative_to(PUBLISHED)
         copy.mkdir()
         for f in folder.iterdir():
             if f.suffix == ".json" and f.name != "results.json":

@@ -472,3 +472,14 @@ def test_a_cold_replica_measures_a_spread_of_k_once():
     second = serve(200)
     assert 8 not in second[3:] and 4 not in second[3:], second  # its first k is a run of three steps
 
+
+
+def test_a_sequences_first_decoding_step_is_not_read_as_a_steady_step():
+    """The prompt's prefill reports no times, and the step after it is cold (the drafter catches up on
+    the prompt): neither is a cost of k, for the replica or the request."""
+    p = AdaptiveK(4)
+    p.observe(2, 1)  # the prefill: acceptance only
+    p.observe(2, 1, 0.003, 0.004, 0.012, 1)  # the first decoding step
+    assert not p.costs.row(1) and not p.own.row(1)
+    p.observe(2, 2, 0.0, 0.004, 0.005, 1)
+    assert list(p.costs.row(1)[2]) == [0.005] and list(p.own.row(1)[2]) == [0.005]
