@@ -18,7 +18,8 @@ time over all its tokens, the inverse of throughput.
 ``--slow-drafter S`` makes every drafter batch S seconds slower (the replicas' fault injection), a drafter
 too slow to pay; with ``--systems default,off`` the summary's ``off_over`` is each version's speed over
 speculation off, paired the same way. ``--drafter eagle3`` serves the shipped EAGLE-3 head instead of the
-draft model.
+draft model. ``--temperature 0,0.8`` serves each (repeat, prompt) at each temperature in turn, a replica's
+traffic of greedy and sampled requests mixed; the summary has a row per system and temperature.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def parse(argv=None):
                     "a JSONL file; default: the bench prompts)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=lambda x: [float(t) for t in x.split(",")], default=[0.0],
+                    help="comma-separated: more than one serves each (repeat, prompt) at each in turn (single streams)")
     ap.add_argument("--streams", type=int, default=1,
                     help="concurrent requests per run: 1 pairs single requests, N > 1 pairs waves of N")
     ap.add_argument("--drafter", default="draft_model", choices=["draft_model", "eagle3"],
@@ -97,6 +99,8 @@ def parse(argv=None):
         ap.error(f"--systems: unknown {sorted(unknown)}")
     if args.streams < 1:
         ap.error("--streams: at least 1")
+    if args.streams > 1 and len(args.temperature) > 1:
+        ap.error("--temperature: one with --streams")
     if not (Path(args.old) / "deployments").is_dir():
         ap.error(f"--old {args.old}: not a splitspec checkout")
     return args
@@ -143,19 +147,25 @@ def run(args) -> dict:
         sys.path[:] = path
 
 
+def _name(args, s: str, t: float) -> str:
+    """A system's row: with more than one temperature, one per system and temperature."""
+    return s if len(args.temperature) == 1 else f"{s}@T{t:g}"
+
+
 def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
-    """One request at a time, each (repeat, prompt) on both versions back to back."""
+    """One request at a time, each (repeat, prompt) on both versions back to back (at each temperature)."""
     for rep in range(args.repeats):
         for i, (_, ids) in enumerate(prompts):
             seed = 1000 + 100 * rep + i
             versions = ("old", "new") if (rep + i) % 2 == 0 else ("new", "old")
-            for s in args.systems:
-                policy, k = SYSTEMS[s]
-                for ver in versions:
-                    wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
-                                                  completion_body(ids, args.max_tokens, args.temperature, seed, k))
-                    runs[f"{s}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
-                                               "tokens": n, "output_ids": out, **_step_stats(spec)})
+            for t in args.temperature:
+                for s in args.systems:
+                    policy, k = SYSTEMS[s]
+                    for ver in versions:
+                        wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
+                                                      completion_body(ids, args.max_tokens, t, seed, k))
+                        runs[f"{_name(args, s, t)}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
+                                                                   "tokens": n, "output_ids": out, **_step_stats(spec)})
             log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
                                                                for key, r in runs.items()))
 
@@ -188,7 +198,7 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
             versions = ("old", "new") if rep % 2 == 0 else ("new", "old")
             for s in args.systems:
                 policy, k = SYSTEMS[s]
-                bodies = [completion_body(prompts[j % len(prompts)][1], args.max_tokens, args.temperature,
+                bodies = [completion_body(prompts[j % len(prompts)][1], args.max_tokens, args.temperature[0],
                                           1000 + 100 * rep + j, k) for j in range(args.streams)]
                 for ver in versions:
                     t0 = time.perf_counter()
@@ -222,20 +232,21 @@ def _measure(args, trees: dict) -> dict:
                                                drafter=args.drafter)
             overrides[f"{ver}-{policy}"] = _with_path(tree, faults=args.slow_drafter > 0)
     t0 = time.perf_counter()
-    runs = {f"{s}-{v}": [] for s in args.systems for v in trees}
+    names = {(s, t): _name(args, s, t) for s in args.systems for t in args.temperature}
+    runs = {f"{n}-{v}": [] for n in names.values() for v in trees}
     # the old version's apps built by its own app builder: its config and constructors may differ from this one's
     builders = {name: trees["old"] for name in apps if name.startswith("old-")}
     with serving(apps, args.threads, overrides, builders) as urls, httpx.Client(timeout=600) as client:
         if args.slow_drafter:
             _slow_drafters(apps, args.slow_drafter)
         for name, url in urls.items():  # warm-up: first-call costs
-            complete(client, url, completion_body(prompts[0][1], 16, args.temperature, 7, None))
+            complete(client, url, completion_body(prompts[0][1], 16, args.temperature[0], 7, None))
         if args.streams == 1:
             _singles(args, client, urls, prompts, runs)
         else:
             asyncio.run(_waves(args, urls, prompts, runs))
     summary = {}
-    for s in args.systems:
+    for (_, t), s in names.items():
         old, new = runs[f"{s}-old"], runs[f"{s}-new"]
         ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
         # the pairs where both runs report a per-step mean (a run that never speculated has none)
@@ -252,9 +263,9 @@ def _measure(args, trees: dict) -> dict:
                          for f, pairs in both.items() if pairs},
                       # greedy: both versions must emit the same tokens
                       "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
-                      if args.temperature == 0 else None}
+                      if t == 0 else None}
         if "off" in args.systems:  # each version's speed over speculation off, paired per run
-            summary[s]["off_over"] = {v: paired_ratio(runs[f"off-{v}"], runs[f"{s}-{v}"]) for v in trees}
+            summary[s]["off_over"] = {v: paired_ratio(runs[f"{names['off', t]}-{v}"], runs[f"{s}-{v}"]) for v in trees}
         log(f"{s}: new / old {summary[s]['new_over_old_paired']} (faster in {summary[s]['new_faster_runs']} of "
             f"{len(ratios)}), same tokens {summary[s]['same_tokens']}")
     for r in runs.values():

@@ -425,7 +425,8 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
     # its first step (the prompt's) and at most a try of `run` steps before plain, then at most one recheck
     assert spec and spec[0] == 0 and len(spec) <= 1 + 2 * AdaptiveK(4).run, spec
     assert sum(i.k > 0 for _, _, i in later) == 0, [i.k for _, _, i in later]
-    assert server.step_costs.recheck_in > n, server.step_costs.recheck_in
+    costs = server.step_costs[0.0]  # (greedy requests')
+    assert costs.recheck_in > n, costs.recheck_in
 
 
 def test_a_step_with_more_drafts_is_never_read_as_cheaper():
@@ -483,3 +484,33 @@ def test_a_sequences_first_decoding_step_is_not_read_as_a_steady_step():
     assert not p.costs.row(1) and not p.own.row(1)
     p.observe(2, 2, 0.0, 0.004, 0.005, 1)
     assert list(p.costs.row(1)[2]) == [0.005] and list(p.own.row(1)[2]) == [0.005]
+
+
+def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
+    """A replica keeps its step costs and acceptance per draft position per temperature: a sampled request
+    neither starts from what greedy ones measured nor moves it."""
+    import asyncio
+
+    from configs import SamplingParams
+    from deployments.drafter import DrafterServer
+
+    tok, _, _, drafter = tiny_engines
+    server, _ = _gate_server(tiny_engines)
+    server.clock = __import__("time").perf_counter
+    server.local = DrafterServer({}, engine=drafter)
+    prompt = tok.encode("def add(a, b):")
+    greedy, sampled = (SamplingParams(temperature=t, max_tokens=48, ignore_eos=True, seed=1) for t in (0.0, 0.8))
+
+    async def one(seq_id, params):
+        return [g async for g in server.speculate(prompt, params, seq_id, k=4, k_policy="adaptive")]
+
+    asyncio.run(one("g", greedy))
+    g = server.costs_for(greedy)
+    tested, measured = list(g.acceptance.tested), g.measured(1)
+    assert measured > 0 and tested
+    assert server.costs_for(sampled) is not g and not server.costs_for(sampled).acceptance.tested
+    asyncio.run(one("s", sampled))
+    s = server.costs_for(sampled)
+    assert s.measured(1) > 0 and s.acceptance.tested
+    assert g.acceptance.tested == tested and g.measured(1) == measured
+    assert server.costs_for(SamplingParams(temperature=0.81, max_tokens=1)) is s
