@@ -14,7 +14,7 @@ as likely as the replica's sequences found it, never as unlikely as the last one
 tested (which would trap a request at a low k), and under-speculating on predictable text loses
 more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
 (on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
-at this batch size by every sequence on the replica (``StepCosts``: per k, shrunk towards a line
+at this batch size by every sequence on the replica at this temperature (``StepCosts``: per k, shrunk towards a line
 through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
 on the request too: its pre-drafts hit as often as its drafts are accepted), made non-decreasing in
 k (``monotone``). A new request thus starts from what the replica knows; a cold replica tries a
@@ -32,7 +32,7 @@ speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``). 
 ``explore_every`` steps a neighbour of the best k is tried; a k is tried for ``run`` steps and
 measured on steady-state steps only (the step after a change pays for it: its pre-draft misses).
 Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md,
-docs/decisions/0032-policy-cold-start.md.
+docs/decisions/0032-policy-cold-start.md, docs/decisions/0033-costs-per-temperature.md.
 """
 
 from __future__ import annotations
