@@ -174,7 +174,7 @@ bench-report: $(STAMP) bench-check-out
 	$(PY) -m bench.report --out $(BENCH_OUT)
 
 # The default policy against every fixed k (speculation off included) on both workloads, at T = 0 and T = 0.8:
-# 6 prompts of each x 2 repeats x 256 tokens, served and in process, no peers (about 14 minutes), into policy/ of
+# 6 prompts of each x 2 repeats x 256 tokens, served and in process, no peers (about 11 minutes), into policy/ of
 # the machine's folder, whose report's policy rows are the goal; then the offline replay on the recorded traces.
 # `make bench`'s two prompts a workload cannot resolve 10%: one request moves the median by 5-10%.
 bench-policy: $(STAMP) bench-check-out
