@@ -54,6 +54,7 @@ from core.eagle3 import (
     layer_config,
     load_weights,
     rope_frequencies,
+    speculators_config,
     unsupported,
 )
 from core.eagle3 import save_head as save_head  # re-exported: a parallel head is saved in the same layout
@@ -171,11 +172,7 @@ class ParallelSpec(HeadShape):
         k = k or self.max_k
         cfg = {"architectures": ["DFlashSpeculator" if self.method == "dflash" else "DSparkSpeculator"],
                "speculators_model_type": self.method, "speculators_version": SPECULATORS_VERSION,
-               "speculators_config": {
-                   "algorithm": self.method, "default_proposal_method": "greedy",
-                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                         "accept_tolerance": 0.0}],
-                   "verifier": {"name_or_path": verifier_path, "architectures": verifier_arch}},
+               "speculators_config": speculators_config(self.method, k, verifier_path, verifier_arch),
                "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
                "target_hidden_size": self.target_hidden_size, "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                "block_size": self.block_size, "mask_token_id": self.mask_token_id,

@@ -77,6 +77,15 @@ def default_proposal(cfg: dict) -> dict:
     return next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")), methods[0] if methods else {})
 
 
+def speculators_config(algorithm: str, k: int, verifier_path: str, verifier_arch: list[str]) -> dict:
+    """A head config's ``speculators_config`` as Speculators writes it: one greedy proposal method of k
+    tokens (``default_proposal`` reads it back) and the verifier the head drafts for."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier_path, "architectures": verifier_arch}}
+
+
 def unsupported(name: str, value, why: str) -> NoReturn:
     """Refuse a head config: ``UnsupportedHead``, one line naming the field and its value."""
     raise UnsupportedHead(f"{name} {value!r}: {why}")
@@ -237,11 +246,7 @@ class Eagle3Spec(HeadShape):
         return {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                      "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": verifier_path, "architectures": verifier_arch}},
+            "speculators_config": speculators_config("eagle3", k, verifier_path, verifier_arch),
             "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             # written always: vLLM defaults norm_before_residual to true when absent, speculators to false
