@@ -255,11 +255,30 @@ class VerifierConfig(_EngineConfig):
         "of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
     capture: CaptureConfig | None = Field(None, description=(
         "Record served traffic for training a draft head (off by default; user data on disk: docs/training.md). transformers backend only."))
+    chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
+        "The chat template the router applies in place of the tokenizer's: a Jinja template, or the path of a file holding one (vLLM's "
+        "--chat-template). Default: the model's own."))
+    trust_request_chat_template: bool = Field(False, description=(
+        "Let a chat request carry its own chat_template (vLLM's --trust-request-chat-template); off: such a request is a 400."))
+    reasoning_parser: str | None = Field(None, min_length=1, max_length=64, description=(
+        "vLLM's name of the parser that splits the model's reasoning from its answer (vLLM's --reasoning-parser: qwen3, deepseek_r1, "
+        "openai_gptoss ...): responses then carry message.reasoning, streams delta.reasoning (docs/serving.md, Reasoning and tools)."))
+    tool_call_parser: str | None = Field(None, min_length=1, max_length=64, description=(
+        "vLLM's name of the parser that reads tool calls from the model's output (vLLM's --tool-call-parser: hermes, llama3_json, openai ...); "
+        "needs enable_auto_tool_choice."))
+    enable_auto_tool_choice: bool = Field(False, description=(
+        "Serve tools with tool_choice auto, the model deciding when to call one (vLLM's --enable-auto-tool-choice); needs tool_call_parser."))
 
     @model_validator(mode="after")
     def _check_capture(self):
         if self.capture is not None and self.backend != "transformers":
             raise ValueError(f"capture: traffic capture needs backend transformers, not {self.backend!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if self.enable_auto_tool_choice and not self.tool_call_parser:  # as vLLM refuses to start
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the name of vLLM's parser for the model's tool calls")
         return self
 
 

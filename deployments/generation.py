@@ -61,12 +61,16 @@ class Generation:
     ``pools``: the drafter and verifier handles (the drafter None when the verifier drafts
     itself); ``retry_s``: how long after its last progress a broken stream is resumed;
     ``timing``: the statistics carry the time breakdown; ``predicted``: the request's
-    predicted-output counters, shared by its choices."""
+    predicted-output counters, shared by its choices; ``phases``: tells whether the output is in
+    its reasoning (``chat.OutputParser``), for acceptance counted apart for reasoning and answer."""
 
     def __init__(self, pools: tuple, seq: Sequence, call: Call, retry_s: float, timing: bool = False,
-                 predicted: dict | None = None):
+                 predicted: dict | None = None, phases=None):
         self.drafter, self.verifier = pools
         self.seq, self.call, self.retry_s, self.timing, self.predicted = seq, call, retry_s, timing, predicted
+        self.phases = phases
+        # per phase: [speculative steps, drafts, accepted drafts]
+        self.by_phase = {"reasoning": [0, 0, 0], "answer": [0, 0, 0]} if phases is not None else None
         self.stats = RequestStats(call.k)
         self.deadline, self.attempt = 0.0, 0
         self.ended = False  # the replica's loop finished by itself: nothing to cancel
@@ -141,6 +145,8 @@ class Generation:
                                                 num_drafts=info.k,
                                                 logprobs=lps if self.call.logprobs is not None else None))
             self.stats.record(info, wall, len(seq.output_ids))
+            if self.by_phase is not None:
+                self._phase(info, new)
             tally_step(seq, info, wall, tally)
             if self.predicted is not None and info.predicted:
                 self.predicted["accepted_prediction_tokens"] += info.accepted
@@ -149,7 +155,21 @@ class Generation:
             text += delta
         tally.flush()
         report = self.stats.report(seq, self.timing) if seq.done else None
+        if report is not None and self.by_phase is not None:
+            report["by_phase"] = {phase: {"num_drafts": n, "num_draft_tokens": k, "num_accepted_tokens": a,
+                                          "acceptance_rate": round(a / k, 4) if k else None}
+                                  for phase, (n, k, a) in self.by_phase.items()}
         return StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report)
+
+    def _phase(self, info: StepInfo, new: list[int]):
+        """A step's drafts count to the phase its first token was in (a step crossing the end of
+        the reasoning counts to the reasoning)."""
+        if info.k:
+            counts = self.by_phase["reasoning" if self.phases.in_reasoning() else "answer"]
+            counts[0] += 1
+            counts[1] += info.k
+            counts[2] += info.accepted
+        self.phases.advance(new)
 
     async def _failed(self, e: BaseException):
         """The stream broke: resume on another replica after a back-off, or give up."""

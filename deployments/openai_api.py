@@ -8,6 +8,7 @@ reject too, with the same kind of 400 naming the parameter (docs/serving.md has 
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -50,9 +51,9 @@ UNSUPPORTED = {
                     "detokenisation is fixed: stop strings left out, special tokens skipped"),
     **dict.fromkeys(("truncate_prompt_tokens", "truncation_side"),
                     "prompts are never truncated: one beyond the context is a 400"),
-    **dict.fromkeys(("continue_final_message", "chat_template", "chat_template_kwargs", "documents", "echo",
-                     "add_special_tokens"), "the model's own chat template, applied as it is"),
-    **dict.fromkeys(("reasoning_effort", "thinking_token_budget", "include_reasoning"), "no reasoning controls"),
+    **dict.fromkeys(("echo", "add_special_tokens"), "the chat template's prompt, tokenized as it is"),
+    "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the model "
+                             "writes; reasoning_effort and chat_template_kwargs reach the chat template",
     "priority": "no priority scheduling",
     **dict.fromkeys(("cache_salt", "kv_transfer_params"), "no prefix cache shared across requests"),
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
@@ -191,13 +192,63 @@ def content_text(content: str | list[dict] | None) -> str:
     return content or ""
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=256)
+    arguments: str | dict = Field("", description="JSON text (OpenAI's), or an object.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="An assistant's calls, rendered by the template.")
+    tool_call_id: str | None = Field(None, max_length=256, description="A tool message's answer to this call.")
+    reasoning: str | None = Field(None, description="An assistant's reasoning, for templates that render it.")
+    reasoning_content: str | None = Field(None, description="Deprecated name of reasoning (vLLM's).")
 
     def text(self) -> str:
         return content_text(self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="OpenAI's function names (and vLLM's dots and colons).")
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict | None = Field(None, description="The arguments' JSON Schema.")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TemplateValue = str | int | float | bool | None | list | dict
+# what the chat template is always given by the server: a request sets these through their own fields
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                               "chat_template", "tokenize", "return_dict", "tokenizer", "conversation"})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's
 
 
 class ResponseFormat(BaseModel):
@@ -219,14 +270,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens, as vLLM's.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Needs logprobs true, as vLLM's.")
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opening (vLLM's).")
+    continue_final_message: bool = Field(False, description=(
+        "The final (assistant) message is left open for the model to continue (vLLM's); not with add_generation_prompt."))
+    documents: list[dict[str, str]] | None = Field(None, max_length=1024, description="Documents for templates that render them (RAG).")
+    chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
+        "A template for this request only: served where the app sets verifier.trust_request_chat_template."))
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=64, description=(
+        "Variables for the chat template, e.g. {\"enable_thinking\": false} (Qwen3): a JSON object of plain values."))
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(None, description=(
+        "Given to the chat template (gpt-oss reads it); any value but none also sets enable_thinking, unless "
+        "chat_template_kwargs does (as vLLM)."))
+    include_reasoning: bool = Field(True, description="false: the reasoning is left out of the response (as vLLM).")
     # OpenAI chat fields clients send with neutral values (SDKs and agent frameworks fill them in):
     # accepted where they ask for nothing this server would not do, a 400 naming them otherwise
     response_format: ResponseFormat | None = Field(None, description="Only {\"type\": \"text\"} (no JSON or schema-guided decoding).")
-    tools: list[dict] | None = Field(None, description="Must be empty: no tool calling.")
-    tool_choice: str | dict | None = Field(
-        None, description="Only none: anything else needs tools (as vLLM), and there is no tool calling.")
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; no effect without tools.")
+    tools: list[Tool] | None = Field(None, max_length=512, description=(
+        "Functions the model may call; needs a tool_call_parser on the app (verifier.tool_call_parser). Empty: none."))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "auto (the default with tools) or none; required and a named function need constrained decoding (a 400 for now)."))
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call in a response (the first).")
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
     modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description="Only [\"text\"].")
@@ -249,19 +312,51 @@ class ChatCompletionRequest(_Common):
             raise ValueError(f"type {v.type!r} is not supported: no JSON or schema-guided decoding, only 'text'")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v):
+    def _no_functions(cls, v):
         if v:
-            raise ValueError("tool calling is not supported: leave it out or empty")
+            raise ValueError("the deprecated functions field is not served: send tools")
         return v
 
-    @field_validator("tool_choice")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _no_tool_choice(cls, v):
-        if v is not None and v != "none":  # vLLM: any other tool_choice needs tools
-            raise ValueError("tool_choice other than 'none' needs tools, and tool calling is not supported")
+    def _template_kwargs(cls, v):
+        for key, value in (v or {}).items():
+            if not key.isidentifier():
+                raise ValueError(f"keys must be template variable names, got {key!r}")
+            if key in TEMPLATE_RESERVED:
+                raise ValueError(f"{key!r} is set by the server (or by its own request field), not here")
+            if len(json.dumps(value)) > 100_000:
+                raise ValueError(f"the value of {key!r} is over 100000 characters of JSON")
         return v
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:  # as vLLM
+            raise invalid("tool_choice", "when using tool_choice, tools must be set")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of the tools")
+        return self
+
+    @model_validator(mode="after")
+    def _one_prompt_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "continue_final_message needs add_generation_prompt false (as vLLM)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise invalid("continue_final_message", "continue_final_message needs an assistant message last")
+        return self
+
+    def template_kwargs(self) -> dict:
+        """What the chat template is given beyond the messages, tools and documents (as vLLM's)."""
+        kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items()}
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @field_validator("function_call")
     @classmethod

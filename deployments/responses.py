@@ -30,6 +30,7 @@ class Reply:
     echo: str = ""  # completions with echo: the prompt's text, first in the first choice text
     echo_logprobs: list | None = None  # and the prompt's logprobs, first in its logprobs
     predicted: dict | None = None  # predicted output tokens kept and dropped (usage details)
+    parsers: list | None = None  # chat: each choice's output parser (``chat.OutputParser``; None: plain answer)
     t0: float = field(default_factory=time.perf_counter)
 
     def envelope(self) -> dict:
@@ -53,13 +54,25 @@ class Reply:
                 "top_logprobs": [{decode([a]): alp for a, alp in lp[1]} if lp else None for lp in lps],
                 "text_offset": None}
 
-    def chunk(self, s: StepOutput, first: bool, index: int = 0) -> dict:
+    def parser(self, index: int):
+        return self.parsers[index] if self.parsers else None
+
+    def chunk(self, s: StepOutput, first: bool, index: int = 0, per_token: bool = False) -> dict | None:
+        """A step's chunk; None: nothing to send (a parser holding text back, with no tokens asked for)."""
         if self.endpoint == "chat":
-            delta = {"content": s.text}
+            parser, finish = self.parser(index), s.finish_reason
+            if parser is None:
+                delta = {"content": s.text}
+            else:  # every step goes through the parser: it keeps the output so far
+                delta, finish = parser.delta(s.text, s.token_ids, finish)
+                if delta is None and not (first or finish or (per_token and s.token_ids)):
+                    return None
+                delta = delta or {}
             if first:
-                delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta, "finish_reason": s.finish_reason,
-                      "logprobs": self.logprobs_body(s.token_ids, s.logprobs)}
+                delta = {"role": "assistant", **delta}
+            lps = s.logprobs if parser is None or self.body.include_reasoning else []  # (as vLLM: none when hidden)
+            choice = {"index": index, "delta": delta, "finish_reason": finish,
+                      "logprobs": self.logprobs_body(s.token_ids, lps)}
         else:
             text = self.echo + s.text if first else s.text
             choice = {"index": index, "text": text, "finish_reason": s.finish_reason,
@@ -86,8 +99,7 @@ class Reply:
         choices = []
         for i, out in enumerate(outs):
             if self.endpoint == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
-                          "finish_reason": out["finish_reason"], "logprobs": self.logprobs_body(out["ids"], out["logprobs"])}
+                choice = self.chat_choice(i, out)
             else:
                 choice = {"index": i, "text": self.echo + out["text"], "finish_reason": out["finish_reason"],
                           "logprobs": self.logprobs_body(out["ids"], out["logprobs"], first=True)}
@@ -100,6 +112,15 @@ class Reply:
         stats = outs[0]["stats"] if len(outs) == 1 else [out["stats"] for out in outs]
         return {**self.envelope(), "choices": choices, **usage, "speculation": stats}
 
+    def chat_choice(self, i: int, out: dict) -> dict:
+        parser, lps = self.parser(i), out["logprobs"]
+        if parser is None:
+            message, finish = {"role": "assistant", "content": out["text"]}, out["finish_reason"]
+        else:
+            message, finish = parser.final(out["text"], out["ids"], out["finish_reason"])
+            lps = lps if self.body.include_reasoning else []  # (as vLLM: none when the reasoning is hidden)
+        return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs_body(out["ids"], lps)}
+
     async def sse_chunks(self, steps):
         """The stream's events: a chunk per step that adds something, then usage when asked, then [DONE]."""
         n_out, status, started = 0, "200", set()
@@ -110,7 +131,12 @@ class Reply:
             async for i, s in steps:
                 n_out += len(s.token_ids)
                 first = i not in started
-                if s.text or s.finish_reason or first or (per_token and s.token_ids):
+                if self.parser(i) is not None:  # the parser sees every step, and says whether to send one
+                    chunk = self.chunk(s, first, i, per_token)
+                    if chunk is not None:
+                        started.add(i)
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                elif s.text or s.finish_reason or first or (per_token and s.token_ids):
                     started.add(i)
                     yield f"data: {json.dumps(self.chunk(s, first, i))}\n\n"
         except OpenAIError as e:

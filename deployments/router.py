@@ -20,6 +20,7 @@ from configs import AppConfig, SamplingParams
 from core.models import context_limit, eos_token_ids
 from core.sequence import Sequence
 from deployments.admission import Admission, admit, until_deadline
+from deployments.chat import ChatFormat
 from deployments.edge import app, configure_edge
 from deployments.generation import Call, Generation, merged, prepend
 from deployments.openai_api import (
@@ -33,8 +34,6 @@ from deployments.openai_api import (
 from deployments.responses import Reply, collect
 
 __all__ = ["Admission", "Router"]
-
-PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template
 
 
 @serve.ingress(app)
@@ -65,6 +64,8 @@ class Router:
         self.defaults = generation_defaults(vpath)  # sampling defaults for fields a request omits
         configure_edge(self.config)
         self.model_name = self.config.model_name
+        # the chat template and vLLM's output parsers (a parser the config names but vLLM lacks fails here)
+        self.chat = ChatFormat(self.tokenizer, self.config.verifier, self.model_name)
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
 
@@ -92,14 +93,13 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            chars = sum(len(m.text()) for m in body.messages)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
-        chars = sum(len(m["content"]) for m in messages)
         if chars > self.config.max_prompt_chars:
             raise OpenAIError(400, f"messages have {chars} characters; the limit is {self.config.max_prompt_chars}",
                               param="messages", code="context_length_exceeded")
-        prompt_ids = self._chat_prompt(messages, body.add_generation_prompt)
+        prompt_ids = self.chat.prompt_ids(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         return await self._serve("chat", body, prompt_ids, request, top, self._prediction_ids(body))
 
@@ -118,21 +118,6 @@ class Router:
         if text and self.config.verifier.backend == "vllm":
             raise OpenAIError(400, "prediction is not supported with the vllm verifier backend", param="prediction")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        tok = self.tokenizer
-        if tok.chat_template:
-            try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            except Exception as e:  # noqa: BLE001 - the template refused these messages (e.g. roles must alternate)
-                raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        else:
-            text = "".join(PLAIN_CHAT_TEMPLATE.format(**m) for m in messages)
-            if add_generation_prompt:
-                text += "assistant:"
-        # a template that writes BOS itself must not get a second one from the tokenizer
-        has_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
-        return tok(text, add_special_tokens=not has_bos)["input_ids"]
 
     def _params(self, body, prompt_len: int) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
@@ -175,6 +160,8 @@ class Router:
         reply = Reply(rid, endpoint, body, prompt_ids, self.tokenizer, self.model_name, logprobs,
                       # predicted output tokens verified and kept / dropped, every choice's (OpenAI's usage details)
                       predicted={"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0} if prediction else None)
+        if endpoint == "chat":  # each choice's output read by its own parser (vLLM's parsers keep state)
+            reply.parsers = [self.chat.output(body, prompt_ids) for _ in range(body.n)]
         if endpoint == "completions" and body.echo:
             reply.echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
         if reply.echo and logprobs is not None:  # the prompt's own logprobs lead the choice's (the first is None)
@@ -201,7 +188,7 @@ class Router:
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
                     list(prediction), interval_s)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
-                          reply.predicted)
+                          reply.predicted, phases=reply.parsers[i] if reply.parsers else None)
 
     async def _sse(self, steps, reply: Reply, request: Request, slot: Admission):
         try:

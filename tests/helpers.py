@@ -71,3 +71,60 @@ class LocalHandle:
 
     def __getattr__(self, name: str):
         return self._Method(self.server, name)
+
+
+# The published chat templates (tests/data/chat_templates/README.md says where each came from), with the
+# special tokens each family's template writes and its parsers read (as the published tokenizers have them:
+# Qwen3's <think> and <tool_call> are added tokens that decoding keeps, its turn markers special ones).
+CHAT_FAMILIES = {
+    "qwen3": {"template": "qwen3.jinja", "special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+              "added": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+              "bos": None, "eos": "<|im_end|>"},
+    "llama3.1": {"template": "llama3_1.jinja", "added": [],
+                 "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                             "<|python_tag|>", "<|end_of_text|>"],
+                 "bos": "<|begin_of_text|>", "eos": "<|eot_id|>"},
+    "gpt-oss": {"template": "gptoss.jinja", "added": [],
+                "special": ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>",
+                            "<|constrain|>", "<|endoftext|>"],
+                "bos": None, "eos": "<|return|>"},
+}
+
+
+@lru_cache(maxsize=None)
+def chat_tokenizer(family: str):
+    """The tiny tokenizer with the family's special tokens and its published chat template."""
+    from pathlib import Path
+
+    from transformers import AddedToken
+
+    spec = CHAT_FAMILIES[family]
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": spec["special"]})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["added"]])
+    tok.bos_token, tok.eos_token = spec["bos"], spec["eos"]
+    tok.chat_template = (Path(__file__).parent / "data" / "chat_templates" / spec["template"]).read_text()
+    return tok
+
+
+def chat_model_dir(family: str, path):
+    """A tiny random model of the family (transformers' config class) with its chat tokenizer, saved to ``path``."""
+    import transformers as T
+
+    tok = chat_tokenizer(family)
+    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id, "pad_token_id": 2}
+    torch.manual_seed(0)
+    if family == "qwen3":
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**common))
+    elif family == "llama3.1":
+        model = T.LlamaForCausalLM(T.LlamaConfig(**common, bos_token_id=tok.bos_token_id, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}))
+    else:
+        model = T.GptOssForCausalLM(T.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                   sliding_window=16))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
