@@ -39,6 +39,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
 
     config = resolve_model_paths(AppConfig.model_validate(args))  # ids pinned to commits
     aux_layers = check_models(local_view(config))
+    check_chat(local_view(config))
     cfg = config.model_dump(mode="json")
     overrides = overrides or {}
     # Defaults for this workload (Serve's are 5 ongoing requests and 1 CPU per replica): each
@@ -147,6 +148,19 @@ def head_defaults(head: str) -> dict:
             block = k  # check_parallel says what is wrong with the head
         k = min(k if default.get("speculative_tokens") is not None else block, block, MAX_SPECULATIVE_TOKENS)
     return {"verifier": ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
+
+
+def check_chat(config: AppConfig):
+    """Fail at build time, naming the field, on a chat template file that is not there or a parser
+    vLLM does not have (or that does not fit the verifier's tokenizer), as the router would at start."""
+    v = config.verifier
+    if v.chat_template is None and v.reasoning_parser is None and v.tool_call_parser is None:
+        return
+    from transformers import AutoTokenizer
+
+    from deployments.chat import ChatFormat
+
+    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name)
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:

@@ -165,7 +165,11 @@ class OutputParser:
     def __init__(self, fmt: ChatFormat, body: ChatCompletionRequest, prompt_ids: list[int]):
         self.fmt, self.body = fmt, body
         self.request = vllm_request(body)
-        self.parser = fmt.parser_cls(fmt.tokenizer)
+        # as vLLM makes it: the request's tools and the variables its template was given (a parser
+        # reads, e.g., enable_thinking false: no reasoning in the output)
+        kwargs = {"add_generation_prompt": body.add_generation_prompt,
+                  "continue_final_message": body.continue_final_message, **body.template_kwargs()}
+        self.parser = fmt.parser_cls(fmt.tokenizer, self.request.tools, chat_template_kwargs=kwargs)
         self.parser.set_prompt_token_ids(prompt_ids)
         self.prompt_ids = prompt_ids
         self.auto_tools = bool(fmt.auto_tools and body.tools and body.tool_choice in (None, "auto"))

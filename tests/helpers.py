@@ -128,3 +128,37 @@ def chat_model_dir(family: str, path):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+class ScriptedVerifier:
+    """A verifier replica whose output is scripted: ``script`` maps a text the prompt holds to the text
+    the model writes (the first that matches; tokenized, then EOS). It streams it as the real replica's
+    ``speculate`` does, each step a list of (token ids, logprobs, ``StepInfo``): k drafts a step, all
+    accepted inside the reasoning (before ``</think>``) and one after it, so each part's acceptance is known."""
+
+    def __init__(self, model_dir: str, script: list[tuple[str, str]]):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.script = script
+        self.think_end = self.tok.convert_tokens_to_ids("</think>")
+
+    def output(self, prompt_ids: list[int]) -> list[int]:
+        prompt = self.tok.decode(prompt_ids)
+        text = next(out for trigger, out in self.script if trigger in prompt)
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+
+    async def speculate(self, prompt_ids, params, seq_id, k=0, max_len=None, logprobs=None, output_ids=(),
+                        k_policy="fixed", prediction=(), interval_s=None):
+        from core.protocol import StepInfo
+
+        script, at = self.output(prompt_ids), len(output_ids)
+        end = min(len(script), len(output_ids) + params.max_tokens) if params.max_tokens else len(script)
+        while at < end:
+            accepted = min(k if self.think_end not in script[:at] else min(k, 1), end - at - 1)
+            ids = script[at:at + accepted + 1]
+            at += len(ids)
+            yield [(ids, None, StepInfo(k=k, accepted=accepted, done=at >= end))]
+
+    async def release(self, seq_ids):
+        return len(seq_ids)

@@ -94,7 +94,7 @@ def test_openai_chat_fields_with_neutral_values_are_accepted_the_rest_named(serv
                ({"tool_choice": "required"}, "tool_choice"),
                ({"store": True}, "store"), ({"modalities": ["text", "audio"]}, "modalities"),
                ({"metadata": {"k": "v" * 513}}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
-               ({"reasoning_effort": "low"}, "reasoning_effort")]
+               ({"thinking_token_budget": 64}, "thinking_token_budget")]
     for extra, param in refused:
         with pytest.raises(BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=extra)

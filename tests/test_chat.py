@@ -252,3 +252,12 @@ def test_a_parser_or_template_the_app_cannot_have_fails_at_start_naming_its_fiel
     assert field in str(e.value)
     with pytest.raises(ValidationError, match="tool_call_parser"):
         VerifierConfig(model="tiny", enable_auto_tool_choice=True)
+
+
+@pytest.mark.parametrize("fields", [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}])
+def test_thinking_off_the_output_is_all_answer_whole_and_streamed(fields):
+    fmt = chat_format("qwen3")
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+    message, finish, deltas, _ = run_parser(fmt, body, "It is sunny.")
+    assert message["content"] == joined(deltas)["content"] == "It is sunny." and finish == "stop"
+    assert "reasoning" not in message and "reasoning" not in joined(deltas)

@@ -1,0 +1,144 @@
+"""Reasoning and tool calls over real HTTP: the router on a tiny Qwen3 (its published chat template, vLLM's
+qwen3 reasoning parser and hermes tool parser, as the shipped Qwen3-8B configs set them) in front of a
+verifier whose output is scripted (``tests.helpers.ScriptedVerifier``). The official openai client's tool
+loop completes a round trip; the stream adds up to the whole response; the speculation block counts
+acceptance apart for the reasoning and the answer."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.helpers import ScriptedVerifier, chat_model_dir, chat_tokenizer
+from tests.test_chat import TOOLS, hf_messages, joined
+
+pytestmark = pytest.mark.serve
+
+THINK_CALL = ("<think>\nThe user wants the weather in Paris, so I call the tool.\n</think>\n\n"
+              "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>")
+THINK_ANSWER = "<think>\nThe tool says 18 C and clear.\n</think>\n\nIt is 18 C and clear in Paris."
+ANSWER = "It is sunny."
+# the prompt decides: a tool result is answered, thinking off gets a plain answer, anything else a call
+SCRIPT = [("<tool_response>", THINK_ANSWER), ("<think>\n\n</think>", ANSWER), ("", THINK_CALL)]
+
+
+@pytest.fixture(scope="module")
+def chat_app(ray_cluster, tmp_path_factory):
+    """The router over the scripted verifier (route /qwen3): yields its base URL."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from deployments.app import build_app_with  # noqa: F401 - the app's module, as a real build imports it
+    from deployments.router import Router
+    from tests.conftest import _free_port
+
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    port = _get_global_client().http_config.port
+    model = str(chat_model_dir("qwen3", tmp_path_factory.mktemp("qwen3")))
+    config = {"model_name": "tiny-qwen3", "k_policy": "fixed", "max_tokens_limit": 256,
+              "verifier": {"model": model, "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
+                           "enable_auto_tool_choice": True},
+              "drafter": {"method": "draft_model", "model": model, "num_speculative_tokens": 3}}
+    verifier = serve.deployment(ScriptedVerifier, name="Verifier", ray_actor_options={"num_cpus": 0.05}).bind(
+        model, SCRIPT)
+    router = serve.deployment(Router, name="Router", ray_actor_options={"num_cpus": 0.05})
+    serve.run(router.bind(config, None, verifier), name="qwen3", route_prefix="/qwen3")
+    yield f"http://127.0.0.1:{port}/qwen3"
+    serve.delete("qwen3")
+
+
+def events(base: str, **body) -> list[dict]:
+    out = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120,
+                      json={"model": "tiny-qwen3", "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_the_openai_clients_tool_loop_completes_a_round_trip(chat_app):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{chat_app}/v1", api_key="none")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=TOOLS,
+                                           extra_body={"return_token_ids": True})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id and choice.message.content is None
+    assert choice.message.reasoning.strip() == "The user wants the weather in Paris, so I call the tool."
+    # the client runs the tool and sends its result back with the assistant's turn
+    messages += [choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C, clear"}]
+    second = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=TOOLS,
+                                            extra_body={"return_token_ids": True})
+    final = second.choices[0]
+    assert final.finish_reason == "stop" and not final.message.tool_calls
+    assert final.message.content.strip() == "It is 18 C and clear in Paris."
+    assert final.message.reasoning.strip() == "The tool says 18 C and clear."
+    # the prompt the verifier got is the published template's own rendering of the conversation
+    tok = chat_tokenizer("qwen3")
+    text = tok.apply_chat_template(hf_messages(messages), tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert final.prompt_token_ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_stream_adds_up_to_the_whole_response(chat_app):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{chat_app}/v1", api_key="none")
+    for messages, extra in [([{"role": "user", "content": "Weather?"}], {}),
+                            ([{"role": "user", "content": "Weather?"}], {"chat_template_kwargs": {"enable_thinking": False}}),
+                            ([{"role": "user", "content": "Weather?"}], {"include_reasoning": False}),
+                            ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
+                              "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                  "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                              {"role": "tool", "tool_call_id": "c1", "content": "18 C"}], {})]:
+        whole = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=TOOLS, extra_body=extra)
+        message = whole.choices[0].message
+        stream = events(chat_app, messages=messages, tools=TOOLS, **extra)
+        streamed = joined([e["choices"][0]["delta"] for e in stream if e["choices"]])
+        assert streamed.get("content") == message.content, extra
+        assert streamed.get("reasoning") == getattr(message, "reasoning", None), extra
+        assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        assert stream[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
+        assert stream[0]["choices"][0]["delta"]["role"] == "assistant"
+        if extra.get("include_reasoning") is False:
+            assert getattr(message, "reasoning", None) is None and message.tool_calls
+        if "chat_template_kwargs" in extra:  # thinking off: an answer with no reasoning
+            assert message.content == ANSWER and getattr(message, "reasoning", None) is None
+
+
+def test_speculation_counts_acceptance_apart_for_reasoning_and_answer(chat_app):
+    r = httpx.post(f"{chat_app}/v1/chat/completions", timeout=120, json={
+        "model": "tiny-qwen3", "tools": TOOLS, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]})
+    assert r.status_code == 200, r.text
+    spec = r.json()["speculation"]
+    reasoning, answer = spec["by_phase"]["reasoning"], spec["by_phase"]["answer"]
+    # the scripted verifier accepts every draft while the model thinks, one in three after
+    assert reasoning["num_drafts"] > 0 and reasoning["acceptance_rate"] > 0.9, spec["by_phase"]
+    assert answer["num_drafts"] > 0 and answer["acceptance_rate"] < 0.5, spec["by_phase"]
+    assert reasoning["num_draft_tokens"] + answer["num_draft_tokens"] == spec["num_draft_tokens"]
+    assert reasoning["num_accepted_tokens"] + answer["num_accepted_tokens"] == spec["num_accepted_tokens"]
+
+
+def test_bad_values_over_http_are_400s_naming_the_field(chat_app):
+    user = [{"role": "user", "content": "hi"}]
+    for extra, param in [({"chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs"),
+                         ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+                         ({"reasoning_effort": "huge"}, "reasoning_effort"),
+                         ({"thinking_token_budget": 10}, "thinking_token_budget"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+                         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools")]:
+        r = httpx.post(f"{chat_app}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny-qwen3", "messages": user, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == param, (extra, r.text)
