@@ -156,11 +156,11 @@ def check_chat(config: AppConfig):
     v = config.verifier
     if v.chat_template is None and v.reasoning_parser is None and v.tool_call_parser is None:
         return
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from deployments.chat import ChatFormat
 
-    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name)
+    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name, AutoConfig.from_pretrained(v.model).model_type)
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:

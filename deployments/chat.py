@@ -41,7 +41,7 @@ def load_template(value: str | None) -> str | None:
 class ChatFormat:
     """A router's chat: its template and, when configured, vLLM's parser class for the output."""
 
-    def __init__(self, tokenizer, verifier_config, model_name: str = ""):
+    def __init__(self, tokenizer, verifier_config, model_name: str = "", model_type: str = ""):
         self.tokenizer = tokenizer
         cfg = verifier_config
         self.template = load_template(cfg.chat_template)
@@ -50,8 +50,9 @@ class ChatFormat:
         self.auto_tools = cfg.enable_auto_tool_choice
         self.parser_cls = None
         if self.reasoning_parser or (self.tool_call_parser and self.auto_tools):
+            # a gpt-oss model speaks harmony: vLLM reads it with its harmony parser whatever the names
             self.parser_cls = _parser_class(tokenizer, self.reasoning_parser, self.tool_call_parser, self.auto_tools,
-                                            model_name)
+                                            model_name, harmony=model_type == "gpt_oss")
 
     # ------------------------------------------------------------ the prompt
     def check(self, body: ChatCompletionRequest):
@@ -136,7 +137,8 @@ def _arguments(arguments: str | dict) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _parser_class(tokenizer, reasoning: str | None, tools: str | None, auto_tools: bool, model_name: str):
+def _parser_class(tokenizer, reasoning: str | None, tools: str | None, auto_tools: bool, model_name: str,
+                  harmony: bool):
     """vLLM's composed parser class for these names; a name vLLM does not know is a config error naming its field."""
     from vllm.parser.parser_manager import ParserManager
     from vllm.reasoning import ReasoningParserManager
@@ -151,7 +153,7 @@ def _parser_class(tokenizer, reasoning: str | None, tools: str | None, auto_tool
     try:
         return ParserManager.get_parser(tool_parser_name=tools, reasoning_parser_name=reasoning,
                                         enable_auto_tools=auto_tools, model_name=model_name, tokenizer=tokenizer,
-                                        is_harmony=reasoning == "openai_gptoss" or tools == "openai")
+                                        is_harmony=harmony)
     except TypeError as e:
         field = "verifier.reasoning_parser" if reasoning and reasoning in str(e) else "verifier.tool_call_parser"
         raise ValueError(f"{field}: {e}") from None

@@ -60,12 +60,13 @@ class Router:
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=vpath)
         from transformers import AutoConfig
 
-        self.vocab_size = AutoConfig.from_pretrained(vpath).get_text_config().vocab_size
+        model_config = AutoConfig.from_pretrained(vpath)
+        self.vocab_size = model_config.get_text_config().vocab_size
         self.defaults = generation_defaults(vpath)  # sampling defaults for fields a request omits
         configure_edge(self.config)
         self.model_name = self.config.model_name
         # the chat template and vLLM's output parsers (a parser the config names but vLLM lacks fails here)
-        self.chat = ChatFormat(self.tokenizer, self.config.verifier, self.model_name)
+        self.chat = ChatFormat(self.tokenizer, self.config.verifier, self.model_name, model_config.model_type)
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
 

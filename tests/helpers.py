@@ -108,12 +108,14 @@ def chat_tokenizer(family: str):
 
 
 def chat_model_dir(family: str, path):
-    """A tiny random model of the family (transformers' config class) with its chat tokenizer, saved to ``path``."""
+    """A tiny random model of the family (transformers' config class), peaked, with its chat tokenizer, saved
+    to ``path``."""
     import transformers as T
 
     tok = chat_tokenizer(family)
-    common = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+    # head_dim 32: vLLM's CPU attention serves it (not 16), so either verifier backend can run the model
+    common = {"vocab_size": len(tok), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048,
               "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id, "pad_token_id": 2}
     torch.manual_seed(0)
     if family == "qwen3":
@@ -125,6 +127,8 @@ def chat_model_dir(family: str, path):
     else:
         model = T.GptOssForCausalLM(T.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                                    sliding_window=16))
+    with torch.no_grad():  # peaked: greedy picks far from ties, so both backends pick alike
+        model.lm_head.weight.mul_(30.0)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

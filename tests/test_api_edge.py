@@ -76,7 +76,8 @@ def test_vllm_benchmark_clients_parameters_are_accepted(serve_app):
 def test_openai_chat_fields_with_neutral_values_are_accepted_the_rest_named(serve_app):
     """What OpenAI SDKs and agent frameworks fill in on chat requests: accepted where they ask
     for nothing this server would not do (the output is the plain request's), a 400 naming the
-    field where they ask for tool calling, JSON decoding, audio or storage."""
+    field where they ask for JSON decoding, audio or storage, or for tool calls from an app
+    configured with no tool call parser."""
     from openai import BadRequestError, OpenAI
 
     base, *_ = serve_app
@@ -99,6 +100,8 @@ def test_openai_chat_fields_with_neutral_values_are_accepted_the_rest_named(serv
         with pytest.raises(BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=extra)
         assert e.value.body["param"] == param, (extra, e.value.body)
+        if param == "tools":  # this app names no tool call parser: the 400 says which config field to set
+            assert "verifier.tool_call_parser" in e.value.body["message"], e.value.body
 
 
 @pytest.mark.parametrize("body,param", [

@@ -30,7 +30,7 @@ def chat_format(family: str, parsers: bool = True, **config) -> ChatFormat:
     reasoning, tools = PARSERS[family] if parsers else (None, None)
     return ChatFormat(chat_tokenizer(family), VerifierConfig(
         model="tiny", reasoning_parser=reasoning, tool_call_parser=tools, enable_auto_tool_choice=tools is not None,
-        **config))
+        **config), model_type={"gpt-oss": "gpt_oss", "llama3.1": "llama"}.get(family, family))
 
 
 def hf_messages(messages: list[dict]) -> list[dict]:

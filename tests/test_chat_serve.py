@@ -142,3 +142,49 @@ def test_bad_values_over_http_are_400s_naming_the_field(chat_app):
         r = httpx.post(f"{chat_app}/v1/chat/completions", timeout=60,
                        json={"model": "tiny-qwen3", "messages": user, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == param, (extra, r.text)
+
+
+@pytest.mark.long  # starts a vLLM engine: a minute or more on a small CPU
+def test_both_verifier_backends_give_the_same_parsed_message(ray_cluster, chat_app, tmp_path_factory):
+    """The tiny Qwen3 itself (not scripted) behind the transformers and the vllm verifier backends, with the
+    same parsers: greedy, the same prompt and output tokens, and the same message, which is the parser's
+    reading of those tokens offline (parsing depends on nothing but the router's text and ids)."""
+    from ray import serve
+
+    from configs import VerifierConfig
+    from deployments.app import build_app_with
+    from deployments.chat import ChatFormat
+    from deployments.openai_api import ChatCompletionRequest
+
+    model = str(chat_model_dir("qwen3", tmp_path_factory.mktemp("qwen3-real")))
+    chat = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+    engines = {"transformers": {"cache_budget_mb": 16, "num_threads": 1},
+               "vllm": {"backend": "vllm", "vllm_kv_cache_gib": 0.25, "vllm_max_num_seqs": 8, "max_model_len": 1024}}
+    body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    base = chat_app.rsplit("/", 1)[0]
+    got = {}
+    for backend, engine in engines.items():
+        app = build_app_with({"model_name": "tiny-qwen3", "k_policy": "fixed", "max_tokens_limit": 64,
+                              "verifier": {"model": model, "dtype": "float32", **engine, **chat},
+                              "drafter": {"method": "draft_model", "model": model, "dtype": "float32",
+                                          "num_speculative_tokens": 3, "cache_budget_mb": 16, "num_threads": 1}},
+                             overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.1}},
+                                        "Drafter": {"ray_actor_options": {"num_cpus": 0.1}}})
+        serve.run(app, name=f"chat-{backend}", route_prefix=f"/chat-{backend}")
+        try:
+            r = httpx.post(f"{base}/chat-{backend}/v1/chat/completions", timeout=600, json=body)
+            assert r.status_code == 200, r.text
+            got[backend] = r.json()["choices"][0]
+        finally:
+            serve.delete(f"chat-{backend}")
+    hf, vl = got["transformers"], got["vllm"]
+    assert hf["prompt_token_ids"] == vl["prompt_token_ids"] and hf["token_ids"] == vl["token_ids"]
+    fmt = ChatFormat(chat_tokenizer("qwen3"), VerifierConfig(model=model, **chat))
+    request = ChatCompletionRequest(**{k: v for k, v in body.items() if k != "return_token_ids"})
+    ids = hf["token_ids"]
+    want, _ = fmt.output(request, hf["prompt_token_ids"]).final(
+        fmt.tokenizer.decode(ids, skip_special_tokens=True), ids, hf["finish_reason"])
+    strip = {"tool_calls"}  # call ids are random per response
+    assert {k: v for k, v in hf["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
+    assert {k: v for k, v in vl["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
