@@ -176,7 +176,8 @@ class OutputParser:
         self.prompt_ids = prompt_ids
         self.auto_tools = bool(fmt.auto_tools and body.tools and body.tool_choice in (None, "auto"))
         reasoning = self.parser.reasoning_parser
-        self.reasoning_open = reasoning is not None and not reasoning.is_reasoning_end(prompt_ids)
+        self.reasons = reasoning is not None  # the output has a reasoning part to tell apart
+        self.reasoning_open = self.reasons and not reasoning.is_reasoning_end(prompt_ids)
         self.ids: list[int] = []
         self.tools_streamed = False
         self.blank = ""  # streamed content that is only whitespace so far: held back (see ``delta``)

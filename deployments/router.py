@@ -189,7 +189,13 @@ class Router:
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
                     list(prediction), interval_s)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
-                          reply.predicted, phases=reply.parsers[i] if reply.parsers else None)
+                          reply.predicted, phases=self._phases(reply, i))
+
+    @staticmethod
+    def _phases(reply: Reply, i: int):
+        """Choice ``i``'s parser where the output has a reasoning part (its acceptance is counted apart)."""
+        parser = reply.parsers[i] if reply.parsers else None
+        return parser if parser is not None and parser.reasons else None
 
     async def _sse(self, steps, reply: Reply, request: Request, slot: Admission):
         try:

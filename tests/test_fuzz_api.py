@@ -19,7 +19,9 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "n", "logprobs", "top_logprobs", "num_speculative_tokens", "return_token_ids", "ignore_eos",
           "stream_options", "verification", "timeout", "echo", "unknown", "min_p", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words",
-          "return_timing", "max_completion_tokens", "tool_choice", "tools", "prompt_logprobs", "guided_json"]
+          "return_timing", "max_completion_tokens", "tool_choice", "tools", "prompt_logprobs", "guided_json",
+          "chat_template_kwargs", "reasoning_effort", "include_reasoning", "documents", "continue_final_message",
+          "add_generation_prompt", "parallel_tool_calls", "chat_template"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 # mostly-valid bodies reach the generation path with odd but legal values
 valid_ish = st.fixed_dictionaries({
@@ -64,6 +66,29 @@ def test_no_request_gets_a_5xx(serve_app, body, path):
     # the one 5xx by design: a request that set a deadline too short to finish in
     deadline = r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert r.status_code < 500 or deadline, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+CHAT_FIELDS = ["chat_template_kwargs", "reasoning_effort", "include_reasoning", "documents", "continue_final_message",
+               "add_generation_prompt", "parallel_tool_calls", "chat_template", "tools", "tool_choice"]
+# a valid conversation with the chat template's fields at odd values: they reach the template
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.sampled_from([[{"role": "user", "content": "hi"}],
+                                  [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]]),
+     "max_tokens": st.just(2)},
+    optional={**{k: values for k in CHAT_FIELDS},
+              "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x", "add_generation_prompt",
+                                                                       "reasoning_effort", "1a"]), values, max_size=3)})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=chat_bodies)
+def test_no_chat_template_request_gets_a_5xx(serve_app, body):
+    base, *_ = serve_app
+    r = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
