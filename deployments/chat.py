@@ -49,10 +49,11 @@ class ChatFormat:
         self.reasoning_parser, self.tool_call_parser = cfg.reasoning_parser, cfg.tool_call_parser
         self.auto_tools = cfg.enable_auto_tool_choice
         self.parser_cls = None
+        self.harmony = model_type == "gpt_oss"
         if self.reasoning_parser or (self.tool_call_parser and self.auto_tools):
             # a gpt-oss model speaks harmony: vLLM reads it with its harmony parser whatever the names
             self.parser_cls = _parser_class(tokenizer, self.reasoning_parser, self.tool_call_parser, self.auto_tools,
-                                            model_name, harmony=model_type == "gpt_oss")
+                                            model_name, harmony=self.harmony)
 
     # ------------------------------------------------------------ the prompt
     def check(self, body: ChatCompletionRequest):
@@ -177,7 +178,9 @@ class OutputParser:
         self.auto_tools = bool(fmt.auto_tools and body.tools and body.tool_choice in (None, "auto"))
         reasoning = self.parser.reasoning_parser
         self.reasons = reasoning is not None  # the output has a reasoning part to tell apart
-        self.reasoning_open = self.reasons and not reasoning.is_reasoning_end(prompt_ids)
+        # harmony's reasoning is a channel, which vLLM's harmony parser reads token by token
+        self.channels = HarmonyChannels() if fmt.harmony and self.reasons else None
+        self.reasoning_open = self.reasons and (self.channels is not None or not reasoning.is_reasoning_end(prompt_ids))
         self.ids: list[int] = []
         self.tools_streamed = False
         self.blank = ""  # streamed content that is only whitespace so far: held back (see ``delta``)
@@ -189,7 +192,9 @@ class OutputParser:
 
     def advance(self, ids: list[int]):
         """The output grew by ``ids``: note where the reasoning ends."""
-        if self.reasoning_open and ids:
+        if self.channels is not None:
+            self.reasoning_open = self.channels.advance(ids)
+        elif self.reasoning_open and ids:
             self.ids += ids
             self.reasoning_open = not self.parser.reasoning_parser.is_reasoning_end_streaming(self.ids, ids)
 
@@ -247,6 +252,29 @@ class OutputParser:
         if content:
             out["content"] = content
         return out
+
+
+class HarmonyChannels:
+    """Which harmony channel a gpt-oss output is in, read by openai-harmony's parser as vLLM's harmony
+    parser reads it: analysis is the reasoning; commentary (tool calls) and final are not."""
+
+    def __init__(self):
+        from vllm.parser.harmony import get_streamable_parser_for_assistant
+
+        self.parser = get_streamable_parser_for_assistant()
+        self.reasoning = True  # gpt-oss opens with its analysis
+
+    def advance(self, ids: list[int]) -> bool:
+        from openai_harmony import HarmonyError
+
+        for t in ids:
+            try:
+                self.parser.process(t)
+            except HarmonyError:  # as vLLM's parser: a token harmony refuses is skipped
+                continue
+            if self.parser.current_channel is not None:
+                self.reasoning = self.parser.current_channel == "analysis"
+        return self.reasoning
 
 
 def _call_id() -> str:

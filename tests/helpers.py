@@ -84,10 +84,7 @@ CHAT_FAMILIES = {
                  "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                              "<|python_tag|>", "<|end_of_text|>"],
                  "bos": "<|begin_of_text|>", "eos": "<|eot_id|>"},
-    "gpt-oss": {"template": "gptoss.jinja", "added": [],
-                "special": ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>",
-                            "<|constrain|>", "<|endoftext|>"],
-                "bos": None, "eos": "<|return|>"},
+    "gpt-oss": {"template": "gptoss.jinja"},  # harmony's own token ids: harmony_bytes_tokenizer
 }
 
 
@@ -99,12 +96,44 @@ def chat_tokenizer(family: str):
     from transformers import AddedToken
 
     spec = CHAT_FAMILIES[family]
+    if family == "gpt-oss":  # harmony is read by token id: the tokenizer must have harmony's
+        tok = harmony_bytes_tokenizer()
+        tok.chat_template = (Path(__file__).parent / "data" / "chat_templates" / spec["template"]).read_text()
+        return tok
     tok = copy.deepcopy(tiny_tokenizer())
     tok.add_special_tokens({"additional_special_tokens": spec["special"]})
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["added"]])
     tok.bos_token, tok.eos_token = spec["bos"], spec["eos"]
     tok.chat_template = (Path(__file__).parent / "data" / "chat_templates" / spec["template"]).read_text()
     return tok
+
+
+HARMONY_SPECIAL = {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002, "<|constrain|>": 200003,
+                   "<|channel|>": 200005, "<|start|>": 200006, "<|end|>": 200007, "<|message|>": 200008,
+                   "<|call|>": 200012}
+HARMONY_VOCAB = 201088  # gpt-oss's vocabulary size
+
+
+def harmony_bytes_tokenizer():
+    """gpt-oss's tokenizer cut down to its 256 byte tokens and harmony's special tokens, each under its
+    id in o200k_harmony (the byte tokens are o200k's first 256 ranks, in byte-level order): text
+    tokenizes byte by byte, not as gpt-oss's merges would, but into ids openai-harmony reads as the
+    same text, so vLLM's harmony parser reads this tokenizer's output as it reads gpt-oss's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_char = bytes_to_unicode()
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    order = printable + [b for b in range(256) if b not in printable]
+    vocab = {to_char[b]: rank for rank, b in enumerate(order)} | HARMONY_SPECIAL
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", pad_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=False)
+    out.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL)})
+    return out
 
 
 def chat_model_dir(family: str, path):
@@ -124,9 +153,11 @@ def chat_model_dir(family: str, path):
         model = T.LlamaForCausalLM(T.LlamaConfig(**common, bos_token_id=tok.bos_token_id, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 256}))
-    else:
-        model = T.GptOssForCausalLM(T.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                                   sliding_window=16))
+    else:  # gpt-oss's vocabulary is o200k's: its config and tokenizer only (a scripted verifier stands in)
+        common.update(vocab_size=HARMONY_VOCAB, eos_token_id=[HARMONY_SPECIAL["<|return|>"], HARMONY_SPECIAL["<|call|>"]])
+        T.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16).save_pretrained(path)
+        tok.save_pretrained(path)
+        return path
     with torch.no_grad():  # peaked: greedy picks far from ties, so both backends pick alike
         model.lm_head.weight.mul_(30.0)
     model.save_pretrained(path)

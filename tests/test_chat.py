@@ -92,12 +92,17 @@ def test_thinking_off_effort_and_continued_messages_render_as_the_template_says(
 QWEN3_OUT = ("<think>\nThe user wants the weather. I will call the tool.\n</think>\n\n"
              "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>")
 LLAMA_OUT = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"
+# harmony: the analysis channel, then a call on the commentary channel (the template opened the assistant's turn)
+GPTOSS_OUT = ("<|channel|>analysis<|message|>The user wants the weather. I will call the tool.<|end|>"
+              "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+              "{\"city\": \"Paris\"}<|call|>")
 
 
 def run_parser(fmt, body, text, stream_every: int = 1):
     """The output parsed whole, and streamed ``stream_every`` tokens a step: (message, finish, deltas, finish)."""
     tok = fmt.tokenizer
-    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids += [] if ids[-1] in (tok.eos_token_id, tok.convert_tokens_to_ids("<|call|>")) else [tok.eos_token_id]
     prompt = fmt.prompt_ids(body)
     message, finish = fmt.output(body, prompt).final(tok.decode(ids, skip_special_tokens=True), ids, "stop")
     parser, deltas, stream_finish = fmt.output(body, prompt), [], None
@@ -127,7 +132,7 @@ def joined(deltas: list[dict]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family,text", [("qwen3", QWEN3_OUT), ("llama3.1", LLAMA_OUT)])
+@pytest.mark.parametrize("family,text", [("qwen3", QWEN3_OUT), ("llama3.1", LLAMA_OUT), ("gpt-oss", GPTOSS_OUT)])
 @pytest.mark.parametrize("every", [1, 3])
 def test_reasoning_and_tool_calls_parsed_whole_and_streamed_alike(family, text, every):
     fmt = chat_format(family)
@@ -136,7 +141,7 @@ def test_reasoning_and_tool_calls_parsed_whole_and_streamed_alike(family, text, 
     assert finish == stream_finish == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    if family == "qwen3":
+    if family != "llama3.1":
         assert message["reasoning"].strip() == "The user wants the weather. I will call the tool."
     streamed = joined(deltas)
     assert streamed.get("reasoning") == message.get("reasoning")
@@ -261,3 +266,23 @@ def test_thinking_off_the_output_is_all_answer_whole_and_streamed(fields):
     message, finish, deltas, _ = run_parser(fmt, body, "It is sunny.")
     assert message["content"] == joined(deltas)["content"] == "It is sunny." and finish == "stop"
     assert "reasoning" not in message and "reasoning" not in joined(deltas)
+
+
+def test_harmony_answer_and_the_end_of_its_reasoning():
+    """gpt-oss: the analysis channel is the reasoning, the final channel the answer; its speculation
+    counts drafts to the reasoning until the final channel opens."""
+    fmt, tok = chat_format("gpt-oss"), chat_tokenizer("gpt-oss")
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], reasoning_effort="low")
+    text = ("<|channel|>analysis<|message|>Short answer.<|end|><|start|>assistant<|channel|>final<|message|>"
+            "Sunny, 18 C.<|return|>")
+    message, finish, deltas, stream_finish = run_parser(fmt, body, text, 2)
+    assert message["reasoning"] == joined(deltas)["reasoning"] == "Short answer."
+    assert message["content"] == joined(deltas)["content"] == "Sunny, 18 C." and finish == stream_finish == "stop"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    parser, phases = fmt.output(body, fmt.prompt_ids(body)), []
+    for t in ids:
+        phases.append(parser.in_reasoning())
+        parser.advance([t])
+    answer_from = len(tok("<|channel|>analysis<|message|>Short answer.<|end|><|start|>assistant<|channel|>final"
+                          "<|message|>", add_special_tokens=False)["input_ids"])
+    assert phases[0] and not phases[-1] and phases.index(False) <= answer_from, phases.index(False)

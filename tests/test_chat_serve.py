@@ -4,6 +4,7 @@ verifier whose output is scripted (``tests.helpers.ScriptedVerifier``). The offi
 loop completes a round trip; the stream adds up to the whole response; the speculation block counts
 acceptance apart for the reasoning and the answer."""
 
+import contextlib
 import json
 
 import httpx
@@ -22,29 +23,44 @@ ANSWER = "It is sunny."
 SCRIPT = [("<tool_response>", THINK_ANSWER), ("<think>\n\n</think>", ANSWER), ("", THINK_CALL)]
 
 
-@pytest.fixture(scope="module")
-def chat_app(ray_cluster, tmp_path_factory):
-    """The router over the scripted verifier (route /qwen3): yields its base URL."""
+# gpt-oss in harmony: the analysis channel, then a call; after the tool's result, the final channel
+GPTOSS_CALL = ("<|channel|>analysis<|message|>The user wants the weather, so I call the tool.<|end|><|start|>assistant"
+               "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+GPTOSS_ANSWER = ("<|channel|>analysis<|message|>The tool says 18 C and clear.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>It is 18 C and clear in Paris.<|return|>")
+GPTOSS_SCRIPT = [("functions.get_weather to=assistant", GPTOSS_ANSWER), ("", GPTOSS_CALL)]
+
+
+@contextlib.contextmanager
+def scripted_app(family: str, script: list, parsers: dict, root):
+    """The router over the scripted verifier (route /<family>): yields its base URL."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from deployments.app import build_app_with  # noqa: F401 - the app's module, as a real build imports it
     from deployments.router import Router
     from tests.conftest import _free_port
 
     serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
     port = _get_global_client().http_config.port
-    model = str(chat_model_dir("qwen3", tmp_path_factory.mktemp("qwen3")))
-    config = {"model_name": "tiny-qwen3", "k_policy": "fixed", "max_tokens_limit": 256,
-              "verifier": {"model": model, "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
-                           "enable_auto_tool_choice": True},
+    model = str(chat_model_dir(family, root))
+    config = {"model_name": f"tiny-{family}", "k_policy": "fixed", "max_tokens_limit": 256,
+              "verifier": {"model": model, **parsers, "enable_auto_tool_choice": True},
               "drafter": {"method": "draft_model", "model": model, "num_speculative_tokens": 3}}
     verifier = serve.deployment(ScriptedVerifier, name="Verifier", ray_actor_options={"num_cpus": 0.05}).bind(
-        model, SCRIPT)
+        model, script)
     router = serve.deployment(Router, name="Router", ray_actor_options={"num_cpus": 0.05})
-    serve.run(router.bind(config, None, verifier), name="qwen3", route_prefix="/qwen3")
-    yield f"http://127.0.0.1:{port}/qwen3"
-    serve.delete("qwen3")
+    serve.run(router.bind(config, None, verifier), name=family, route_prefix=f"/{family}")
+    try:
+        yield f"http://127.0.0.1:{port}/{family}"
+    finally:
+        serve.delete(family)
+
+
+@pytest.fixture(scope="module")
+def chat_app(ray_cluster, tmp_path_factory):
+    with scripted_app("qwen3", SCRIPT, {"reasoning_parser": "qwen3", "tool_call_parser": "hermes"},
+                      tmp_path_factory.mktemp("qwen3")) as url:
+        yield url
 
 
 def events(base: str, **body) -> list[dict]:
@@ -188,3 +204,39 @@ def test_both_verifier_backends_give_the_same_parsed_message(ray_cluster, chat_a
     strip = {"tool_calls"}  # call ids are random per response
     assert {k: v for k, v in hf["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
     assert {k: v for k, v in vl["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
+
+
+def test_gpt_oss_harmony_tool_loop_with_reasoning_effort(ray_cluster, chat_app, tmp_path_factory):
+    """gpt-oss (harmony's token ids, its published template, vLLM's harmony parser as vLLM picks it for the
+    model type): reasoning_effort reaches the prompt, the analysis channel comes back as reasoning, the call
+    as a tool call, and after the tool's result the final channel as the answer, streamed alike."""
+    from openai import OpenAI
+
+    parsers = {"reasoning_parser": "openai_gptoss", "tool_call_parser": "openai"}
+    with scripted_app("gpt-oss", GPTOSS_SCRIPT, parsers, tmp_path_factory.mktemp("gpt-oss")) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = client.chat.completions.create(model="tiny-gpt-oss", messages=messages, tools=TOOLS,
+                                               reasoning_effort="low", extra_body={"return_token_ids": True})
+        tok = chat_tokenizer("gpt-oss")
+        want = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True,
+                                       reasoning_effort="low")
+        assert first.choices[0].prompt_token_ids == tok(want, add_special_tokens=False)["input_ids"]
+        assert "Reasoning: low" in want
+        choice = first.choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert choice.message.reasoning == "The user wants the weather, so I call the tool."
+        messages += [choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 C, clear"}]
+        second = client.chat.completions.create(model="tiny-gpt-oss", messages=messages, tools=TOOLS,
+                                                reasoning_effort="low")
+        final = second.choices[0]
+        assert final.finish_reason == "stop" and final.message.content == "It is 18 C and clear in Paris."
+        assert final.message.reasoning == "The tool says 18 C and clear."
+        spec = second.model_extra["speculation"]["by_phase"]
+        assert spec["reasoning"]["num_drafts"] > 0 and spec["answer"]["num_drafts"] > 0, spec
+        stream = events(url, model="tiny-gpt-oss", messages=messages, tools=TOOLS, reasoning_effort="low")
+        streamed = joined([e["choices"][0]["delta"] for e in stream if e["choices"]])
+        assert streamed["content"] == final.message.content and streamed["reasoning"] == final.message.reasoning
