@@ -293,4 +293,7 @@ def vllm_request(body: ChatCompletionRequest):
               "chat_template_kwargs": body.chat_template_kwargs}
     if tools:
         fields.update(tools=tools, tool_choice=choice or "auto")
-    return VllmRequest(**fields)
+    try:
+        return VllmRequest(**fields)
+    except ValueError as e:  # (pydantic's ValidationError is one) what vLLM's own request model refuses
+        raise OpenAIError(400, f"tools: {e}", param="tools") from None
