@@ -57,6 +57,11 @@ class Reply:
     def parser(self, index: int):
         return self.parsers[index] if self.parsers else None
 
+    def hides(self, index: int) -> bool:
+        """Whether choice ``index``'s reasoning is left out, and with it (as vLLM) the per-token
+        logprobs and token ids that would show it."""
+        return self.parser(index) is not None and not self.body.include_reasoning
+
     def chunk(self, s: StepOutput, first: bool, index: int = 0, per_token: bool = False) -> dict | None:
         """A step's chunk; None: nothing to send (a parser holding text back, with no tokens asked for)."""
         if self.endpoint == "chat":
@@ -65,12 +70,12 @@ class Reply:
                 delta = {"content": s.text}
             else:  # every step goes through the parser: it keeps the output so far
                 delta, finish = parser.delta(s.text, s.token_ids, finish)
-                if delta is None and not (first or finish or (per_token and s.token_ids)):
+                if delta is None and not (first or finish or (per_token and s.token_ids and not self.hides(index))):
                     return None
                 delta = delta or {}
             if first:
                 delta = {"role": "assistant", **delta}
-            lps = s.logprobs if parser is None or self.body.include_reasoning else []  # (as vLLM: none when hidden)
+            lps = [] if self.hides(index) else s.logprobs
             choice = {"index": index, "delta": delta, "finish_reason": finish,
                       "logprobs": self.logprobs_body(s.token_ids, lps)}
         else:
@@ -78,7 +83,8 @@ class Reply:
             choice = {"index": index, "text": text, "finish_reason": s.finish_reason,
                       "logprobs": self.logprobs_body(s.token_ids, s.logprobs, first)}
         if self.body.return_token_ids:
-            choice["token_ids"] = s.token_ids
+            if not self.hides(index):
+                choice["token_ids"] = s.token_ids
             if first:
                 choice["prompt_token_ids"] = self.prompt_ids
         out = {**self.envelope(), "choices": [choice]}
@@ -104,7 +110,8 @@ class Reply:
                 choice = {"index": i, "text": self.echo + out["text"], "finish_reason": out["finish_reason"],
                           "logprobs": self.logprobs_body(out["ids"], out["logprobs"], first=True)}
             if self.body.return_token_ids:
-                choice["token_ids"] = out["ids"]
+                if not self.hides(i):
+                    choice["token_ids"] = out["ids"]
                 choice["prompt_token_ids"] = self.prompt_ids
             choices.append(choice)
         self.count("200")
@@ -118,7 +125,7 @@ class Reply:
             message, finish = {"role": "assistant", "content": out["text"]}, out["finish_reason"]
         else:
             message, finish = parser.final(out["text"], out["ids"], out["finish_reason"])
-            lps = lps if self.body.include_reasoning else []  # (as vLLM: none when the reasoning is hidden)
+            lps = [] if self.hides(i) else lps
         return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs_body(out["ids"], lps)}
 
     async def sse_chunks(self, steps):

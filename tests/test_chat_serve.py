@@ -125,6 +125,11 @@ def test_a_stream_adds_up_to_the_whole_response(chat_app):
         assert stream[0]["choices"][0]["delta"]["role"] == "assistant"
         if extra.get("include_reasoning") is False:
             assert getattr(message, "reasoning", None) is None and message.tool_calls
+            # and, as vLLM, no logprobs or output token ids that would show it
+            r = httpx.post(f"{chat_app}/v1/chat/completions", timeout=60, json={
+                "model": "tiny-qwen3", "messages": messages, "tools": TOOLS, "include_reasoning": False,
+                "logprobs": True, "return_token_ids": True}).json()["choices"][0]
+            assert r["logprobs"] is None and "token_ids" not in r and r["prompt_token_ids"]
         if "chat_template_kwargs" in extra:  # thinking off: an answer with no reasoning
             assert message.content == ANSWER and getattr(message, "reasoning", None) is None
 
