@@ -33,6 +33,9 @@ REPLICA_MAX_BACKOFF_S = 300.0  # doubling on each failure after a probe, up to t
 # from this many streams on the replica, its measured choice (``BatchSpeculation``) may turn the adaptive
 # requests' speculation off; below it their own policies decide alone
 GATE_MIN_STREAMS = 4
+# ... and for this long after the replica last ran that many: the first and last requests of a burst (a wave's
+# first arrivals, its stragglers) follow the choice made for the burst, not their own policies
+GATE_HOLD_S = 1.0
 # m: a pre-draft tree's guesses per outcome (``core.proposers.tree_branches``); the one m that paid
 # (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md)
 PRE_DRAFT_ALTERNATIVES = 1
@@ -52,7 +55,7 @@ class ReplicaGatedK:
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:
-        if self.server.streams >= GATE_MIN_STREAMS and not self.server.speculating:
+        if not self.server.speculating and self.server.gate_load() >= GATE_MIN_STREAMS:
             return 0
         return self.policy.next_k(batch_size)
 
@@ -154,6 +157,7 @@ class VerifierServer(EngineServer):
         self.streams = 0  # requests whose loop runs here now (the gate's load measure)
         self._gate_load = 0  # the stream count the gate's choice is keyed by (see _gate_step)
         self._gate_prev = (0, False)  # (streams, prefill) of the engine step before
+        self._gate_peak = (0, float("-inf"))  # (streams, when) of the last engine step at GATE_MIN_STREAMS or more
         engine = engine or self._engine(config, in_engine)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
@@ -212,8 +216,10 @@ class VerifierServer(EngineServer):
         self._gate_prev = (streams, prefill)
         if streams < GATE_MIN_STREAMS:
             self.gate.reset()  # (the next large load starts a fresh measurement)
-            self.speculating = True
-            return
+            if self.gate_load() < GATE_MIN_STREAMS:
+                self.speculating = True
+            return  # (a burst's stragglers: its choice holds, but they are not credited to it)
+        self._gate_peak = (streams, self.clock())
         # the load the choice is keyed by moves only past a quarter of itself: streams ending and starting
         # around a bucket's edge (63, 64, 63) would hand the choice back and forth between two buckets
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
@@ -230,6 +236,16 @@ class VerifierServer(EngineServer):
             log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c.best else "off",
                      1 << (StepCosts.bucket(self._gate_load) - 1), 1e3 * c.s_per_token.get(True, 0.0),
                      1e3 * c.s_per_token.get(False, 0.0))
+
+    def gate_load(self) -> int:
+        """The load the replica's choice applies to: the streams running here, or the most an engine step ran
+        within the last GATE_HOLD_S, if more. Why held: served in waves of 4 streams of 64 tokens, each wave's
+        first requests planned their first step before the replica had stepped at 4 streams, and its last ones
+        ran on alone below 4: each speculated on its own policy (a drafter prefill and a step at k = 4-8 for
+        a few tokens) where the replica had chosen plain decoding for the wave."""
+        streams, when = self._gate_peak
+        held = streams if self.clock() - when < GATE_HOLD_S else 0
+        return max(self.streams, held)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:

@@ -193,7 +193,7 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_MIN_STREAMS
+    from deployments.verifier import GATE_HOLD_S, GATE_MIN_STREAMS
 
     def run(spec_cost, plain_cost, steps=400, prefill_every=0):
         server, now = _gate_server(tiny_engines)
@@ -216,7 +216,11 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     assert rep["spec_ms"] > rep["off_ms"] > 0
     server.speculating = False
     server._gate_step([], streams=GATE_MIN_STREAMS - 1)
-    assert server.speculating  # a few streams: the requests' own policies decide
+    assert not server.speculating and server.gate_load() == 8  # the burst's stragglers: its choice holds
+    end = server.clock()
+    server.clock = lambda: end + GATE_HOLD_S
+    server._gate_step([], streams=GATE_MIN_STREAMS - 1)
+    assert server.speculating and server.gate_load() == 0  # a few streams, the burst over: the requests' policies decide
     server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
     c = choice(server)
     assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
