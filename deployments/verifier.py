@@ -389,9 +389,12 @@ class VerifierServer(EngineServer):
             self.streams -= 1
             self.tally.flush(time.monotonic())
             self._bound.pop(seq_id, None)
-            if self.local is not None and k > 0:
+            # (a sequence that never drafted, plain from its first step to its last under the replica's choice,
+            # holds nothing there: no call; one resumed here may have drafted on the replica it left)
+            drafted = k > 0 and (seq.drafter_asked or bool(output_ids))
+            if self.local is not None and drafted:
                 await self.local.release([seq_id])
-            elif self.drafter is not None and k > 0:
+            elif self.drafter is not None and drafted:
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
 
