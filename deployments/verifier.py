@@ -37,7 +37,8 @@ GATE_MIN_STREAMS = 4
 # first arrivals, its stragglers) follow the choice made for the burst, not their own policies
 GATE_HOLD_S = 1.0
 # m: a pre-draft tree's guesses per outcome (``core.proposers.tree_branches``); the one m that paid
-# (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md)
+# (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md), for sampled requests too
+# (docs/decisions/0055-goodput.md)
 PRE_DRAFT_ALTERNATIVES = 1
 
 
