@@ -106,6 +106,9 @@ def test_images_install_the_project_and_build_the_native_forward(kind):
     users = [v for ins, v in steps if ins == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")  # Ray's containers run as user 1000
     assert "wget" in run  # KubeRay's default probes run it in the Ray container
+    # KubeRay runs `ray start` in a login shell (bash -lc), whose /etc/profile may reset PATH (Debian's does)
+    venv = next(v for ins, v in steps if ins == "ENV" and "VIRTUAL_ENV=" in v).split("VIRTUAL_ENV=")[1].split()[0]
+    assert f"export PATH={venv}/bin:$PATH' > /etc/profile.d/" in run
 
 
 def test_dockerignore_keeps_local_state_out_and_the_manifest_names_the_gpu_image():
