@@ -114,6 +114,9 @@ def test_aws_nodes_get_python_311_the_pinned_stack_and_the_serve_configs_models(
     assert re.search(r'"torch==2\.13\.0" --index-url https://download\.pytorch\.org/whl/cu\d+', setup)
     # Ray's token auth on every node: the token file copied there, RAY_AUTH_MODE=token in its login shells
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # the Hugging Face token as a file too: a command's ${HF_TOKEN} would be the node's (empty), not yours
+    assert config["file_mounts"]["~/.cache/huggingface/token"] == "~/.cache/huggingface/token"
+    assert "HF_TOKEN" not in yaml.safe_dump({k: v for k, v in config.items() if k.endswith("commands")})
     assert any("export RAY_AUTH_MODE=token" in c for c in config["initialization_commands"])
     # each node type caches the weights it loads at the serve config's revision, and the other model's metadata
     models, types = hub_models(gpu_serve), config["available_node_types"]
