@@ -22,7 +22,7 @@ from core.prediction import PredictedOutput
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.metrics import Tally
-from deployments.server import EngineServer
+from deployments.server import EngineServer, within
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,24 @@ class VerifierServer(EngineServer):
         return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls),
                 "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
+
+    async def ready(self, need_drafter: bool = True, timeout_s: float = 2.0) -> str | None:
+        """None when this replica can serve a request end to end: its engine is up (``check_health``) and, with a
+        drafter pool and ``need_drafter``, a drafter replica answers this replica's handle within ``timeout_s``;
+        else what is missing (GET /ready)."""
+        try:
+            self.check_health()
+        except RuntimeError as e:
+            return f"verifier: {e}"
+        if self.drafter is None or not need_drafter:
+            return None
+        try:
+            problem = await within(self.drafter.ready.remote(), timeout_s)
+        except TimeoutError:
+            return f"no drafter replica answered within {timeout_s:g} s (the pool is starting or down)"
+        except Exception as e:  # noqa: BLE001 - a replica that died under the call: not ready, and why
+            return f"drafter: {type(e).__name__}: {e}"
+        return f"drafter: {problem}" if problem else None
 
     def check_health(self):
         if self.local is not None:

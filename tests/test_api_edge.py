@@ -374,6 +374,8 @@ def test_api_keys_body_and_prompt_limits(keyed_app, serve_app):
     _, tok, target, _ = serve_app  # (the keyed app serves the same target)
     body = {"model": "tiny", "prompt": "def f", "max_tokens": 4, "temperature": 0}
     assert httpx.get(f"{base}/health").status_code == 200  # open
+    r = httpx.get(f"{base}/ready", timeout=10)  # open too: probes and load balancers send no key
+    assert r.status_code == 200 and r.json() == {"status": "ready"}, r.text
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-1"}):
         r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
