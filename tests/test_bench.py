@@ -443,13 +443,14 @@ def test_predraft_eagle3_scores_drafts_from_the_heads_own_states(tmp_path):
 
 
 @pytest.mark.long  # an app per variant deployed
-def test_breakdown_gap_pairs_a_served_variant_with_the_in_process_loop(ray_cluster, tmp_path):
-    """bench.breakdown gap: the shipped app against the in-process loop, float32 greedy: the same tokens,
-    and the ratios paired."""
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_breakdown_gap_pairs_a_served_variant_with_the_in_process_loop(ray_cluster, tmp_path, temperature):
+    """bench.breakdown gap: the shipped app against the in-process loop, float32, greedy or seeded and sampled
+    (Gumbel-coupled in both: a seed's text depends on nothing else): the same tokens, and the ratios paired."""
     from bench import breakdown
 
     r = breakdown.main(["gap", "--variants", "pool", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
-                        "--out", str(tmp_path)])
+                        "--temperature", temperature, "--out", str(tmp_path)])
     assert set(r["variants"]) == {"in_process", "pool"}
     pool = r["variants"]["pool"]
     assert pool["same_tokens_as_in_process"] == 1.0
