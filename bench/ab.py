@@ -105,6 +105,8 @@ def parse(argv=None):
         ap.error("--streams: at least 1")
     if args.streams > 1 and len(args.temperature) > 1:
         ap.error("--temperature: one with --streams")
+    if args.workload and Path(args.workload).is_file():  # (the run changes directory: see ``run``)
+        args.workload = str(Path(args.workload).resolve())
     if (args.old is None) == (args.url is None):
         ap.error("one of --old and --url")
     if args.old is not None and not (Path(args.old) / "deployments").is_dir():
