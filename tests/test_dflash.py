@@ -292,7 +292,7 @@ def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve
             assert r.status_code == 200, r.text
             out = r.json()
             assert out["choices"][0]["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 40)
-            spec = out["speculation"]
+            spec = out["choices"][0]["speculation"]
             assert spec["num_drafts"] > 3 and spec["mean_acceptance_length"] > (4.5 if method == "dspark" else 1.8), spec
             assert spec["degraded_steps"] == 0, spec
             assert spec["aux_bytes_per_token"] > 0, spec
