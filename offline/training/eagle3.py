@@ -196,9 +196,7 @@ def captured_sources(path: Path, held_out_percent: int) -> tuple[Source, Source,
     records, layers = read_shards(path)
     if not records:
         raise ValueError(f"{path}: no captured requests")
-    flags = [datasets.is_held_out(i, {"n": len(r["tokens"])}, held_out_percent) for i, r in enumerate(records)]
-    if not any(flags) and len(records) > 1:
-        flags[-1] = True
+    flags = datasets.held_out_flags([{"n": len(r["tokens"])} for r in records], held_out_percent)
 
     def source(recs):
         parts = [(r["tokens"], [i >= max(r["num_prompt"], 1) for i in range(len(r["tokens"]))]) for r in recs]
@@ -368,7 +366,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", type=Path, nargs="+", default=None,
                     help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
     ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
-    ap.add_argument("--held-out-percent", type=int, default=5)
+    ap.add_argument("--held-out-percent", type=int, default=5,
+                    help="records held out without --held-out, by a hash: at least 4, never more than half")
     ap.add_argument("--captured", type=Path, default=None, help="a directory of verifier.capture shards")
     ap.add_argument("--compare", type=Path, default=Path("models/tiny-code-drafter"),
                     help="a standalone draft model measured beside the head (none: skip)")
