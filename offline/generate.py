@@ -25,24 +25,33 @@ from verifier.engine import VerifierEngine
 HEADS = {"eagle3": Eagle3Config, "dflash": ParallelHeadConfig, "dspark": ParallelHeadConfig}
 
 
-def build_drafter(ref: str, target: str, k: int):
-    """The drafter ``ref`` names: ``ngram``; a Speculators head (its config's ``speculators_model_type``: eagle3,
-    dflash or dspark), built for ``target`` as the app builder builds it; else a draft model."""
+def drafter_config(ref: str, target: str, k: int, **engine):
+    """The drafter config ``ref`` names: ``ngram``; a Speculators head (its config's ``speculators_model_type``:
+    eagle3, dflash or dspark) for the verifier ``target``, as the app builder configures it; else a draft model.
+    ``engine``: engine fields (dtype, num_threads, cache_budget_mb, max_model_len) of a model drafter."""
     if ref == "ngram":
-        return NgramDrafter(NgramConfig(num_speculative_tokens=k))
+        return NgramConfig(num_speculative_tokens=k)
     path = Path(local_dir(ref, field="--drafter"))
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     method = cfg.get("speculators_model_type")
     if method in HEADS:
-        config = HEADS[method](method=method, model=str(path), num_speculative_tokens=k, verifier_model=target)
-        if method == "eagle3":
-            from drafter.eagle3_drafter import Eagle3Drafter
-            return Eagle3Drafter(config)
+        return HEADS[method](method=method, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
+    if method is not None:
+        raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this runs {', '.join(HEADS)} heads")
+    return DraftModelConfig(model=str(path), num_speculative_tokens=k, **engine)
+
+
+def build_drafter(config):
+    """The drafter engine of a drafter config (``configs``' drafter models, as the drafter pool builds it)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    if config.method == "eagle3":
+        from drafter.eagle3_drafter import Eagle3Drafter
+        return Eagle3Drafter(config)
+    if config.method in ("dflash", "dspark"):
         from drafter.dflash_drafter import ParallelDrafter
         return ParallelDrafter(config)
-    if method is not None:
-        raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this CLI runs {', '.join(HEADS)} heads")
-    return ModelDrafter(DraftModelConfig(model=str(path), num_speculative_tokens=k))
+    return ModelDrafter(config)
 
 
 def main(argv=None):
@@ -63,7 +72,7 @@ def main(argv=None):
     args.target = local_dir(args.target, field="--target")
     verifier = VerifierEngine(VerifierConfig(model=args.target))
     k = args.num_speculative_tokens
-    drafter = build_drafter(args.drafter, args.target, k)
+    drafter = build_drafter(drafter_config(args.drafter, args.target, k))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
     ids = verifier.tokenizer(args.prompt)["input_ids"]
