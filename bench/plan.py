@@ -80,13 +80,23 @@ def model_shape(cfg: dict, dtype_bytes: int = 2) -> dict:
 
 
 def load_shape(name: str, dtype_bytes: int = 2) -> dict:
-    """``name``: a file of ``bench/shapes/`` (without .json), a config.json, or a model directory."""
+    """``name``: a file of ``bench/shapes/`` (without .json), a config.json, a model directory or a Hub id (its
+    config alone is fetched). A multimodal config's text model; a Speculators head's draft layers, over its draft
+    vocabulary."""
     p = Path(name)
     if p.is_dir():
         p = p / "config.json"
-    elif not p.exists():
+    elif not p.exists() and (SHAPES_DIR / f"{name}.json").exists():
         p = SHAPES_DIR / f"{name}.json"
+    elif not p.exists():
+        from core.hub import local_dir
+
+        p = Path(local_dir(name, weights=False, field="--verifier/--drafter")) / "config.json"
     cfg = json.loads(p.read_text())
+    if "transformer_layer_config" in cfg:  # a draft head: its layers, its lm_head over the draft vocabulary
+        layer = cfg["transformer_layer_config"]
+        cfg = {**layer, "vocab_size": cfg.get("draft_vocab_size") or layer["vocab_size"]}
+    cfg = cfg.get("text_config") or cfg
     return {"name": name if not Path(name).exists() else Path(name).name, **model_shape(cfg, dtype_bytes)}
 
 
