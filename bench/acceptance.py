@@ -32,7 +32,8 @@ step's (drafts, accepted) is recorded. From those records:
 - ``per_token_acceptance``: the a of the geometric model E(k) = (1 - a^(k+1)) / (1 - a) fitted to
   the steps (accepted / tested positions, ``bench.common.per_token_acceptance``).
 
-``--url`` measures a running server instead (its drafter, whatever it is), one request per prompt
+``--url`` measures a running server instead (its drafter, whatever it is; ``--verifier`` names its model, for
+the prompts' tokens), one request per prompt
 with ``num_speculative_tokens: k-max``, from each response's ``speculation`` block: counts and
 ``accepted_per_pos``; the distribution then assumes every step drafted k-max, which holds for
 ``k_policy: fixed`` (``steps_by_k`` is kept to show it).
@@ -85,7 +86,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
-    ap.add_argument("--url", default=None, help="a running server's base URL: measure its drafter over HTTP")
+    ap.add_argument("--url", default=None, help=(
+        "a running server's base URL: measure its drafter over HTTP (--verifier: its model, for the prompts' tokens)"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
@@ -93,8 +95,8 @@ def parse(argv=None):
     bad = [d for d in args.drafters if d not in DRAFTERS]
     if bad:
         ap.error(f"--drafters: unknown {bad}; choose from {list(DRAFTERS)}")
-    if args.url and (args.verifier or args.drafter or args.config):
-        ap.error("--url measures the server's own models: no --verifier, --drafter or --config with it")
+    if args.url and (args.drafter or args.config):
+        ap.error("--url measures the server's own drafter: no --drafter or --config with it (--verifier: its tokenizer)")
     if args.config and (args.verifier or args.drafter):
         ap.error("--config names the verifier and the drafter: no --verifier or --drafter with it")
     if not 1 <= args.k_max <= 16:
@@ -334,8 +336,13 @@ def run(args) -> dict:
     set_threads(args.threads)
     t0 = time.perf_counter()
     verifier, drafters = (None, []) if args.url else models(args)
-    target = verifier["model"] if verifier else TARGET
-    limit = context_limit(target, verifier.get("max_model_len")) if verifier else MAX_MODEL_LEN
+    if args.url:  # the prompts in the served model's tokens: --verifier names it
+        from core.hub import local_dir
+
+        target = local_dir(args.verifier, weights=False, field="--verifier") if args.verifier else TARGET
+    else:
+        target = verifier["model"]
+    limit = context_limit(target, verifier.get("max_model_len") if verifier else (None if args.verifier else MAX_MODEL_LEN))
     wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(target),
                              args.workload_seed, limit - args.max_tokens - args.k_max - 1)
     for wl in wls:
@@ -350,7 +357,7 @@ def run(args) -> dict:
                        "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
                        "seed": args.seed, "threads": args.threads, "url": args.url,
                        "dtype": None if args.url else verifier.get("dtype", args.dtype),  # a server's is its own
-                       "target": None if args.url else target, "serve_config": args.config},
+                       "target": target, "serve_config": args.config},
             "workloads": {wl.name: wl.describe() for wl in wls},
             "environment": environment(args.threads), "results": rows,
             "duration_s": round(time.perf_counter() - t0, 1)}
