@@ -53,6 +53,7 @@ from bench.common import (
     rnd,
     serving,
     set_threads,
+    speculation,
     write_json,
 )
 
@@ -206,7 +207,7 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
         r.raise_for_status()
         data = r.json()
         return (time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids"),
-                data.get("speculation") or {})
+                speculation(data) or {})
 
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:

@@ -9,7 +9,8 @@
   unfamiliar prompts a production replica meets beside the easy ones.
 - a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
   ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat, rendered as the router renders it:
-  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``).
+  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``); a line's
+  ``max_tokens``, where given, is its request's output length (``bench.plan`` plans with it).
 
 ``--prompts N`` takes a fixed subset: HumanEval's and a file's are drawn with a seeded generator
 (``--workload-seed``, 0 by default) and kept in their own order, so every run and every tool measures
@@ -131,6 +132,8 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
         idx = subset(items, n, seed)
         pairs = [render(items[i], tokenizer) for i in idx]
         info = {"source": source, "of": len(items), "seed": seed, "indices": idx}
+        if any(isinstance(items[i], dict) and items[i].get("max_tokens") for i in idx):  # the requests' own lengths
+            info["max_tokens"] = [items[i].get("max_tokens") for i in idx]
         if spec == HUMANEVAL:
             info["task_ids"] = [items[i]["task_id"] for i in idx]
     cut = 0
