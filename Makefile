@@ -63,8 +63,11 @@ soak: $(STAMP)
 test-cluster: $(STAMP)
 	RAY_worker_niceness=0 $(PY) -m pytest -q -m cluster tests/test_pools.py tests/test_model_refs.py tests/test_autoscaling_cluster.py
 
+# Ray token auth, as Ray turns it on for a cluster that `serve run` starts: the token goes to ~/.ray/auth_token, and
+# another shell runs `serve status`, `ray status`, `serve deploy`, `serve shutdown` with RAY_AUTH_MODE=token set
+# (docs/serving.md). GET /ready answers 200 once a completion can be served.
 serve: $(STAMP)
-	$(VENV)/bin/serve run serve_config.yaml
+	RAY_AUTH_MODE=token $(VENV)/bin/serve run serve_config.yaml
 
 # Retrain the default model pair from scratch (seeded): tokenizer + target, then the distilled drafter.
 # About 1.5 hours on 2 CPU cores (uses a GPU when present). Checkpoints go to build/; rerunning resumes.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from bench.common import (
     rnd,
     serving,
     set_threads,
+    speculation,
     write_json,
 )
 
@@ -74,7 +76,10 @@ def _step_stats(spec: dict | None) -> dict:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="a checkout of the other version (its repository root)")
+    ap.add_argument("--old", help="a checkout of the other version (its repository root)")
+    ap.add_argument("--url", help="instead of --old: a running server (e.g. `make serve`, the shipped serve_config.yaml), "
+                    "its systems paired with each other on it (with --systems default,off: speculation off as "
+                    "num_speculative_tokens 0 on the same replicas)")
     ap.add_argument("--systems", default="default,k4", help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--workload", default=None, help="this workload's prompts (bench.workloads: humaneval, held-out or "
@@ -101,7 +106,11 @@ def parse(argv=None):
         ap.error("--streams: at least 1")
     if args.streams > 1 and len(args.temperature) > 1:
         ap.error("--temperature: one with --streams")
-    if not (Path(args.old) / "deployments").is_dir():
+    if args.workload and Path(args.workload).is_file():  # (the run changes directory: see ``run``)
+        args.workload = str(Path(args.workload).resolve())
+    if (args.old is None) == (args.url is None):
+        ap.error("one of --old and --url")
+    if args.old is not None and not (Path(args.old) / "deployments").is_dir():
         ap.error(f"--old {args.old}: not a splitspec checkout")
     return args
 
@@ -135,6 +144,8 @@ def _slow_drafters(apps, seconds: float) -> None:
 
 def run(args) -> dict:
     set_threads(args.threads)
+    if args.url:  # one version, already served: its systems against each other
+        return _measure(args, {"served": ROOT})
     trees = {"old": Path(args.old).resolve(), "new": ROOT}
     cwd, path = os.getcwd(), list(sys.path)
     # the modules this process still imports lazily come from this checkout, whatever the working directory
@@ -157,7 +168,7 @@ def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
     for rep in range(args.repeats):
         for i, (_, ids) in enumerate(prompts):
             seed = 1000 + 100 * rep + i
-            versions = ("old", "new") if (rep + i) % 2 == 0 else ("new", "old")
+            versions = _order(urls, rep + i)
             for t in args.temperature:
                 for s in args.systems:
                     policy, k = SYSTEMS[s]
@@ -168,6 +179,12 @@ def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
                                                                    "tokens": n, "output_ids": out, **_step_stats(spec)})
             log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
                                                                for key, r in runs.items()))
+
+
+def _order(urls: dict, n: int) -> list[str]:
+    """The versions served (the prefixes of ``urls``' names), their order alternating with ``n``."""
+    versions = sorted({name.split("-")[0] for name in urls}, key=lambda v: ("old", "new", "served").index(v))
+    return versions if n % 2 == 0 else versions[::-1]
 
 
 def _wave_stats(specs: list[dict]) -> dict:
@@ -190,13 +207,14 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
         r.raise_for_status()
         data = r.json()
         return (time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids"),
-                data.get("speculation") or {})
+                speculation(data) or {})
 
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         for rep in range(args.repeats):
-            versions = ("old", "new") if rep % 2 == 0 else ("new", "old")
-            for s in args.systems:
+            versions = _order(urls, rep)
+            systems = args.systems if rep % 2 == 0 else args.systems[::-1]  # (one version: the systems alternate)
+            for s in systems:
                 policy, k = SYSTEMS[s]
                 bodies = [completion_body(prompts[j % len(prompts)][1], args.max_tokens, args.temperature[0],
                                           1000 + 100 * rep + j, k) for j in range(args.streams)]
@@ -236,7 +254,9 @@ def _measure(args, trees: dict) -> dict:
     runs = {f"{n}-{v}": [] for n in names.values() for v in trees}
     # the old version's apps built by its own app builder: its config and constructors may differ from this one's
     builders = {name: trees["old"] for name in apps if name.startswith("old-")}
-    with serving(apps, args.threads, overrides, builders) as urls, httpx.Client(timeout=600) as client:
+    served = contextlib.nullcontext({f"served-{p}": args.url.rstrip("/") for p in policies}) if args.url else \
+        serving(apps, args.threads, overrides, builders)
+    with served as urls, httpx.Client(timeout=600) as client:
         if args.slow_drafter:
             _slow_drafters(apps, args.slow_drafter)
         for name, url in urls.items():  # warm-up: first-call costs
@@ -247,6 +267,16 @@ def _measure(args, trees: dict) -> dict:
             asyncio.run(_waves(args, urls, prompts, runs))
     summary = {}
     for (_, t), s in names.items():
+        if args.url:
+            summary[s] = {"ms_per_token": rnd(median([r["ms_per_token"] for r in runs[f"{s}-served"]])),
+                          "runs": len(runs[f"{s}-served"])}
+            if "off" in args.systems:
+                summary[s]["off_over"] = {"served": paired_ratio(runs[f"{names['off', t]}-served"], runs[f"{s}-served"])}
+                if args.streams > 1:
+                    summary[s]["off_over_throughput"] = paired_ratio(runs[f"{names['off', t]}-served"],
+                                                                     runs[f"{s}-served"], "wave_ms_per_token")
+            log(f"{s}: {summary[s]}")
+            continue
         old, new = runs[f"{s}-old"], runs[f"{s}-new"]
         ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
         # the pairs where both runs report a per-step mean (a run that never speculated has none)

@@ -1,5 +1,13 @@
-"""Acceptance on a workload: for the target and each drafter (the draft model, the EAGLE-3 head,
-n-gram lookup), per workload and temperature, how many drafts the target accepts.
+"""Acceptance on a workload: for a verifier (the target) and each drafter, per workload and
+temperature, how many drafts the target accepts.
+
+Which models: your own with ``--verifier`` and ``--drafter`` (model directories or Hub ids
+``org/name[@revision]``, as a serve config's ``model`` fields take them; a drafter is a draft model, a
+Speculators EAGLE-3, DFlash or DSpark head, told apart by its config.json, or ``ngram``), or
+``--config`` with a serve config (the YAML ``serve run`` takes, or its app's args): its ``verifier``
+and ``drafter`` sections as served. Without them, the shipped pair (``--drafters``: the draft model,
+the EAGLE-3 head, n-gram lookup). The log says how many of each workload's prompts it uses (``--prompts``,
+8 by default, a seeded subset; ``all`` for every one).
 
 In process (the default), each (workload, drafter, temperature) generates the workload's prompts
 together through ``core.loop``'s lockstep step with the real engines at k = ``--k-max``, and every
@@ -24,7 +32,8 @@ step's (drafts, accepted) is recorded. From those records:
 - ``per_token_acceptance``: the a of the geometric model E(k) = (1 - a^(k+1)) / (1 - a) fitted to
   the steps (accepted / tested positions, ``bench.common.per_token_acceptance``).
 
-``--url`` measures a running server instead (its drafter, whatever it is), one request per prompt
+``--url`` measures a running server instead (its drafter, whatever it is; ``--verifier`` names its model, for
+the prompts' tokens), one request per prompt
 with ``num_speculative_tokens: k-max``, from each response's ``speculation`` block: counts and
 ``accepted_per_pos``; the distribution then assumes every step drafted k-max, which holds for
 ``k_policy: fixed`` (``steps_by_k`` is kept to show it).
@@ -37,7 +46,20 @@ import time
 from pathlib import Path
 
 from bench import workloads
-from bench.common import BENCH_DTYPE, DEFAULT_OUT, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log, per_token_acceptance, rnd, set_threads, write_json
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_OUT,
+    DRAFTER,
+    EAGLE3,
+    MAX_MODEL_LEN,
+    TARGET,
+    environment,
+    log,
+    per_token_acceptance,
+    rnd,
+    set_threads,
+    write_json,
+)
 from bench.latency import floats, ints
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")
@@ -47,7 +69,15 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description="Acceptance per position, mean acceptance length by k and the "
                                              "accepted-length distribution, per workload, drafter and temperature.")
     workloads.add_arguments(ap, prompts=8)
-    ap.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)} (in process)")
+    ap.add_argument("--verifier", default=None, help=(
+        "the verifier (target) to measure: a model directory or a Hub id org/name[@revision] (default: the shipped target)"))
+    ap.add_argument("--drafter", action="append", default=None, metavar="MODEL", help=(
+        "a drafter to measure with it, repeatable: a draft model, a Speculators EAGLE-3, DFlash or DSpark head (a directory "
+        "or a Hub id), or 'ngram'; replaces --drafters"))
+    ap.add_argument("--config", default=None, help=(
+        "a serve config (the YAML `serve run` takes, or its app's args): measure its verifier and drafter sections"))
+    ap.add_argument("--drafters", default=",".join(DRAFTERS),
+                    help=f"the shipped pair's drafters, a comma list of {', '.join(DRAFTERS)} (in process)")
     ap.add_argument("--k-max", type=int, default=8, help="drafts per step measured; every k up to it is derived")
     ap.add_argument("--measure-ks", type=ints, default=[4],
                     help="also run these k and report their measured mean acceptance length beside the derived one")
@@ -56,7 +86,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
-    ap.add_argument("--url", default=None, help="a running server's base URL: measure its drafter over HTTP")
+    ap.add_argument("--url", default=None, help=(
+        "a running server's base URL: measure its drafter over HTTP (--verifier: its model, for the prompts' tokens)"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
@@ -64,6 +95,10 @@ def parse(argv=None):
     bad = [d for d in args.drafters if d not in DRAFTERS]
     if bad:
         ap.error(f"--drafters: unknown {bad}; choose from {list(DRAFTERS)}")
+    if args.url and (args.drafter or args.config):
+        ap.error("--url measures the server's own drafter: no --drafter or --config with it (--verifier: its tokenizer)")
+    if args.config and (args.verifier or args.drafter):
+        ap.error("--config names the verifier and the drafter: no --verifier or --drafter with it")
     if not 1 <= args.k_max <= 16:
         ap.error("--k-max: 1 to 16")
     return args
@@ -88,6 +123,7 @@ def summarise(records: list[tuple[int, int]], k_max: int) -> dict:
             "acceptance_rate": rnd(accepted / sum(d for d, _ in drafting)) if n else None,
             "per_position_acceptance_rate": [rnd(x / n) if n else None for x in at_least],
             "conditional_acceptance": [rnd(x / t) if t else None for x, t in zip(at_least, tested)],
+            "conditional_tested": tested,  # the steps each conditional rate rests on
             "accepted_length_counts": counts,
             "accepted_length_distribution": [rnd(c / n) if n else None for c in counts],
             "mean_acceptance_length_by_k": [rnd(x) for x in by_k],
@@ -107,22 +143,57 @@ def records_from_counts(spec: dict, k: int) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------ in process
-def _drafter(name: str, k: int, threads: int, dtype: str):
+def _shipped(name: str, k: int):
     from configs import DraftModelConfig, Eagle3Config, NgramConfig
 
     if name == "draft_model":
-        from drafter.model_drafter import ModelDrafter
-
-        return ModelDrafter(DraftModelConfig(model=DRAFTER, num_speculative_tokens=k, num_threads=threads,
-                                             cache_budget_mb=64, dtype=dtype, max_model_len=MAX_MODEL_LEN))
+        return DraftModelConfig(model=DRAFTER, num_speculative_tokens=k, cache_budget_mb=64, max_model_len=MAX_MODEL_LEN)
     if name == "eagle3":
-        from drafter.eagle3_drafter import Eagle3Drafter
+        return Eagle3Config(model=EAGLE3, num_speculative_tokens=k, cache_budget_mb=64, max_model_len=MAX_MODEL_LEN,
+                            verifier_model=TARGET)
+    return NgramConfig(num_speculative_tokens=k)
 
-        return Eagle3Drafter(Eagle3Config(model=EAGLE3, num_speculative_tokens=k, num_threads=threads, cache_budget_mb=64,
-                                          dtype=dtype, max_model_len=MAX_MODEL_LEN, verifier_model=TARGET))
-    from drafter.ngram import NgramDrafter
 
-    return NgramDrafter(NgramConfig(num_speculative_tokens=k))
+def serve_sections(path: str) -> tuple[dict, dict]:
+    """(verifier, drafter) sections of a serve config: the Serve YAML's first application's args, or the args."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
+    if "verifier" not in app or "drafter" not in app:
+        raise SystemExit(f"--config {path}: no verifier and drafter sections (a serve config's application args)")
+    return dict(app["verifier"]), dict(app["drafter"])
+
+
+def models(args) -> tuple[dict, list[tuple[str, object]]]:
+    """(the verifier's config fields, [(row name, drafter config)]) that ``args`` name: ``--config``'s sections,
+    ``--verifier`` and ``--drafter``, or the shipped pair."""
+    from pydantic import TypeAdapter
+
+    from configs.models import DrafterConfig
+    from core.hub import local_dir, localize
+    from offline.generate import drafter_config
+
+    engine = {"num_threads": args.threads, "dtype": args.dtype}
+    if args.config:
+        v, d = serve_sections(args.config)
+        v = {**localize(v), "num_threads": args.threads}
+        d = {**localize({k: x for k, x in d.items() if k != "num_speculative_tokens"}), "num_speculative_tokens": args.k_max}
+        if d.get("method") in ("eagle3", "dflash", "dspark"):
+            d["verifier_model"] = v["model"]
+        if d.get("method") != "ngram":
+            d["num_threads"] = args.threads
+        config = TypeAdapter(DrafterConfig).validate_python(d)
+        name = config.method if config.method == "ngram" else f"{config.method}: {Path(config.model).name}"
+        return {k: x for k, x in v.items() if k in ("model", "dtype", "max_model_len", "num_threads")}, [(name, config)]
+    if not args.verifier and not args.drafter:
+        return ({"model": TARGET, "max_model_len": MAX_MODEL_LEN, **engine},
+                [(n, _shipped(n, args.k_max).model_copy(update={} if n == "ngram" else engine)) for n in args.drafters])
+    target = local_dir(args.verifier or TARGET, field="--verifier")
+    refs = args.drafter or [DRAFTER]
+    drafters = [drafter_config(r, target, args.k_max, **({} if r == "ngram" else engine)) for r in refs]
+    names = [r if r == "ngram" else f"{c.method}: {Path(r).name}" for r, c in zip(refs, drafters)]
+    return {"model": target, **engine}, list(zip(names, drafters))
 
 
 def run_steps(prompts: list[list[int]], temperature: float, seed: int, max_tokens: int, k: int, drafter,
@@ -155,21 +226,21 @@ def run_steps(prompts: list[list[int]], temperature: float, seed: int, max_token
     return records[len(prompts):] if all(not r[0] for r in records[:len(prompts)]) else records
 
 
-def measure_in_process(args, wls) -> list[dict]:
+def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[str, object]]) -> list[dict]:
     from configs import VerifierConfig
+    from offline.generate import build_drafter
     from verifier.engine import VerifierEngine
 
-    verifier = VerifierEngine(VerifierConfig(model=TARGET, num_threads=args.threads, cache_budget_mb=256,
-                                             dtype=args.dtype, max_model_len=MAX_MODEL_LEN))
+    verifier = VerifierEngine(VerifierConfig(**{"cache_budget_mb": 256, **verifier_fields}))
     out = []
-    for name in args.drafters:
-        drafter = _drafter(name, args.k_max, args.threads, args.dtype)
+    for name, config in drafters:
+        drafter = build_drafter(config)
         for wl in wls:
             ids = [p for _, p in wl.prompts]
             for t in args.temperatures:
                 t0 = time.perf_counter()
                 rec = run_steps(ids, t, args.seed, args.max_tokens, args.k_max, drafter, verifier)
-                row = {"workload": wl.name, "drafter": name, "temperature": t, "k_max": args.k_max,
+                row = {"workload": wl.name, "prompts": len(ids), "drafter": name, "temperature": t, "k_max": args.k_max,
                        **summarise(rec, args.k_max)}
                 measured = {}
                 for k in args.measure_ks:
@@ -202,7 +273,8 @@ def measure_server(args, wls) -> list[dict]:
                     recs += records_from_counts(spec, args.k_max)
                     for k, n in (spec.get("steps_by_k") or {}).items():
                         steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n
-                row = {"workload": wl.name, "drafter": "server", "temperature": t, "k_max": args.k_max,
+                row = {"workload": wl.name, "prompts": len(wl.prompts), "drafter": "server", "temperature": t,
+                       "k_max": args.k_max,
                        **summarise(recs, args.k_max), "steps_by_k": steps_by_k}
                 log(f"{wl.name} server T={t:g}: acceptance {row['acceptance_rate']}, E(k) {row['mean_acceptance_length_by_k']}")
                 out.append(row)
@@ -219,29 +291,38 @@ def plot(data: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     rows = data["results"]
-    fig, axes = plt.subplots(1, 3, figsize=(12.5, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     pairs = list(dict.fromkeys((r["drafter"], r["workload"]) for r in rows))
     colour = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(pairs)}  # one per (drafter, workload)
-    for r in rows:
-        label = f"{r['drafter']}, {r['workload']}, T={r['temperature']:g}"
+    for r in rows:  # every curve says how much it rests on: prompts, and drafting steps
+        label = f"{r['drafter']}, {r['workload']}, T={r['temperature']:g} ({r.get('prompts', '?')} prompts, {r['num_drafts']} steps)"
         ks = list(range(1, r["k_max"] + 1))
         style = "-" if r["temperature"] == 0 else "--"  # greedy solid, sampled dashed
         c = colour[(r["drafter"], r["workload"])]
         axes[0].plot(ks, r["mean_acceptance_length_by_k"], style, color=c, marker="o", ms=3, label=label)
-        axes[1].plot(ks, r["conditional_acceptance"], style, color=c, marker="o", ms=3, label=label)
+        axes[1].plot(ks, r["conditional_acceptance"], style, color=c, marker="o", ms=3)
+        for k, y, n in zip(ks, r["conditional_acceptance"], r.get("conditional_tested") or []):
+            if y is not None:  # the steps that reached the position: a rate from a few steps is a rough one
+                axes[1].annotate(f"{n}", (k, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
     greedy = [r for r in rows if r["temperature"] == 0] or rows
     width = 0.8 / max(1, len(greedy))
     for j, r in enumerate(greedy):
-        xs = [x + j * width for x in range(r["k_max"] + 1)]
-        axes[2].bar(xs, r["accepted_length_distribution"], width=width, color=colour[(r["drafter"], r["workload"])],
-                    label=f"{r['drafter']}, {r['workload']}, T={r['temperature']:g}")
-    axes[0].set(xlabel="k", ylabel="mean acceptance length (tokens/step)", title="E(k)")
-    axes[1].set(xlabel="position", ylabel="acceptance given the earlier ones", ylim=(0, 1.02),
-                title="acceptance per position")
-    axes[2].set(xlabel="accepted drafts", ylabel="share of steps", title=f"accepted lengths at k={rows[0]['k_max']}")
-    axes[0].legend(fontsize=6)
-    axes[2].legend(fontsize=6)
-    fig.tight_layout()
+        xs = [x + (j - (len(greedy) - 1) / 2) * width for x in range(r["k_max"] + 1)]
+        axes[2].bar(xs, r["accepted_length_distribution"], width=width, color=colour[(r["drafter"], r["workload"])])
+    k_max = max(r["k_max"] for r in rows)
+    axes[0].set(xlabel="k (drafts per step)", ylabel="tokens per drafting step",
+                title="mean acceptance length E(k)\n(1 + accepted drafts; k = 0 would be 1)")
+    axes[1].set(xlabel="draft position", ylabel="accepted, given every earlier one was", ylim=(0, 1.08),
+                title="acceptance per position\n(numbers: steps that reached the position)")
+    axes[2].set(xlabel="drafts accepted in a step", ylabel="share of drafting steps",
+                title=f"accepted drafts per step at k = {k_max}\n(greedy rows)")
+    for ax in axes:
+        ax.set_xticks(range(0 if ax is axes[2] else 1, k_max + 1))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), fontsize=8, frameon=False,
+               title="drafter, workload, temperature (solid: greedy, dashed: sampled)", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.08 + 0.045 * ((len(labels) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -250,18 +331,33 @@ def plot(data: dict, path: Path) -> Path | None:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
+    from core.models import context_limit
+
     set_threads(args.threads)
     t0 = time.perf_counter()
-    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
-                             args.workload_seed, MAX_MODEL_LEN - args.max_tokens - args.k_max - 1)
-    rows = measure_server(args, wls) if args.url else measure_in_process(args, wls)
+    verifier, drafters = (None, []) if args.url else models(args)
+    if args.url:  # the prompts in the served model's tokens: --verifier names it
+        from core.hub import local_dir
+
+        target = local_dir(args.verifier, weights=False, field="--verifier") if args.verifier else TARGET
+    else:
+        target = verifier["model"]
+    limit = context_limit(target, verifier.get("max_model_len") if verifier else (None if args.verifier else MAX_MODEL_LEN))
+    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(target),
+                             args.workload_seed, limit - args.max_tokens - args.k_max - 1)
+    for wl in wls:
+        of = wl.info.get("of")
+        log(f"{wl.name}: {len(wl.prompts)}{f' of {of}' if of else ''} prompts"
+            + (f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
+               if of and len(wl.prompts) < of else ""))
+    rows = measure_server(args, wls) if args.url else measure_in_process(args, wls, verifier, drafters)
     return {"scenario": "acceptance", "source": "server" if args.url else "in_process",
             "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts, "workload_seed": args.workload_seed,
-                       "drafters": ["server"] if args.url else args.drafters, "k_max": args.k_max,
+                       "drafters": ["server"] if args.url else [n for n, _ in drafters], "k_max": args.k_max,
                        "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
                        "seed": args.seed, "threads": args.threads, "url": args.url,
-                       "dtype": None if args.url else args.dtype,  # a server's is its own
-                       "target": TARGET if not args.url else None},
+                       "dtype": None if args.url else verifier.get("dtype", args.dtype),  # a server's is its own
+                       "target": target, "serve_config": args.config},
             "workloads": {wl.name: wl.describe() for wl in wls},
             "environment": environment(args.threads), "results": rows,
             "duration_s": round(time.perf_counter() - t0, 1)}

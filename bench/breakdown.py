@@ -21,7 +21,7 @@ first workload; ``heads``: per drafter and k, ms/token and drafting on the criti
 and each drafter's best k (the draft model's from the k sweep above).
 
 ``python -m bench.breakdown gap [options]`` (``served_gap.json``): the served step against the
-in-process loop, variant by variant. Fixed k, greedy, one stream; each (repeat, prompt) runs the
+in-process loop, variant by variant. Fixed k, one stream, greedy or (``--temperature``) seeded and Gumbel-coupled; each (repeat, prompt) runs the
 in-process reference loop (the same engines in this process, no RPC) and then every served
 variant, so ratios are paired:
 
@@ -292,7 +292,10 @@ def gap_main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--dtype", default="float32", help="float32: every row emits the same greedy text")
+    ap.add_argument("--dtype", default="float32", help="float32: every row emits the same text")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded sampled requests, verified by Gumbel coupling in process and served (the app's "
+                         "default), so every row still emits the same text")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-stream", action="store_true", help="non-streaming requests (the whole body at the end)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -303,34 +306,35 @@ def gap_main(argv=None):
     t0 = time.perf_counter()
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
     ref = Reference(1, dtype=args.dtype)
-    ref.run(prompts[0][1], 16, 0.0, 0, args.k)  # warm-up
+    ref.run(prompts[0][1], 16, args.temperature, 0, args.k)  # warm-up
     rows: dict[str, list[dict]] = {"in_process": [], **{v: [] for v in names}}
     same = {v: 0 for v in names}
 
-    async def one(url, ids, n):
+    async def one(url, ids, n, seed=0):
         import httpx
 
         if args.no_stream:
             with httpx.Client(timeout=600) as client:
-                wall, tokens, spec, token_ids = complete(client, url, completion_body(ids, n, 0.0, 0, args.k))
+                wall, tokens, spec, token_ids = complete(client, url, completion_body(ids, n, args.temperature, seed, args.k))
             return {"latency_s": wall, "tokens": tokens, "speculation": spec, "token_ids": token_ids,
                     "chunks": [None] * spec["replica_chunks"]}
         async with httpx.AsyncClient(timeout=600) as client:
-            return await stream_completion(client, url, completion_body(ids, n, 0.0, 0, args.k, True))
+            return await stream_completion(client, url, completion_body(ids, n, args.temperature, seed, args.k, True))
 
     with serving({v: variant_args(v, args.k, args.dtype) for v in names}, 1) as urls:
         for url in urls.values():
             asyncio.run(one(url, prompts[0][1], 16))
         for rep in range(args.repeats):
             for i, (_, ids) in enumerate(prompts):
-                r = ref.run(ids, args.max_tokens, 0.0, 0, args.k)
+                seed = 100 * rep + i
+                r = ref.run(ids, args.max_tokens, args.temperature, seed, args.k)
                 # the statistics the router reports for a served request: means over its steps, the
                 # first (the prompt's prefill on both engines, about 8 decode forwards here) included
                 rows["in_process"].append({"ms_per_token": 1000 * r["wall_s"] / r["tokens"],
                                            "forward_ms": 1000 * sum(r["forward_s"]) / len(r["forward_s"]),
                                            "draft_ms": 1000 * sum(r["draft_s"]) / len(r["forward_s"])})
                 for v, url in urls.items():
-                    x = asyncio.run(one(url, ids, args.max_tokens))
+                    x = asyncio.run(one(url, ids, args.max_tokens, seed))
                     s = x["speculation"]
                     same[v] += x["token_ids"] == r["output_ids"]
                     rows[v].append({"ms_per_token": 1000 * x["latency_s"] / x["tokens"], "forward_ms": s["mean_forward_ms"],

@@ -342,6 +342,13 @@ def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, 
 TIMING_HEADERS = {"x-splitspec-timing": "1"}
 
 
+def speculation(data: dict) -> dict | None:
+    """A response's or stream chunk's ``speculation`` block: its first choice's (docs/serving.md); an
+    older checkout's app (``bench.ab``) wrote it beside the choices."""
+    choices = data.get("choices") or [{}]
+    return choices[0].get("speculation") or data.get("speculation")
+
+
 def complete(client, url: str, body: dict) -> tuple[float, int, dict | None, list[int] | None]:
     """One non-streaming completion: (wall seconds, output tokens, speculation stats, token ids)."""
     t0 = time.perf_counter()
@@ -349,7 +356,7 @@ def complete(client, url: str, body: dict) -> tuple[float, int, dict | None, lis
     dt = time.perf_counter() - t0
     r.raise_for_status()
     data = r.json()
-    return dt, data["usage"]["completion_tokens"], data.get("speculation"), data["choices"][0].get("token_ids")
+    return dt, data["usage"]["completion_tokens"], speculation(data), data["choices"][0].get("token_ids")
 
 
 async def stream_completion(client, url: str, body: dict) -> dict:
@@ -370,8 +377,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
                 raise RuntimeError(data["error"].get("message"))
             if data.get("usage"):
                 n_usage = data["usage"]["completion_tokens"]
-            if data.get("speculation"):
-                spec = data["speculation"]
+            spec = speculation(data) or spec
             for c in data.get("choices", []):
                 n = len(c.get("token_ids") or [])
                 if n:

@@ -56,12 +56,15 @@ class Reference:
 
     def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int,
             drafter: str = "draft_model") -> dict:
-        from configs import SamplingParams
+        from configs import AppConfig, SamplingParams
         from core.loop import generate
 
         v = _TimedVerifier(self.verifier, "verify", "forward_s")
         d = _TimedDrafter(self.eagle3 if drafter == "eagle3" else self.drafter, "propose", "draft_s")
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+        # verified by the served app's default rule (AppConfig.verification), so that served and in-process
+        # sampled steps do the same work
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                                verification=AppConfig.model_fields["verification"].default)
         t0 = time.perf_counter()
         (seq,) = generate([list(prompt_ids)], params, k, d if k > 0 else None, v)
         wall = time.perf_counter() - t0

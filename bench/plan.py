@@ -73,19 +73,30 @@ def model_shape(cfg: dict, dtype_bytes: int = 2) -> dict:
     params = layers * per_layer + h + embed + (0 if tied else embed)
     matmul = layers * (attn + mlp) + embed  # the output layer is a matmul, the embedding lookup is not
     return {"params": params, "layers": layers, "hidden_size": h, "vocab_size": vocab, "dtype_bytes": dtype_bytes,
+            "max_position_embeddings": cfg.get("max_position_embeddings"),
             "weight_bytes": params * dtype_bytes, "read_bytes": (matmul + layers * 2 * h + h) * dtype_bytes,
             "flops_per_token": 2 * matmul, "attn_flops_per_position": 4 * layers * heads * hd,
             "kv_bytes_per_token": 2 * layers * kv_heads * hd * dtype_bytes}
 
 
 def load_shape(name: str, dtype_bytes: int = 2) -> dict:
-    """``name``: a file of ``bench/shapes/`` (without .json), a config.json, or a model directory."""
+    """``name``: a file of ``bench/shapes/`` (without .json), a config.json, a model directory or a Hub id (its
+    config alone is fetched). A multimodal config's text model; a Speculators head's draft layers, over its draft
+    vocabulary."""
     p = Path(name)
     if p.is_dir():
         p = p / "config.json"
-    elif not p.exists():
+    elif not p.exists() and (SHAPES_DIR / f"{name}.json").exists():
         p = SHAPES_DIR / f"{name}.json"
+    elif not p.exists():
+        from core.hub import local_dir
+
+        p = Path(local_dir(name, weights=False, field="--verifier/--drafter")) / "config.json"
     cfg = json.loads(p.read_text())
+    if "transformer_layer_config" in cfg:  # a draft head: its layers, its lm_head over the draft vocabulary
+        layer = cfg["transformer_layer_config"]
+        cfg = {**layer, "vocab_size": cfg.get("draft_vocab_size") or layer["vocab_size"]}
+    cfg = cfg.get("text_config") or cfg
     return {"name": name if not Path(name).exists() else Path(name).name, **model_shape(cfg, dtype_bytes)}
 
 
@@ -238,11 +249,13 @@ def evaluate(placement: str, k: int, batch: int, v: dict, mv: Machine, d: dict |
             return None
     s = step(placement, k, batch, context, v, mv, d, md, curve)
     prefill = forward_s(v, mv, 1, traffic.prompt_tokens, traffic.prompt_tokens / 2) + mv.step_overhead_s
-    tpot = s["step_s"] / s["tokens_per_step"]
-    latency = prefill + traffic.output_tokens * tpot
-    # a replica's time per request: its prefill alone, its decoding shared with the batch
-    replica_s = prefill + traffic.output_tokens * s["step_s"] / (batch * s["tokens_per_step"])
-    per_replica = traffic.output_tokens / replica_s
+    decode = s["step_s"] / s["tokens_per_step"]
+    # a request's life on a replica of ``batch`` streams: its decoding, shared with the batch, and the batch's
+    # prefills (each stream's next request prefills once in that time, stalling the steps): the latency and the
+    # capacity count prefill alike
+    latency = batch * prefill + traffic.output_tokens * decode
+    tpot = latency / traffic.output_tokens  # ms per output token, prefill included
+    per_replica = batch * traffic.output_tokens / latency
     streams = traffic.concurrency if traffic.rate is None else traffic.rate * latency  # Little's law
     demand = streams * traffic.output_tokens / latency  # output tokens/s
     n_v = max(math.ceil(demand / per_replica - 1e-9), math.ceil(streams / batch - 1e-9), 1)
@@ -254,6 +267,7 @@ def evaluate(placement: str, k: int, batch: int, v: dict, mv: Machine, d: dict |
     return {"k": k, "batch": batch, "step_ms": rnd(1e3 * s["step_s"], 4), "verify_ms": rnd(1e3 * s["verify_s"], 4),
             "draft_ms": rnd(1e3 * s["draft_s"], 4), "exposed_draft_ms": rnd(1e3 * s["exposed_draft_s"], 4),
             "tokens_per_step": rnd(s["tokens_per_step"], 4), "tpot_ms": rnd(1e3 * tpot, 4),
+            "decode_tpot_ms": rnd(1e3 * decode, 4),
             "prefill_ms": rnd(1e3 * prefill, 3), "latency_s": rnd(latency, 3),
             "tokens_per_s_per_replica": rnd(per_replica, 2), "demand_tokens_per_s": rnd(demand, 2),
             "verifier_replicas": n_v, "drafter_replicas": n_d, "usd_per_hour": rnd(hourly, 4),
@@ -293,7 +307,7 @@ def plan(v: dict, d: dict | None, machines: dict[str, Machine], curve: Curve, tr
 
 
 def _label(placement: str, gv: str, gd: str | None) -> str:
-    return {"plain": f"{gv}, plain", "colocated": f"{gv} + drafter in replica",
+    return {"plain": f"{gv}, plain", "colocated": f"{gv}, drafter in replica",
             "split": f"{gv} verifiers + {gd} drafters"}[placement]
 
 
@@ -307,20 +321,35 @@ def best_k(v: dict, d: dict | None, m: Machine, md: Machine | None, curve: Curve
     return min(ks, key=per_token)
 
 
+def context(shape: dict | None, traffic: Traffic) -> int:
+    """The context a served model gets: its own (``max_position_embeddings``), never below what the traffic needs."""
+    need = traffic.prompt_tokens + traffic.output_tokens + 16
+    own = (shape or {}).get("max_position_embeddings")
+    return max(int(own), need) if own else 1 << max(10, math.ceil(math.log2(need)))
+
+
 def serve_config(rec: dict, verifier_model: str, drafter_model: str | None, machines: dict[str, Machine],
-                 traffic: Traffic) -> str:
-    """A serve config (like configs/serve_gpu_cluster.yaml) for the recommended shape."""
+                 traffic: Traffic, v: dict | None = None, d: dict | None = None, drafter_method: str = "draft_model") -> str:
+    """A serve config (like configs/serve_gpu_cluster.yaml) for the recommended shape: each model at its own context
+    (``v``, ``d``: their shapes), the verifier's KV cache in what its GPU has left beside the weights."""
     import yaml
 
     mv = machines[rec["verifier_gpu"]]
-    ctx = 1 << max(10, math.ceil(math.log2(traffic.prompt_tokens + traffic.output_tokens + 16)))
+    ctx = context(v, traffic)
     spec = rec["placement"] != "plain"
-    args = {"model_name": "served-model", "max_tokens_limit": traffic.output_tokens * 4,
+    weights = (v or {}).get("weight_bytes", 0) + ((d or {}).get("weight_bytes", 0) if rec["placement"] == "colocated" else 0)
+    free_mb = int(max(mv.memory_bytes * 0.9 - weights, mv.memory_bytes * 0.1) / 2**20)
+    args = {"model_name": "served-model", "max_tokens_limit": min(traffic.output_tokens * 4, ctx),
             "verifier": {"model": verifier_model, "dtype": "bfloat16", "device": "cuda", "max_model_len": ctx,
-                         "cache_budget_mb": int(mv.memory_bytes / 2**20 * 0.5)}}
-    if spec:
-        args["drafter"] = {"method": "draft_model", "model": drafter_model, "num_speculative_tokens": rec["k"],
-                           "dtype": "bfloat16", "device": "cuda", "max_model_len": ctx, "cache_budget_mb": 4000}
+                         "cache_budget_mb": free_mb if rec["placement"] != "colocated" else int(free_mb * 0.8)}}
+    if spec and drafter_method == "ngram":
+        args["drafter"] = {"method": "ngram", "num_speculative_tokens": rec["k"]}
+    elif spec:
+        args["drafter"] = {"method": drafter_method, "model": drafter_model, "num_speculative_tokens": rec["k"],
+                           "dtype": "bfloat16", "device": "cuda", "cache_budget_mb": 4000 if rec["placement"] == "split"
+                           else int(free_mb * 0.2)}
+        if drafter_method == "draft_model":
+            args["drafter"]["max_model_len"] = min(ctx, context(d, traffic))
         args["k_policy"] = "adaptive"
     else:
         args["drafter"] = {"method": "ngram", "num_speculative_tokens": 0}
@@ -353,12 +382,16 @@ def markdown(data: dict) -> str:
          f"Verifier `{data['verifier']['name']}` ({data['verifier']['params'] / 1e9:.2f}B parameters), drafter "
          f"`{data['drafter']['name'] if data['drafter'] else 'none'}`; acceptance: {data['acceptance']}. Traffic: "
          + (f"{t['concurrency']} concurrent streams" if t["rate_rps"] is None else f"{t['rate_rps']} requests/s")
-         + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens; target {data['tpot_ms']} ms per "
-         "output token.", "",
+         + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens ({t.get('lengths_from') or 'as given'}); "
+         f"target {data['tpot_ms']} ms per output token, prefill included.", "",
+         f"**{data.get('headline', '')}**", "",
          ("**Unvalidated**: GPU figures are projections from datasheets and the catalogue's assumed efficiencies and "
-          "overheads; prices are examples (bench/gpus.yaml). The acceptance curve is the one measured (by default the "
-          "shipped pair's on the workload): measure the pair being planned with `python -m bench.acceptance --url` on "
-          "a server running it, and pass its JSON."), "",
+          "overheads; prices are examples (bench/gpus.yaml). The acceptance curve is the one measured: measure the pair "
+          "being planned with `python -m bench.acceptance --verifier <model> --drafter <model>` (or `--config` with its "
+          "serve config, or `--url` on a server running it), and pass its JSON."), "",
+         ("Shapes: *plain*, the verifier alone; *drafter in replica*, the drafter inside each verifier replica "
+          "(`drafter_placement: verifier`); *split*, a verifier pool and a drafter pool, each on its GPU type. "
+          "ms/token is a request's time per output token, its decoding and the prefills of its replica's batch."), "",
          ("| shape | meets target | k | batch / replica | step ms | tokens/step | ms/token | tok/s / replica | "
           "verifier replicas | drafter replicas | $/h | $ / 1M output tokens |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["shapes"]:
@@ -376,6 +409,8 @@ def markdown(data: dict) -> str:
 
 
 def plot_plan(data: dict, path: Path) -> Path | None:
+    """Cost against time per token, a point a shape; the latency target, the recommendation and plain decoding's
+    best marked and named (the other points unnamed: the table names them)."""
     try:
         import matplotlib
 
@@ -384,21 +419,83 @@ def plot_plan(data: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     rows = [r for r in data["shapes"] if r["fits"]]
-    fig, ax = plt.subplots(figsize=(9, 5))
-    marks = {"plain": "o", "colocated": "s", "split": "^"}
-    for placement, mark in marks.items():
+    fig, ax = plt.subplots(figsize=(10, 6.4))
+    names = {"plain": "plain: the verifier alone", "colocated": "drafter in the verifier replica (drafter_placement: verifier)",
+             "split": "split: a verifier pool and a drafter pool"}
+    for (placement, name), mark in zip(names.items(), ("o", "s", "^")):
         rs = [r for r in rows if r["placement"] == placement]
-        ax.scatter([r["tpot_ms"] for r in rs], [r["usd_per_m_tokens"] for r in rs], marker=mark, label=placement)
-    for r in rows[:6]:
-        ax.annotate(r["shape"], (r["tpot_ms"], r["usd_per_m_tokens"]), fontsize=6)
-    ax.axvline(data["tpot_ms"], color="grey", ls="--", lw=1)
-    ax.set(xlabel="projected ms per output token", ylabel="$ per million output tokens", xscale="log", yscale="log",
-           title="deployment shapes (unvalidated projections)")
-    ax.legend()
+        ax.scatter([r["tpot_ms"] for r in rs], [r["usd_per_m_tokens"] for r in rs], marker=mark, s=22, alpha=0.6,
+                   label=f"{name} ({len(rs)} shapes)")
+    ax.axvline(data["tpot_ms"], color="grey", ls="--", lw=1, label=f"latency target: {data['tpot_ms']:g} ms/token")
+    rec = data.get("recommendation")
+    plain = next((r for r in rows if r["placement"] == "plain" and r["meets_target"]), None)
+    for r, colour, text, offset in ((rec, "crimson", "recommended", (12, 18)), (plain, "black", "plain's best", (12, -26))):
+        if r is None or (r is plain and r is rec and text == "plain's best"):
+            continue
+        ax.scatter([r["tpot_ms"]], [r["usd_per_m_tokens"]], marker="*", s=260, color=colour, zorder=5)
+        ax.annotate(f"{text}: {r['shape']}" + (f", k = {r['k']}" if r["k"] else "") +
+                    f"\n{r['tpot_ms']:.2f} ms/token, {r['usd_per_m_tokens']:.3f} $/1M", (r["tpot_ms"], r["usd_per_m_tokens"]),
+                    textcoords="offset points", xytext=offset, fontsize=8, color=colour,
+                    bbox={"boxstyle": "round", "fc": "white", "ec": colour, "alpha": 0.9},
+                    arrowprops={"arrowstyle": "-", "color": colour})
+    ax.set(xlabel="projected ms per output token (prefill included)", ylabel="$ per million output tokens",
+           xscale="log", yscale="log",
+           title=f"deployment shapes, unvalidated projections: {data['verifier']['name']} with "
+                 f"{data['drafter']['name'] if data['drafter'] else 'no drafter'}")
+    ax.grid(alpha=0.3, which="both")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes, not powers of ten
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        axis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def lengths_of(args, acc: dict | None) -> tuple[tuple[int, int], str]:
+    """(prompt tokens, output tokens) of a request, and where they come from: the flags, else the workload's
+    (the acceptance JSON's workload: its prompts' mean length in the verifier's tokens; its lines' ``max_tokens``,
+    else the length the acceptance run generated), else 512 and 256."""
+    wl = ((acc or {}).get("workloads") or {}).get(args.workload) or {}
+    prompt, output, src = args.prompt_tokens, args.output_tokens, []
+    if prompt is None and wl.get("prompt_tokens"):
+        prompt = round(sum(wl["prompt_tokens"]) / len(wl["prompt_tokens"]))
+        src.append(f"prompt tokens: the mean of workload {args.workload!r}'s {len(wl['prompt_tokens'])} prompts")
+    if output is None and [x for x in wl.get("max_tokens") or [] if x]:
+        xs = [x for x in wl["max_tokens"] if x]
+        output = round(sum(xs) / len(xs))
+        src.append(f"output tokens: the mean max_tokens of workload {args.workload!r}'s lines")
+    elif output is None and (acc or {}).get("config", {}).get("max_tokens"):
+        output = int(acc["config"]["max_tokens"])
+        src.append("output tokens: the length the acceptance run generated (--max-tokens); set --output-tokens")
+    if prompt is None or output is None:
+        src.append("defaults for the rest (512 prompt, 256 output tokens)")
+    flags = [f"--{n}" for n, x in (("prompt-tokens", args.prompt_tokens), ("output-tokens", args.output_tokens)) if x]
+    if flags:
+        src.insert(0, f"{' and '.join(flags)} as given")
+    return (prompt or 512, output or 256), "; ".join(src)
+
+
+def headline(rows: list[dict], rec: dict | None) -> str:
+    """The recommendation against plain decoding's best shape: cost and time per output token."""
+    plain = next((r for r in rows if r["placement"] == "plain" and r["fits"] and r["meets_target"]), None) or min(
+        (r for r in rows if r["placement"] == "plain" and r["fits"]), key=lambda r: r["tpot_ms"], default=None)
+    if rec is None:
+        return "No shape meets the latency target" + (f"; plain decoding's fastest is {plain['shape']} at "
+                                                        f"{plain['tpot_ms']:.2f} ms/token." if plain else ".")
+    if plain is None:
+        return f"{rec['shape']}, k = {rec['k']}: no plain shape fits in memory to compare with."
+    if rec["placement"] == "plain":
+        return (f"Speculation does not pay here: plain decoding on {rec['shape'].split(',')[0]} is the cheapest shape "
+                f"that meets the target ({rec['usd_per_m_tokens']:.3f} $/1M tokens, {rec['tpot_ms']:.2f} ms/token).")
+    return (f"{rec['shape']}, k = {rec['k']}: {rec['usd_per_m_tokens']:.3f} $/1M output tokens at {rec['tpot_ms']:.2f} "
+            f"ms/token, against plain decoding's best, {plain['shape']}: {plain['usd_per_m_tokens']:.3f} $/1M at "
+            f"{plain['tpot_ms']:.2f} ms/token ({plain['usd_per_m_tokens'] / rec['usd_per_m_tokens']:.2f}x the cost per "
+            f"token, {plain['tpot_ms'] / rec['tpot_ms']:.2f}x the time per token).")
 
 
 def run_plan(args) -> dict:
@@ -414,19 +511,25 @@ def run_plan(args) -> dict:
     if kit:  # the kit's measured bandwidth and matmul rate for the GPU it ran on
         machines[args.gpu] = kit_machine(machines[args.gpu], kit["planner_check"].get("probes"))
     kit_acc = (kit or {}).get("acceptance") or {}
+    acc_data = None
     if args.acceptance_a is not None:
         curve = Curve.geometric(args.acceptance_a)
     elif not args.acceptance and kit_acc.get("results"):
+        acc_data = kit_acc
         curve = Curve.from_acceptance(kit_acc, args.workload, args.curve_drafter, args.temperature)
     else:
         src = Path(args.acceptance) if args.acceptance else Path(args.out) / "acceptance.json"
         if not src.exists():
             raise SystemExit(f"{src}: no acceptance curve; run `make bench-acceptance` first, or give --acceptance-a")
-        curve = Curve.from_acceptance(json.loads(src.read_text()), args.workload, args.curve_drafter, args.temperature)
-    traffic = Traffic(args.prompt_tokens, args.output_tokens, None if args.rate else args.concurrency, args.rate)
+        acc_data = json.loads(src.read_text())
+        curve = Curve.from_acceptance(acc_data, args.workload, args.curve_drafter, args.temperature)
+    (prompt, output), lengths = lengths_of(args, acc_data)
+    traffic = Traffic(prompt, output, None if args.rate else args.concurrency, args.rate)
     rows = plan(v, d, machines, curve, traffic, args.tpot_ms)
     rec = next((r for r in rows if r["meets_target"]), None)
-    return {"scenario": "plan", "verifier": v, "drafter": d, "acceptance": curve.source, "traffic": traffic.describe(),
+    return {"scenario": "plan", "verifier": v, "drafter": d, "acceptance": curve.source,
+            "traffic": {**traffic.describe(), "lengths_from": lengths}, "headline": headline(rows, rec),
+            "drafter_method": args.drafter_method,
             "gpu_json": args.gpu_json, "measured_gpu": args.gpu if kit else None,
             "tpot_ms": args.tpot_ms, "catalogue": str(args.catalogue), "shapes": rows, "recommendation": rec,
             "validated": False, "duration_s": round(time.perf_counter() - t0, 2)}
@@ -966,39 +1069,25 @@ def check_markdown(data: dict) -> str:
 
 # ------------------------------------------------------------------ command line
 def parse(argv: list[str]):
-    """``plan`` (the default when the first argument is not a subcommand) or ``check``."""
+    """``plan`` (the default: ``bench.plan --help`` is its help) or ``check`` (``bench.plan check --help``)."""
     argv = list(argv)
-    if not argv or argv[0] not in ("plan", "check", "-h", "--help"):
+    if not argv or argv[0] not in ("plan", "check"):
         argv = ["plan", *argv]
-    ap = argparse.ArgumentParser(description="Project deployment shapes' latency and cost (plan), or check the "
-                                             "projection against this CPU's measurements (check).")
+    ap = argparse.ArgumentParser(prog="python -m bench.plan")
     sub = ap.add_subparsers(dest="cmd")
-    helps = {"plan": "deployment shapes on the GPU catalogue (the default)",
+    helps = {"plan": ("Project every deployment shape (plain, the drafter in the verifier replica, split pools) of a "
+                      "verifier and a drafter on the GPU catalogue for your traffic: latency and cost per shape, the "
+                      "cheapest that meets the latency target against plain decoding, plan.md, plan.json, plan.png and "
+                      "plan_serve.yaml in --out. `python -m bench.plan check --help`: the projection's check."),
              "check": "the projection against bench.latency's measurements on this CPU, or (--gpu-json) the GPU kit's"}
     for name in ("plan", "check"):
-        p = sub.add_parser(name, help=helps[name])
-        p.add_argument("--out", default=str(DEFAULT_OUT))
-        p.add_argument("--acceptance", default=None, help="bench.acceptance's JSON (default: <out>/acceptance.json)")
-        p.add_argument("--catalogue", default=str(CATALOGUE))
+        p = sub.add_parser(name, help=helps[name], description=helps[name], prog=f"python -m bench.plan {name}")
+        p.add_argument("--out", default=str(DEFAULT_OUT), help="where the files go, and the JSON read by default (%(default)s)")
+        p.add_argument("--acceptance", default=None, help=(
+            "bench.acceptance's JSON: the acceptance curve, and the workload's prompt lengths (default: <out>/acceptance.json)"))
+        p.add_argument("--catalogue", default=str(CATALOGUE), help="the GPU catalogue: bandwidth, FLOPs, memory, price (%(default)s)")
         if name == "plan":
-            p.add_argument("--verifier", default="llama-3.1-8b", help="a bench/shapes name, a config.json or a model dir")
-            p.add_argument("--drafter", default="llama-3.2-1b", help="likewise, or 'none' (n-gram: no drafter cost)")
-            p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
-            p.add_argument("--workload", default="humaneval", help="the acceptance JSON's workload")
-            p.add_argument("--curve-drafter", default="draft_model", help="the acceptance JSON's drafter")
-            p.add_argument("--temperature", type=float, default=0.0)
-            p.add_argument("--acceptance-a", type=float, default=None, help="a geometric curve with this a instead")
-            p.add_argument("--concurrency", type=int, default=64)
-            p.add_argument("--rate", type=float, default=None, help="requests/s (instead of --concurrency)")
-            p.add_argument("--prompt-tokens", type=int, default=512)
-            p.add_argument("--output-tokens", type=int, default=256)
-            p.add_argument("--tpot-ms", type=float, default=30.0, help="latency target: ms per output token")
-            p.add_argument("--price", action="append", metavar="GPU=USD", help="override a catalogue price per hour")
-            p.add_argument("--gpu-json", default=None, help="the GPU kit's gpu.json: its measured bandwidth and matmul "
-                                                            "rate replace --gpu's datasheet figures, its acceptance the curve")
-            p.add_argument("--gpu", default="H100-SXM", help="with --gpu-json: the catalogue entry the kit ran on")
-            p.add_argument("--verifier-model", default="/models/verifier", help="the serve config's verifier path")
-            p.add_argument("--drafter-model", default="/models/drafter", help="the serve config's drafter path")
+            _plan_args(p)
         else:
             p.add_argument("--latency", default=None, help="bench.latency's JSON (default: <out>/latency.json)")
             p.add_argument("--step-overhead-ms", type=float, default=0.7,
@@ -1015,6 +1104,33 @@ def parse(argv: list[str]):
     return ap.parse_args(argv)
 
 
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier", default="llama-3.1-8b", help=(
+        "the verifier's shape: a bench/shapes name, a config.json or a model directory (%(default)s)"))
+    p.add_argument("--drafter", default="llama-3.2-1b", help="the drafter's shape, likewise, or 'none' (n-gram: no drafter cost)")
+    p.add_argument("--drafter-method", default="draft_model", choices=["draft_model", "eagle3", "dflash", "dspark", "ngram"],
+                   help="the drafter's method in plan_serve.yaml (%(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="the weights' and KV cache's dtype")
+    p.add_argument("--workload", default="humaneval", help="the acceptance JSON's workload: its curve and lengths (%(default)s)")
+    p.add_argument("--curve-drafter", default="draft_model", help=(
+        "the acceptance JSON's drafter row (as bench.acceptance names it, e.g. 'eagle3: <head>') (%(default)s)"))
+    p.add_argument("--temperature", type=float, default=0.0, help="the acceptance JSON's temperature row")
+    p.add_argument("--acceptance-a", type=float, default=None, help="a geometric curve with this a instead")
+    p.add_argument("--concurrency", type=int, default=64, help="concurrent streams (%(default)s)")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (instead of --concurrency)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help=(
+        "prompt length (default: the workload's mean, from the acceptance JSON; else 512)"))
+    p.add_argument("--output-tokens", type=int, default=None, help=(
+        "output length (default: the workload lines' max_tokens, else the acceptance run's --max-tokens; else 256)"))
+    p.add_argument("--tpot-ms", type=float, default=30.0, help="latency target: ms per output token, prefill included")
+    p.add_argument("--price", action="append", metavar="GPU=USD", help="override a catalogue price per hour")
+    p.add_argument("--gpu-json", default=None, help="the GPU kit's gpu.json: its measured bandwidth and matmul "
+                                                    "rate replace --gpu's datasheet figures, its acceptance the curve")
+    p.add_argument("--gpu", default="H100-SXM", help="with --gpu-json: the catalogue entry the kit ran on")
+    p.add_argument("--verifier-model", default="/models/verifier", help="the serve config's verifier path or Hub id")
+    p.add_argument("--drafter-model", default="/models/drafter", help="the serve config's drafter path or Hub id")
+
+
 def main(argv=None):
     import sys
 
@@ -1026,11 +1142,13 @@ def main(argv=None):
         (out / "plan.md").write_text(markdown(data))
         plot_plan(data, out / "plan.png")
         if data["recommendation"]:
-            (out / "plan_serve.yaml").write_text(serve_config(data["recommendation"], args.verifier_model,
-                                                              args.drafter_model, gpu_machines(load_catalogue(args.catalogue)),
-                                                              Traffic(args.prompt_tokens, args.output_tokens)))
+            t = data["traffic"]
+            (out / "plan_serve.yaml").write_text(serve_config(
+                data["recommendation"], args.verifier_model, args.drafter_model, gpu_machines(load_catalogue(args.catalogue)),
+                Traffic(t["prompt_tokens"], t["output_tokens"]), data["verifier"], data["drafter"], args.drafter_method))
         log(f"wrote {out}/plan.json, plan.md, plan.png, plan_serve.yaml ({data['duration_s']} s)")
         print(markdown(data))
+        log(data["headline"])
         return
     if args.gpu_json:
         data = check_gpu(json.loads(Path(args.gpu_json).read_text()), gpu_machines(load_catalogue(args.catalogue)), args.gpu)

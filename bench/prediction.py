@@ -18,7 +18,19 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import BENCH_DTYPE, DEFAULT_OUT, TARGET, app_args, environment, load_prompts, log, serving, set_threads, write_json
+from bench.common import (
+    BENCH_DTYPE,
+    DEFAULT_OUT,
+    TARGET,
+    app_args,
+    environment,
+    load_prompts,
+    log,
+    serving,
+    set_threads,
+    speculation,
+    write_json,
+)
 
 VARIANTS = ("none", "exact", "edited", "wrong")
 
@@ -75,7 +87,7 @@ def main(argv=None):
                     mismatches += out != plain[i]
                     n = data["usage"]["completion_tokens"]
                     details = data["usage"].get("completion_tokens_details") or {}
-                    spec = data.get("speculation") or {}
+                    spec = speculation(data) or {}
                     rows[v].append({"prompt": i, "repeat": r, "ms_per_token": 1000 * dt / n, "tokens": n,
                                     "accepted_prediction_tokens": details.get("accepted_prediction_tokens"),
                                     "rejected_prediction_tokens": details.get("rejected_prediction_tokens"),

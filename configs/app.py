@@ -85,7 +85,7 @@ class AppConfig(BaseModel):
         "Requests a router replica runs at once; beyond it new requests get 429 with Retry-After at once instead of queueing."))
     api_keys: list[str] = Field(default_factory=list, max_length=1024, description=(
         "When set (here, or comma-separated in the SPLITSPEC_API_KEYS environment variable), every /v1 call needs `Authorization: Bearer <key>` with "
-        "one of them; /health stays open."))
+        "one of them; /health and /ready stay open."))
     max_body_bytes: int = Field(4 * 2**20, ge=1024, le=2**30, description="Largest request body; beyond it the request gets 413 before it is parsed.")
     max_prompt_chars: int = Field(1_000_000, ge=1, le=100_000_000, description=(
         "Longest prompt (all chat message contents together) in characters, checked before tokenising."))
@@ -94,6 +94,10 @@ class AppConfig(BaseModel):
         "s); Serve replaces it and its requests fail over to other replicas."))
     max_batch: int = Field(64, ge=1, le=4096, description="Most sequences per batched forward pass on a replica.")
     max_queue: int = Field(1024, ge=1, le=1_000_000, description="Most sequence steps waiting on a replica; beyond it calls fail fast.")
+    ready_without_drafter: bool = Field(False, description=(
+        "What GET /ready waits for. False (default): a verifier replica and, with drafter_placement pool, a drafter replica it reaches; "
+        "True: a verifier replica only, so the app takes traffic while the drafter pool is still starting (or down) and serves those "
+        "requests without speculation (each drafter call abandoned after drafter_timeout_s, then the breakers' back-off)."))
 
     @model_validator(mode="before")
     @classmethod

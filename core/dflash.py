@@ -11,8 +11,11 @@ and vLLM's ``qwen3_dflash`` / ``qwen3_dspark``):
 - the block: after the verifier has states for x_0..x_{n-1} and chose x_n (the anchor, or bonus
   token), the head's queries are x_n at position n and ``mask_token_id`` at n+1, n+2, ...; they attend
   to every context key and to each other: both ways (bidirectional: a block is denoised at once) or,
-  for a causal layer, to the block's earlier queries only; a sliding layer sees the keys within its
-  window of each query;
+  for a causal layer, to the block's earlier queries only; a sliding layer of window W sees the W
+  context positions before the anchor (n - W .. n - 1) from every query of the block, and the block's
+  own queries, as Speculators' training mask has it (``create_anchor_block_mask_mod``: the window is
+  counted from the anchor; vLLM 0.32's kernel counts it from each query, so a query deep in the block
+  sees fewer context keys there than the head was trained with: this follows training, as for causality);
 - the draft at block position i (1..k) is read from the head's output at query i: it predicts x_{n+i}
   (the mask sits at the predicted position). With ``sample_from_anchor`` (DSpark's dense layout) query
   i predicts the next token instead, x_{n+i+1}, and the anchor's query predicts x_{n+1};
@@ -301,7 +304,6 @@ class ParallelHead(nn.Module):
         base = torch.ones(B, n, S + n, dtype=torch.bool, device=ids.device)
         if ctx_valid is not None:
             base[:, :, :S] = ctx_valid.view(B, 1, S)
-        k_pos = torch.cat([ctx_pos, pos], dim=1)  # [B, S + n]
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         masks = {}
         residual = None
@@ -311,8 +313,8 @@ class ParallelHead(nn.Module):
                 m = base.clone()
                 if L.causal:
                     m[:, :, S:] &= causal
-                if L.window is not None:
-                    m &= k_pos.unsqueeze(1) > pos.unsqueeze(2) - L.window
+                if L.window is not None:  # the W context positions before the anchor, for every query of the block
+                    m[:, :, :S] &= (ctx_pos >= start.view(B, 1) - L.window).unsqueeze(1)
                 masks[key] = m.unsqueeze(1)
             h, residual = L(h, residual, cos, sin, ck, cv, masks[key])
         return self.norm(h + residual)

@@ -638,6 +638,36 @@ def verifier_layers(verifier: str | Path) -> int:
     return AutoConfig.from_pretrained(str(verifier)).get_text_config().num_hidden_layers
 
 
+def verifier_hidden_size(verifier: str | Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(verifier)).get_text_config().hidden_size
+
+
+def check_reads(path: Path, spec, verifier, shapes: dict[str, tuple]) -> None:
+    """What the head reads, before any weight's shape is compared: the verifier's hidden states at its width
+    (a head trained for another verifier is named as one, with both sizes), and the aux states vLLM captures:
+    each listed layer once (``_set_aux_hidden_state_layers``: ``sorted(set(layers))``), repeats included."""
+    fc = shapes.get("fc.weight")
+    raw = json.loads((path / "config.json").read_text())
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or raw.get("aux_hidden_state_layer_ids") or []
+    n = len(spec.aux_layer_ids)
+    if fc is not None and len(ids) > n and fc[-1] == len(ids) * spec.target_hidden_size:
+        field_ = "eagle_aux_hidden_state_layer_ids" if "eagle_aux_hidden_state_layer_ids" in raw else "aux_hidden_state_layer_ids"
+        raise UnsupportedHead(f"{field_} {ids} repeat a layer: vLLM captures each layer once ({n} states, "
+                              f"{sorted(set(ids))}), while fc.weight {fc} reads {len(ids)}")
+    if verifier is None:
+        return
+    width = verifier_hidden_size(verifier)
+    sizes = {"target_hidden_size": spec.target_hidden_size}
+    if fc is not None and fc[-1] % width and not fc[-1] % n:  # the weights' own width, where the config hides it
+        sizes["fc.weight"] = fc[-1] // n
+    for what, size in sizes.items():
+        if size != width:
+            raise UnsupportedHead(f"the head reads hidden states of size {size} ({what}), the verifier's hidden size "
+                                  f"is {width}: the head belongs to another verifier, one {size} wide")
+
+
 def _borrowed(path: Path, spec, names: set[str], verifier, read) -> dict:
     """{weight name: ``read(verifier, what)``} for the weights the head leaves to the verifier (vLLM's rules:
     the target's embedding without ``embed_tokens``, its lm_head without ``lm_head``), each as wide as the head;
@@ -707,6 +737,7 @@ def check_weights(path: Path, spec, verifier, head_cls: type[nn.Module]) -> None
     for f in _safetensors_files(path):
         with safe_open(str(f), "pt") as h:
             shapes.update({_names(k): tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    check_reads(path, spec, verifier, shapes)
     shapes.update({k: tuple(v) for k, v in _borrowed(path, spec, set(shapes), verifier, _verifier_shape).items()})
     shapes.pop("inv_freq", None)
     _complete(path, spec, shapes, head_cls)
@@ -742,6 +773,7 @@ def load_weights(head: nn.Module, path: Path, verifier) -> None:
     spec = head.spec
     state = {_names(k): v for k, v in read_state(path).items()}
     state.pop("inv_freq", None)
+    check_reads(path, spec, verifier, {k: tuple(v.shape) for k, v in state.items()})
     state.update(_borrowed(path, spec, set(state), verifier, verifier_tensor))
     if "t2d" not in state and spec.draft_vocab_size != spec.vocab_size:
         # d2t absent: vLLM keeps its zeros, draft id i is target id i

@@ -69,7 +69,7 @@ def accept_rejection(draft: list[int], p: torch.Tensor, q: DraftProbs | torch.Te
     for i, x in enumerate(draft):
         if np.float32(u_accept(i)) * np.float32(_q_prob(q, i, x)) < p[i, x].item():  # u < p(x) / q(x)
             continue
-        final = (p[i] - _q_row(q, i, x, p.shape[-1])).clamp_min(0.0)  # [V] the residual, unnormalised
+        final = _residual(p[i], q, i, x).clamp_min(0.0)  # [V] the residual, unnormalised
         if final.sum() <= 0:  # empty residual (p == q): rejection has probability 0 there; p keeps the draw valid
             final = p[i]
         return draft[:i] + [_draw(final, u_sample(i))], i
@@ -82,18 +82,21 @@ def _q_prob(q: DraftProbs | torch.Tensor | None, i: int, x: int) -> float:
         return 1.0
     if isinstance(q, torch.Tensor):
         return q[i, x].item()
-    return next((pr for t, pr in zip(q.ids[i], q.probs[i]) if t == x), 0.0)
+    ids = q.ids[i]
+    return q.probs[i][ids.index(x)] if x in ids else 0.0  # (a sparse row's ids are distinct)
 
 
-def _q_row(q: DraftProbs | torch.Tensor | None, i: int, x: int, V: int) -> torch.Tensor:
-    """q_i as a dense row [V] (one-hot at the draft x without probabilities)."""
-    if q is None:
-        row = torch.zeros(V)
-        row[x] = 1.0
-        return row
+def _residual(p_i: torch.Tensor, q: DraftProbs | torch.Tensor | None, i: int, x: int) -> torch.Tensor:
+    """p_i - q_i [V], unclamped (q_i one-hot at the draft x without probabilities). A sparse q_i is
+    subtracted at its own entries only: the same values as p_i - q.dense(V)[i], without the dense row."""
     if isinstance(q, torch.Tensor):
-        return q[i]
-    return DraftProbs(q.ids[i: i + 1], q.probs[i: i + 1]).dense(V)[0]  # row i of q.dense(V)
+        return p_i - q[i]
+    out = p_i.clone()
+    if q is None:
+        out[x] -= 1.0
+    else:
+        out[q.ids[i]] -= torch.tensor(q.probs[i], dtype=out.dtype)
+    return out
 
 
 def _draw(dist: torch.Tensor, u: float) -> int:

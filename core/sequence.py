@@ -94,6 +94,7 @@ class Sequence:
         # what each pool's replica is believed to hold for this sequence; a wrong belief costs a
         # cache miss and a resend, never a wrong token
         self.drafter_held: list[int] = []
+        self.drafter_asked = False  # a draft request was made: the drafter pool may hold a slot to release
         self.verifier_cached = 0  # the verifier replica holds tokens[:verifier_cached]
         self.hash_chain: list[bytes] = [b""]  # memo of the prefix hash of self.tokens (core.protocol)
         self._verifying: list[int] = []  # drafts of the step in flight
@@ -135,6 +136,7 @@ class Sequence:
         pre-draft an EAGLE-3 drafter continues from its own rows (it reads no states);
         ``alternatives``, ``branches``: see ``DraftRequest``."""
         ctx = self.tokens if context is None else context
+        self.drafter_asked = True
         kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional,
                   alternatives=alternatives, branches=list(branches))
         if self.capture and self.aux is not None and not provisional:

@@ -17,6 +17,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from deployments.metrics import metrics
 from deployments.openai_api import OpenAIError, validation_error
@@ -111,6 +112,23 @@ async def _internal_error(request: Request, e: Exception):
     count_status(request.url.path, 500)
     return JSONResponse(OpenAIError(500, f"internal error: {type(e).__name__}", type_="internal_error").body(),
                         status_code=500)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, e: HTTPException):
+    """Starlette's own answers (an unknown route, a method the route does not take) in the same shape."""
+    count_status(request.url.path, e.status_code)
+    return JSONResponse(http_error(request.method, request.url.path, e.status_code, e.detail).body(),
+                        status_code=e.status_code, headers=e.headers)
+
+
+def http_error(method: str, path: str, status: int, detail) -> OpenAIError:
+    if status == 404:
+        return OpenAIError(404, f"Invalid URL ({method} {path}): this server serves /v1/models, "
+                           "/v1/completions, /v1/chat/completions and /health", code="not_found")
+    if status == 405:
+        return OpenAIError(405, f"method {method} is not allowed on {path}", code="method_not_allowed")
+    return OpenAIError(status, str(detail))
 
 
 @app.exception_handler(RequestValidationError)

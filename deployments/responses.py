@@ -87,10 +87,9 @@ class Reply:
                 choice["token_ids"] = s.token_ids
             if first:
                 choice["prompt_token_ids"] = self.prompt_ids
-        out = {**self.envelope(), "choices": [choice]}
-        if s.stats is not None:
-            out["speculation"] = s.stats
-        return out
+        if s.stats is not None:  # the choice's statistics, on its last chunk
+            choice["speculation"] = s.stats
+        return {**self.envelope(), "choices": [choice]}
 
     def usage(self, n_out: int) -> dict:
         """The prompt counts once, the completion tokens of every choice add up (as OpenAI's)."""
@@ -113,11 +112,11 @@ class Reply:
                 if not self.hides(i):
                     choice["token_ids"] = out["ids"]
                 choice["prompt_token_ids"] = self.prompt_ids
+            choice["speculation"] = out["stats"]  # each choice is its own speculative sequence
             choices.append(choice)
         self.count("200")
         usage = self.usage(sum(len(out["ids"]) for out in outs))
-        stats = outs[0]["stats"] if len(outs) == 1 else [out["stats"] for out in outs]
-        return {**self.envelope(), "choices": choices, **usage, "speculation": stats}
+        return {**self.envelope(), "choices": choices, **usage}
 
     def chat_choice(self, i: int, out: dict) -> dict:
         parser, lps = self.parser(i), out["logprobs"]

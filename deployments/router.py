@@ -32,8 +32,13 @@ from deployments.openai_api import (
     wants_timing,
 )
 from deployments.responses import Reply, collect
+from deployments.server import within
 
 __all__ = ["Admission", "Router"]
+
+# GET /ready waits this long for a drafter replica's answer, twice this for a verifier's: a pool with no running
+# replica does not answer (the call waits in the handle's queue), and a probe must answer within its own timeout
+READY_TIMEOUT_S = 1.0
 
 
 @serve.ingress(app)
@@ -73,7 +78,24 @@ class Router:
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
     async def health(self):
+        """Liveness: this router replica answers (its pools may still be loading: GET /ready says when they serve)."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self):
+        """Readiness: 200 once a request can be served end to end (a verifier replica up and, unless
+        ``ready_without_drafter`` or the drafter runs in the verifier, a drafter replica it reaches), else 503
+        with the reason. Each call asks one replica of each pool, through the handles requests take."""
+        try:
+            problem = await within(self.verifier.ready.remote(not self.config.ready_without_drafter, READY_TIMEOUT_S),
+                                   2 * READY_TIMEOUT_S)
+        except TimeoutError:
+            problem = f"no verifier replica answered within {2 * READY_TIMEOUT_S:g} s (the pool is starting or down)"
+        except Exception as e:  # noqa: BLE001 - a replica that died under the call: not ready, and why
+            problem = f"verifier: {type(e).__name__}: {e}"
+        if problem:
+            return JSONResponse({"status": "not ready", "reason": problem}, status_code=503)
+        return {"status": "ready"}
 
     @app.get("/v1/models")
     async def models(self):

@@ -3,6 +3,7 @@ cache metrics, release, stats and health."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -14,6 +15,20 @@ from deployments.metrics import metrics, where
 
 log = logging.getLogger(__name__)
 FAULT_INJECTION_ENV = "SPLITSPEC_FAULT_INJECTION"  # "1" enables ``inject_fault`` (tests, chaos drills)
+# with fault injection on: a replica's start takes this many seconds longer (a slow model load, for readiness drills)
+START_DELAY_ENV = "SPLITSPEC_START_DELAY_S"
+
+
+async def within(response, timeout_s: float):
+    """A Serve handle call's result, or ``TimeoutError`` after ``timeout_s`` (the call is cancelled: a call to a
+    deployment with no running replica waits in its handle's queue until one starts)."""
+    async def result():
+        return await response
+    try:
+        return await asyncio.wait_for(result(), timeout_s)
+    except (TimeoutError, asyncio.TimeoutError):
+        response.cancel()
+        raise TimeoutError(f"no answer within {timeout_s:g} s") from None
 
 
 class EngineServer:
@@ -33,6 +48,8 @@ class EngineServer:
             engine.on_progress = self.batcher.heartbeat
         self.load = LoadWindow()  # engine load since the last autoscaling report
         self._gauges: dict[str, float] = {}  # the values last set, so an unchanged one is not set again
+        if os.environ.get(FAULT_INJECTION_ENV) == "1" and float(os.environ.get(START_DELAY_ENV, "0") or 0) > 0:
+            time.sleep(float(os.environ[START_DELAY_ENV]))
 
     def _run(self, requests: list) -> list:
         if self._stall_next:
@@ -97,6 +114,14 @@ class EngineServer:
     def queued(self) -> int:
         """Sequence steps waiting for (or, on an engine that batches by itself, inside) the engine."""
         return self.batcher.queued
+
+    async def ready(self, *args) -> str | None:
+        """None when this replica can take a call (its batch loop alive), else what keeps it from it."""
+        try:
+            self.check_health()
+        except RuntimeError as e:
+            return str(e)
+        return None
 
     def check_health(self):
         """Serve calls this every ``health_check_period_s``: a replica whose engine has finished no

@@ -22,7 +22,7 @@ from core.prediction import PredictedOutput
 from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.metrics import Tally
-from deployments.server import EngineServer
+from deployments.server import EngineServer, within
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,12 @@ REPLICA_MAX_BACKOFF_S = 300.0  # doubling on each failure after a probe, up to t
 # from this many streams on the replica, its measured choice (``BatchSpeculation``) may turn the adaptive
 # requests' speculation off; below it their own policies decide alone
 GATE_MIN_STREAMS = 4
+# ... and for this long after the replica last ran that many: the first and last requests of a burst (a wave's
+# first arrivals, its stragglers) follow the choice made for the burst, not their own policies
+GATE_HOLD_S = 1.0
 # m: a pre-draft tree's guesses per outcome (``core.proposers.tree_branches``); the one m that paid
-# (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md)
+# (docs/decisions/0004-pre-drafting.md, docs/decisions/0027-one-policy.md), for sampled requests too
+# (docs/decisions/0055-goodput.md)
 PRE_DRAFT_ALTERNATIVES = 1
 
 
@@ -52,7 +56,7 @@ class ReplicaGatedK:
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:
-        if self.server.streams >= GATE_MIN_STREAMS and not self.server.speculating:
+        if not self.server.speculating and self.server.gate_load() >= GATE_MIN_STREAMS:
             return 0
         return self.policy.next_k(batch_size)
 
@@ -154,6 +158,7 @@ class VerifierServer(EngineServer):
         self.streams = 0  # requests whose loop runs here now (the gate's load measure)
         self._gate_load = 0  # the stream count the gate's choice is keyed by (see _gate_step)
         self._gate_prev = (0, False)  # (streams, prefill) of the engine step before
+        self._gate_peak = (0, float("-inf"))  # (streams, when) of the last engine step at GATE_MIN_STREAMS or more
         engine = engine or self._engine(config, in_engine)
         # the vLLM engine batches by itself (AsyncLLM): its calls go straight to it, concurrently
         self.is_async = getattr(engine, "is_async", False)
@@ -212,8 +217,10 @@ class VerifierServer(EngineServer):
         self._gate_prev = (streams, prefill)
         if streams < GATE_MIN_STREAMS:
             self.gate.reset()  # (the next large load starts a fresh measurement)
-            self.speculating = True
-            return
+            if self.gate_load() < GATE_MIN_STREAMS:
+                self.speculating = True
+            return  # (a burst's stragglers: its choice holds, but they are not credited to it)
+        self._gate_peak = (streams, self.clock())
         # the load the choice is keyed by moves only past a quarter of itself: streams ending and starting
         # around a bucket's edge (63, 64, 63) would hand the choice back and forth between two buckets
         if not 0.75 * self._gate_load <= streams <= 1.25 * self._gate_load:
@@ -230,6 +237,16 @@ class VerifierServer(EngineServer):
             log.info("speculation %s at %d+ streams: %.2f ms/token with it, %.2f without", "on" if c.best else "off",
                      1 << (StepCosts.bucket(self._gate_load) - 1), 1e3 * c.s_per_token.get(True, 0.0),
                      1e3 * c.s_per_token.get(False, 0.0))
+
+    def gate_load(self) -> int:
+        """The load the replica's choice applies to: the streams running here, or the most an engine step ran
+        within the last GATE_HOLD_S, if more. Why held: served in waves of 4 streams of 64 tokens, each wave's
+        first requests planned their first step before the replica had stepped at 4 streams, and its last ones
+        ran on alone below 4: each speculated on its own policy (a drafter prefill and a step at k = 4-8 for
+        a few tokens) where the replica had chosen plain decoding for the wave."""
+        streams, when = self._gate_peak
+        held = streams if self.clock() - when < GATE_HOLD_S else 0
+        return max(self.streams, held)
 
     async def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         if self.is_async:
@@ -291,6 +308,24 @@ class VerifierServer(EngineServer):
         return {"backend": "vllm", "vllm_loop": eng.config.vllm_loop, "proposer": proposer, "drafter_calls": dict(self.drafter_calls),
                 "queued": eng.inflight, "busy_s": eng.busy_s, "max_batch": eng.max_seen,
                 "cached_sequences": eng.num_cached(), **where(), "cache": eng.engine_stats()}
+
+    async def ready(self, need_drafter: bool = True, timeout_s: float = 2.0) -> str | None:
+        """None when this replica can serve a request end to end: its engine is up (``check_health``) and, with a
+        drafter pool and ``need_drafter``, a drafter replica answers this replica's handle within ``timeout_s``;
+        else what is missing (GET /ready)."""
+        try:
+            self.check_health()
+        except RuntimeError as e:
+            return f"verifier: {e}"
+        if self.drafter is None or not need_drafter:
+            return None
+        try:
+            problem = await within(self.drafter.ready.remote(), timeout_s)
+        except TimeoutError:
+            return f"no drafter replica answered within {timeout_s:g} s (the pool is starting or down)"
+        except Exception as e:  # noqa: BLE001 - a replica that died under the call: not ready, and why
+            return f"drafter: {type(e).__name__}: {e}"
+        return f"drafter: {problem}" if problem else None
 
     def check_health(self):
         if self.local is not None:
@@ -373,9 +408,12 @@ class VerifierServer(EngineServer):
             self.streams -= 1
             self.tally.flush(time.monotonic())
             self._bound.pop(seq_id, None)
-            if self.local is not None and k > 0:
+            # (a sequence that never drafted, plain from its first step to its last under the replica's choice,
+            # holds nothing there: no call; one resumed here may have drafted on the replica it left)
+            drafted = k > 0 and (seq.drafter_asked or bool(output_ids))
+            if self.local is not None and drafted:
                 await self.local.release([seq_id])
-            elif self.drafter is not None and k > 0:
+            elif self.drafter is not None and drafted:
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
 

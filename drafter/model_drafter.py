@@ -18,7 +18,7 @@ from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import History, NoiseCache, Stream, gumbel_argmax, processed_probs, sample_inverse_cdf, target_logits, uniform
+from core.sampling import History, NoiseCache, Stream, perturbed, processed_probs, sample_inverse_cdf, target_logits, uniform
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig
@@ -239,10 +239,11 @@ class ModelDrafter:
                 scores = x
                 drafts = x.argmax(-1).tolist()
             else:
-                scores = processed_probs(x, reqs[0].sampling)  # [N, V] q of each row
+                q = processed_probs(x, reqs[0].sampling)  # [N, V] q of each row
                 noise = torch.cat([self.noise.row(r.seed, len(passed[i][0][1].tokens), x.shape[-1])  # [N, V]
                                    for i, r in zip(rows, reqs)])
-                drafts = gumbel_argmax(scores, noise).tolist()
+                scores = perturbed(q, noise)
+                drafts = scores.argmax(-1).tolist()
             m = max(r.alternatives for r in reqs)
             alts = scores.topk(min(m, x.shape[-1])).indices.tolist() if m else None  # [N, m], likeliest first
             for j, (i, r) in enumerate(zip(rows, reqs)):
@@ -302,10 +303,13 @@ class ModelDrafter:
                 prop.alts.append(x.topk(min(r.alternatives, x.shape[0])).indices.tolist())
             return int(x.argmax())
         q = processed_probs(logits, r.sampling, history)[0]  # [V]
+        if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
+            scores = perturbed(q.unsqueeze(0), self.noise.row(r.seed, position, q.shape[0]))[0]  # [V]
+            if r.alternatives:
+                prop.alts.append(scores.topk(min(r.alternatives, q.shape[0])).indices.tolist())
+            return int(scores.argmax())
         if r.alternatives:
             prop.alts.append(q.topk(min(r.alternatives, q.shape[0])).indices.tolist())
-        if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
-            return int(gumbel_argmax(q.unsqueeze(0), self.noise.row(r.seed, position, q.shape[0]))[0])
         K = min(self.config.draft_top_k, q.shape[0])
         vals, ids = q.topk(K)  # [K]
         keep = vals > 0

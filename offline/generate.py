@@ -1,17 +1,20 @@
 """``python -m offline.generate``: generate text with speculative decoding, in process.
 
-Composes a drafter (a draft model or n-gram lookup) and the target's verifier engine
-around the loop that serves (``core.loop.speculate``: policy, pre-drafting, the drafter on a
-thread of its own); no Ray, no HTTP.
+Composes a drafter (a draft model, n-gram lookup, or a Speculators head: EAGLE-3, DFlash, DSpark,
+told apart by its config.json) and the target's verifier engine around the loop that serves
+(``core.loop.speculate``: policy, pre-drafting, the drafter on a thread of its own); no Ray, no HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
+from pathlib import Path
 
-from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
+from configs import DraftModelConfig, Eagle3Config, NgramConfig, ParallelHeadConfig, SamplingParams, VerifierConfig
+from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
 from core.sequence import Sequence
@@ -19,12 +22,44 @@ from drafter.model_drafter import ModelDrafter
 from drafter.ngram import NgramDrafter
 from verifier.engine import VerifierEngine
 
+HEADS = {"eagle3": Eagle3Config, "dflash": ParallelHeadConfig, "dspark": ParallelHeadConfig}
+
+
+def drafter_config(ref: str, target: str, k: int, **engine):
+    """The drafter config ``ref`` names: ``ngram``; a Speculators head (its config's ``speculators_model_type``:
+    eagle3, dflash or dspark) for the verifier ``target``, as the app builder configures it; else a draft model.
+    ``engine``: engine fields (dtype, num_threads, cache_budget_mb, max_model_len) of a model drafter."""
+    if ref == "ngram":
+        return NgramConfig(num_speculative_tokens=k)
+    path = Path(local_dir(ref, field="--drafter"))
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    method = cfg.get("speculators_model_type")
+    if method in HEADS:
+        return HEADS[method](method=method, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
+    if method is not None:
+        raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this runs {', '.join(HEADS)} heads")
+    return DraftModelConfig(model=str(path), num_speculative_tokens=k, **engine)
+
+
+def build_drafter(config):
+    """The drafter engine of a drafter config (``configs``' drafter models, as the drafter pool builds it)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    if config.method == "eagle3":
+        from drafter.eagle3_drafter import Eagle3Drafter
+        return Eagle3Drafter(config)
+    if config.method in ("dflash", "dspark"):
+        from drafter.dflash_drafter import ParallelDrafter
+        return ParallelDrafter(config)
+    return ModelDrafter(config)
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Generate text with speculative decoding, in process.")
     ap.add_argument("--prompt", default="def fibonacci(n):\n")
     ap.add_argument("--target", default="models/tiny-code-target")
-    ap.add_argument("--drafter", default="models/tiny-code-drafter", help="drafter model dir, or 'ngram'")
+    ap.add_argument("--drafter", default="models/tiny-code-drafter", help=(
+        "a draft model, a Speculators EAGLE-3, DFlash or DSpark head for --target (a directory or a Hub id), or 'ngram'"))
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -34,10 +69,10 @@ def main(argv=None):
     ap.add_argument("--no-pipeline", action="store_true", help="do not pre-draft the next block during verification")
     args = ap.parse_args(argv)
 
+    args.target = local_dir(args.target, field="--target")
     verifier = VerifierEngine(VerifierConfig(model=args.target))
     k = args.num_speculative_tokens
-    drafter = (NgramDrafter(NgramConfig(num_speculative_tokens=k)) if args.drafter == "ngram"
-               else ModelDrafter(DraftModelConfig(model=args.drafter, num_speculative_tokens=k)))
+    drafter = build_drafter(drafter_config(args.drafter, args.target, k))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
     ids = verifier.tokenizer(args.prompt)["input_ids"]

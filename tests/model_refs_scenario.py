@@ -73,7 +73,7 @@ def main(root: str):
         "return_token_ids": True})
     body = r.json()
     out = {"status": r.status_code, "tokens": body.get("choices", [{}])[0].get("token_ids"),
-           "drafted": (body.get("speculation") or {}).get("num_draft_tokens", 0)}
+           "drafted": (body.get("choices", [{}])[0].get("speculation") or {}).get("num_draft_tokens", 0)}
 
     def node(name):
         return serve.get_deployment_handle(name, app_name="splitspec").stats.remote().result()["node_id"]

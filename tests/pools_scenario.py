@@ -135,17 +135,17 @@ def main(target_dir: str, drafter_dir: str):
                     if "error" in chunk:
                         return 500, chunk
                     ids += chunk["choices"][0].get("token_ids", [])
-                    stats = chunk.get("speculation") or stats
+                    stats = chunk["choices"][0].get("speculation") or stats
                     if not killed and ids:
                         out.setdefault("killed", []).append(kill_verifiers(deployment))
                         out.setdefault("killed_after_tokens", []).append(len(ids))
                         killed = True
-                return r.status_code, {"choices": [{"token_ids": ids}], "speculation": stats}
+                return r.status_code, {"choices": [{"token_ids": ids, "speculation": stats}]}
 
     code, body = asyncio.run(killed_mid_request())
     out["kill_status"] = code
     out["kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
-    out["kill_recomputes"] = body.get("speculation", {}).get("verifier_recomputes") if code == 200 else None
+    out["kill_recomputes"] = body["choices"][0]["speculation"]["verifier_recomputes"] if code == 200 else None
     # the same with speculation off: the verifier's own decoding stream dies and resumes elsewhere
     code, body = asyncio.run(killed_mid_request(num_speculative_tokens=0))
     out["plain_kill_status"] = code
@@ -154,7 +154,7 @@ def main(target_dir: str, drafter_dir: str):
     code, body = asyncio.run(killed_mid_request("Drafter"))
     out["drafter_kill_status"] = code
     out["drafter_kill_output_identical"] = code == 200 and body["choices"][0]["token_ids"] == reference
-    out["drafter_kill_degraded_steps"] = body.get("speculation", {}).get("degraded_steps") if code == 200 else None
+    out["drafter_kill_degraded_steps"] = body["choices"][0]["speculation"]["degraded_steps"] if code == 200 else None
     # and speculation resumes once the drafter pool is back
     deadline = time.monotonic() + 120
     while running("Drafter") < 1 and time.monotonic() < deadline:
@@ -163,7 +163,7 @@ def main(target_dir: str, drafter_dir: str):
     t_back = time.monotonic()
     while True:
         code, body = completion("class Point:", 60)
-        spec = body.get("speculation", {}) if code == 200 else {"status": code}
+        spec = body["choices"][0]["speculation"] if code == 200 else {"status": code}
         if (spec.get("num_draft_tokens", 0) > 0 and spec.get("degraded_steps") == 0) or time.monotonic() - t_back > 60:
             break
         time.sleep(1)

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                             error = chunk["error"]["message"]
                             break
                         ids += chunk["choices"][0].get("token_ids", [])
-                        spec = chunk.get("speculation") or spec
+                        spec = chunk["choices"][0].get("speculation") or spec
         except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
             error = repr(e)
         if error:

@@ -46,7 +46,7 @@ def test_greedy_repetition_penalty_over_http_equals_transformers(serve_app):
                  return_token_ids=True)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == hf_greedy(target, tok, text, 24, repetition_penalty=1.3), text
-        drafted += r.json()["speculation"]["num_draft_tokens"]
+        drafted += r.json()["choices"][0]["speculation"]["num_draft_tokens"]
     assert drafted > 0  # speculation was on
 
 
@@ -148,6 +148,12 @@ def test_n_choices_differ_are_reproducible_and_counted(serve_app):
     # choice 0 of n=3 is the request with n=1 (its seed is the request's)
     one = post(base, **{**req, "n": 1}).json()
     assert one["choices"][0]["text"] == texts[0]
+    # one shape whatever n: each choice carries its own speculation block, streamed or not
+    assert "speculation" not in a and "speculation" not in one
+    for c in a["choices"] + one["choices"]:
+        assert c["speculation"]["steps"] > 0 and c["speculation"]["k"] == 4, c
+    last = {e["choices"][0]["index"]: e["choices"][0] for e in events if e["choices"]}
+    assert all(last[i]["speculation"]["steps"] > 0 for i in range(3)) and not any("speculation" in e for e in events)
 
 
 def test_echo_returns_the_prompt_first(serve_app):
@@ -201,7 +207,7 @@ def test_operators_k_is_the_ceiling(serve_app):
     base, *_ = serve_app
     body = post(base, prompt=PROMPTS[0], max_tokens=24, temperature=0, ignore_eos=True,
                 num_speculative_tokens=16).json()
-    spec = body["speculation"]
+    spec = body["choices"][0]["speculation"]
     assert spec["num_drafts"] > 0 and len(spec["accepted_per_pos"]) <= 4
     assert spec["num_draft_tokens"] <= 4 * spec["num_drafts"]
 
@@ -236,22 +242,22 @@ def test_speculation_carries_counters_and_the_timing_breakdown_when_asked(serve_
 
     base, *_ = serve_app
     req = dict(prompt=PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True)
-    plain = post(base, **req).json()["speculation"]
+    plain = post(base, **req).json()["choices"][0]["speculation"]
     assert plain["num_drafts"] > 0 and plain["k"] == 4
     assert sum(plain["steps_by_k"].values()) + plain["degraded_steps"] == plain["steps"]
     assert plain["mean_acceptance_length"] == round(1 + plain["num_accepted_tokens"] / plain["num_drafts"], 4)
     assert not {f for f in plain if f.startswith("mean_") and f.endswith("_ms")} and "by_pre_draft" not in plain
-    asked = post(base, **req, return_timing=True).json()["speculation"]
+    asked = post(base, **req, return_timing=True).json()["choices"][0]["speculation"]
     header = httpx.post(f"{base}/v1/completions", timeout=120, headers={"x-splitspec-timing": "1"},
-                        json={"model": "tiny", **req}).json()["speculation"]
-    streamed = next(e["speculation"] for e in sse(base, **req, return_timing=True) if e.get("speculation"))
+                        json={"model": "tiny", **req}).json()["choices"][0]["speculation"]
+    streamed = next(c["speculation"] for e in sse(base, **req, return_timing=True) for c in e["choices"] if c.get("speculation"))
     for spec in (asked, header, streamed):
         assert spec["mean_step_ms"] >= spec["mean_forward_ms"] > 0 and "by_pre_draft" in spec, spec
         assert spec["num_drafts"] > 0 and set(plain) <= set(spec)  # the counters stay
     client = OpenAI(base_url=f"{base}/v1", api_key="none")
     r = client.completions.create(model="tiny", extra_body={"return_timing": True, "ignore_eos": True},
                                   prompt=PROMPTS[1], max_tokens=16, temperature=0)
-    assert r.model_extra["speculation"]["mean_step_ms"] > 0
+    assert r.choices[0].model_extra["speculation"]["mean_step_ms"] > 0
 
 
 def test_every_status_is_counted(ray_cluster, serve_app):
@@ -377,6 +383,8 @@ def test_api_keys_body_and_prompt_limits(keyed_app, serve_app):
     _, tok, target, _ = serve_app  # (the keyed app serves the same target)
     body = {"model": "tiny", "prompt": "def f", "max_tokens": 4, "temperature": 0}
     assert httpx.get(f"{base}/health").status_code == 200  # open
+    r = httpx.get(f"{base}/ready", timeout=10)  # open too: probes and load balancers send no key
+    assert r.status_code == 200 and r.json() == {"status": "ready"}, r.text
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-1"}):
         r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text

@@ -443,13 +443,14 @@ def test_predraft_eagle3_scores_drafts_from_the_heads_own_states(tmp_path):
 
 
 @pytest.mark.long  # an app per variant deployed
-def test_breakdown_gap_pairs_a_served_variant_with_the_in_process_loop(ray_cluster, tmp_path):
-    """bench.breakdown gap: the shipped app against the in-process loop, float32 greedy: the same tokens,
-    and the ratios paired."""
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_breakdown_gap_pairs_a_served_variant_with_the_in_process_loop(ray_cluster, tmp_path, temperature):
+    """bench.breakdown gap: the shipped app against the in-process loop, float32, greedy or seeded and sampled
+    (Gumbel-coupled in both: a seed's text depends on nothing else): the same tokens, and the ratios paired."""
     from bench import breakdown
 
     r = breakdown.main(["gap", "--variants", "pool", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
-                        "--out", str(tmp_path)])
+                        "--temperature", temperature, "--out", str(tmp_path)])
     assert set(r["variants"]) == {"in_process", "pool"}
     pool = r["variants"]["pool"]
     assert pool["same_tokens_as_in_process"] == 1.0
@@ -565,3 +566,28 @@ def test_acceptance_in_process_measures_each_drafter_and_workload(tmp_path):
             assert r["measured_mean_acceptance_length"]["3"] == e[2]
     png = acceptance.plot(data, tmp_path / "acceptance.png")
     _png_ok(png)
+
+
+@pytest.mark.heavy  # the real engines, three model choices: tens of seconds
+def test_acceptance_measures_the_users_own_models_and_says_how_many_prompts(tmp_path, capsys):
+    """``--verifier`` and ``--drafter`` (any drafter method, told apart by its config) or ``--config`` (a serve
+    config's sections): the rows name the models measured and how many prompts each used."""
+    from bench import acceptance
+    from bench.common import EAGLE3, ROOT, TARGET
+
+    common = ["--workload", "humaneval", "--prompts", "2", "--max-tokens", "12", "--k-max", "2", "--measure-ks", "2",
+              "--temperatures", "0", "--dtype", "float32", "--out", str(tmp_path)]
+    data = acceptance.run(acceptance.parse(["--verifier", TARGET, "--drafter", EAGLE3, "--drafter", "ngram", *common]))
+    assert [r["drafter"] for r in data["results"]] == ["eagle3: tiny-code-eagle3", "ngram"]
+    assert data["config"]["target"] == TARGET and all(r["prompts"] == 2 for r in data["results"])
+    assert all(r["num_drafts"] > 0 for r in data["results"])
+    assert "humaneval: 2 of 164 prompts" in capsys.readouterr().err
+    # a serve config: the Serve YAML's application args, model paths as it names them
+    config = tmp_path / "serve.yaml"
+    config.write_text((ROOT / "serve_config.yaml").read_text().replace("models/", f"{ROOT}/models/"))
+    data = acceptance.run(acceptance.parse(["--config", str(config), *common]))
+    (row,) = data["results"]
+    assert row["drafter"] == "draft_model: tiny-code-drafter" and data["config"]["target"] == TARGET
+    assert row["num_drafts"] > 0 and row["prompts"] == 2
+    with pytest.raises(SystemExit):
+        acceptance.parse(["--config", str(config), "--drafter", "ngram"])

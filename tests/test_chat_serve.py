@@ -142,7 +142,7 @@ def test_speculation_counts_acceptance_apart_for_reasoning_and_answer(chat_app):
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]})
     assert r.status_code == 200, r.text
-    spec = r.json()["speculation"]
+    spec = r.json()["choices"][0]["speculation"]
     reasoning, answer = spec["by_phase"]["reasoning"], spec["by_phase"]["answer"]
     # the scripted verifier accepts every draft while the model thinks, one in three after
     assert reasoning["num_drafts"] > 0 and reasoning["acceptance_rate"] > 0.9, spec["by_phase"]
@@ -240,7 +240,7 @@ def test_gpt_oss_harmony_tool_loop_with_reasoning_effort(ray_cluster, chat_app, 
         final = second.choices[0]
         assert final.finish_reason == "stop" and final.message.content == "It is 18 C and clear in Paris."
         assert final.message.reasoning == "The tool says 18 C and clear."
-        spec = second.model_extra["speculation"]["by_phase"]
+        spec = second.choices[0].model_extra["speculation"]["by_phase"]
         assert spec["reasoning"]["num_drafts"] > 0 and spec["answer"]["num_drafts"] > 0, spec
         stream = events(url, model="tiny-gpt-oss", messages=messages, tools=TOOLS, reasoning_effort="low")
         streamed = joined([e["choices"][0]["delta"] for e in stream if e["choices"]])

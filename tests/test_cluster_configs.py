@@ -1,9 +1,12 @@
-"""The cluster configs (configs/cluster_aws.yaml, configs/kuberay_rayservice.yaml,
-configs/cluster_local.yaml) against their schemas, and against the serve config they carry:
-each pool's node type advertises the resource its deployment requires, and nothing else does."""
+"""Every manifest and cluster config in the repository against its schema (Kubernetes' API schemas through
+kubernetes-validate, KubeRay's RayService CRD in tests/data, Ray's cluster launcher schema, Serve's config
+schema), and against the serve config it carries: each pool's node type advertises the resource its deployment
+requires, and nothing else does; the models the serve config names are the ones the nodes' caches get."""
 
 import copy
+import functools
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -19,7 +22,10 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 RAY_SCHEMA = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
+CRD_SCHEMA = ROOT / "tests" / "data" / "kuberay_rayservice_v1.schema.json"  # its $comment: source and version
+K8S_VERSIONS = ("1.29.0", "1.37.0")  # the Kubernetes APIs the manifest is checked against (kubernetes-validate ships them)
 POOLS = {"Drafter": "drafter_pool", "Verifier": "verifier_pool"}
+IMAGE = "splitspec:0.1.0-gpu"  # the manifest's image name: docs/clusters.md replaces it with the pushed image's
 
 
 def load(name):
@@ -64,6 +70,27 @@ def check_pools_map_to_node_types(node_types: dict, head: str, serve_config, gpu
     assert not any(node_types[head]["resources"].get(p) for p in POOLS.values())
 
 
+def hub_models(serve_config) -> dict[str, str]:
+    """{role: (repo id, revision)} of the serve config's splitspec models (ids pinned to a revision)."""
+    args = serve_config["applications"][0]["args"]
+    out = {}
+    for role in ("verifier", "drafter"):
+        repo, _, revision = args[role]["model"].partition("@")
+        assert re.fullmatch(r"[0-9a-f]{40}", revision), f"{role}.model is not pinned to a commit: {args[role]['model']}"
+        out[role] = (repo, revision)
+    return out
+
+
+def downloads(commands: list[str]) -> dict[tuple[str, str], str]:
+    """{(repo, revision): '--include ...' / '--exclude ...' / ''} of the `hf download` commands."""
+    found = {}
+    for c in commands:
+        m = re.fullmatch(r"hf download (\S+) --revision (\S+)(.*)", c.strip())
+        if m:
+            found[(m[1], m[2])] = m[3].strip()
+    return found
+
+
 def test_aws_cluster_config_validates_and_maps_pools_to_gpu_node_types(gpu_serve):
     config = load("cluster_aws.yaml")
     check_launcher_schema(config, fill_defaults=True)
@@ -72,12 +99,34 @@ def test_aws_cluster_config_validates_and_maps_pools_to_gpu_node_types(gpu_serve
     check_pools_map_to_node_types(types, config["head_node_type"], gpu_serve, gpus=True)
     assert types["drafter_l4"]["node_config"]["InstanceType"].startswith("g6.")  # NVIDIA L4
     assert types["verifier_h100"]["node_config"]["InstanceType"].startswith("p5.")  # NVIDIA H100
-    # the model directories the serve config names are the ones the setup commands download
-    commands = " ".join(config["head_setup_commands"] + types["verifier_h100"]["worker_setup_commands"]
-                        + types["drafter_l4"]["worker_setup_commands"])
-    args = gpu_serve["applications"][0]["args"]
-    assert f"--local-dir {args['verifier']['model']}" in commands
-    assert f"--local-dir {args['drafter']['model']}" in commands
+    # every node type names its image: the header's command writes the region's AMI into these fields
+    assert {t["node_config"].get("ImageId") for t in types.values()} == {"ami-set-me-see-header"}
+    assert """sed -i "s/ImageId: .*/ImageId: $AMI/" configs/cluster_aws.yaml""" in (CONFIGS / "cluster_aws.yaml").read_text()
+
+
+def test_aws_nodes_get_python_311_the_pinned_stack_and_the_serve_configs_models(gpu_serve):
+    config = load("cluster_aws.yaml")
+    text = (CONFIGS / "cluster_aws.yaml").read_text()
+    assert "huggingface-cli" not in text  # huggingface_hub 1.x ships `hf` only
+    setup = " ".join(config["setup_commands"])
+    assert "sys.version_info >= (3, 11)" in setup and "python3 -m venv ~/venv" in setup
+    assert f'"ray[default,serve]=={ray.__version__}"' in setup and "-m core.native" in setup
+    assert re.search(r'"torch==2\.13\.0" --index-url https://download\.pytorch\.org/whl/cu\d+', setup)
+    # Ray's token auth on every node: the token file copied there, RAY_AUTH_MODE=token in its login shells
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # the Hugging Face token as a file too: a command's ${HF_TOKEN} would be the node's (empty), not yours
+    assert config["file_mounts"]["~/.cache/huggingface/token"] == "~/.cache/huggingface/token"
+    assert "HF_TOKEN" not in yaml.safe_dump({k: v for k, v in config.items() if k.endswith("commands")})
+    assert any("export RAY_AUTH_MODE=token" in c for c in config["initialization_commands"])
+    # each node type caches the weights it loads at the serve config's revision, and the other model's metadata
+    models, types = hub_models(gpu_serve), config["available_node_types"]
+    for node_type, role in (("verifier_h100", "verifier"), ("drafter_l4", "drafter")):
+        got = downloads(types[node_type]["worker_setup_commands"])
+        assert set(got) == set(models.values()), (node_type, got)
+        for other, ref in models.items():
+            assert got[ref] == ("--exclude 'original/*'" if other == role else "--include '*.json'"), (node_type, ref)
+    head = downloads(config["head_setup_commands"])
+    assert head == {ref: "--include '*.json'" for ref in models.values()}
 
 
 def test_local_cluster_config_mirrors_the_cloud_node_types(gpu_serve):
@@ -109,20 +158,73 @@ def strict(schema):
     return schema
 
 
+@functools.cache
+def crd():
+    """A validator of the RayService CRD's schema (jsonschema.validate would check the 160 kB schema itself on
+    every call: seconds)."""
+    return jsonschema.validators.validator_for({})(strict(json.loads(CRD_SCHEMA.read_text())))
+
+
+def manifest(name: str = "kuberay_rayservice.yaml") -> dict[str, dict]:
+    """A multi-document manifest's objects by kind (one of each)."""
+    docs = [d for d in yaml.safe_load_all((CONFIGS / name).read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), "one object of each kind"
+    return kinds
+
+
 @pytest.fixture(scope="module")
-def rayservice():
-    return load("kuberay_rayservice.yaml")
+def kuberay():
+    return manifest()
 
 
-def test_kuberay_manifest_validates_against_the_rayservice_crd_schema(rayservice):
-    schema = strict(json.loads((ROOT / "tests" / "data" / "kuberay_rayservice_v1.schema.json").read_text()))
-    jsonschema.validate(rayservice, schema)
+@pytest.fixture(scope="module")
+def rayservice(kuberay):
+    return kuberay["RayService"]
+
+
+def pod_templates(rayservice) -> dict[str, dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"]["template"],
+            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
+
+
+def check_kubernetes(obj: dict):
+    """The Kubernetes API's schema for the object's kind, unknown fields rejected (kubectl's strict validation)."""
+    import kubernetes_validate
+
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def as_pod_template(template: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+
+
+def test_kuberay_manifest_validates_against_kubernetes_and_the_rayservice_crd(kuberay, rayservice):
+    import kubernetes_validate
+
+    assert "kuberay" in crd().schema["$comment"] and "v1.7.0" in crd().schema["$comment"]
+    crd().validate(rayservice)
     assert rayservice["apiVersion"] == "ray.io/v1" and rayservice["kind"] == "RayService"
-    # the check itself rejects a misspelt field
+    for kind, obj in kuberay.items():
+        if kind != "RayService":
+            check_kubernetes(obj)
+    for template in pod_templates(rayservice).values():  # the CRD embeds them; checked as the API server would
+        check_kubernetes(as_pod_template(template))
+    # each check rejects a misspelt field
     broken = copy.deepcopy(rayservice)
     broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(broken, schema)
+        crd().validate(broken)
+    broken = as_pod_template(copy.deepcopy(pod_templates(rayservice)["verifier-h100"]))
+    broken["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check_kubernetes(broken)
+    service = copy.deepcopy(kuberay["Service"])
+    service["spec"]["ports"][0]["port"] = "8000"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check_kubernetes(service)
 
 
 def test_kuberay_embeds_the_gpu_serve_config_and_its_groups_are_the_pools(rayservice, gpu_serve):
@@ -132,10 +234,15 @@ def test_kuberay_embeds_the_gpu_serve_config_and_its_groups_are_the_pools(rayser
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     assert cluster["rayVersion"] == ray.__version__
+    assert cluster["authOptions"] == {"mode": "token"}  # serve status / ray status in the head pod authenticate
+    products = {"drafter-l4": "NVIDIA-L4", "verifier-h100": "NVIDIA-H100-80GB-HBM3"}
     for group in cluster["workerGroupSpecs"]:
         pod = group["template"]["spec"]
         assert group["minReplicas"] == 0 and group["maxReplicas"] >= 2
-        assert pod["nodeSelector"]
+        # GPU model by NVIDIA's common node label first; the cloud-specific labels are alternative terms
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        first = terms[0]["matchExpressions"][0]
+        assert first["key"] == "nvidia.com/gpu.product" and products[group["groupName"]] in first["values"]
         container = pod["containers"][0]
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     # the autoscaler's own reading of the groups (Ray's KubeRay integration)
@@ -145,6 +252,78 @@ def test_kuberay_embeds_the_gpu_serve_config_and_its_groups_are_the_pools(rayser
          "spec": cluster})
     check_launcher_schema(derived, ray_checks=False)  # a partial config, completed by the operator
     check_pools_map_to_node_types(derived["available_node_types"], derived["head_node_type"], gpu_serve, gpus=True)
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_kuberay_fills_one_model_cache_that_every_ray_pod_reads_offline(kuberay, rayservice, gpu_serve):
+    """The Job downloads exactly the serve config's models at its revisions into the shared cache (HF_TOKEN from
+    a Secret) and marks it filled; every Ray pod waits for the mark, mounts the cache read-only and loads offline.
+    The volume is ReadWriteMany: a ReadWriteOnce block volume (EBS) is not shared by pods on several nodes."""
+    pvc, job = kuberay["PersistentVolumeClaim"], kuberay["Job"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    (fill,) = job["spec"]["template"]["spec"]["containers"]
+    script = fill["command"][-1]
+    assert downloads(script.splitlines()) == {ref: "--exclude 'original/*'" for ref in hub_models(gpu_serve).values()}
+    env = env_of(fill)
+    cache = env["HF_HUB_CACHE"]["value"]
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "splitspec-hf-token", "key": "HF_TOKEN"}
+    assert "$HF_HUB_CACHE/.splitspec-filled" in script.splitlines()[-1]
+    claims = {v["name"]: v["persistentVolumeClaim"] for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert claims["models"]["claimName"] == pvc["metadata"]["name"]
+    for name, template in pod_templates(rayservice).items():
+        spec = template["spec"]
+        (init,) = spec["initContainers"]
+        assert f"{cache}/.splitspec-filled" in " ".join(init["command"]), name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"], "readOnly": True}
+        for c in (init, *spec["containers"]):
+            assert c["image"] == IMAGE, name
+            mount = next(m for m in c["volumeMounts"] if m["name"] == "models")
+            assert mount["readOnly"] and cache.startswith(mount["mountPath"] + "/"), name
+        (ray_container,) = spec["containers"]
+        env = env_of(ray_container)
+        assert env["HF_HUB_CACHE"]["value"] == cache and env["HF_HUB_OFFLINE"]["value"] == "1", name
+        assert "HF_TOKEN" not in env  # only the Job downloads
+        keys = env["SPLITSPEC_API_KEYS"]["valueFrom"]["secretKeyRef"]  # the Router may run on any Ray node
+        assert keys == {"name": "splitspec-api-keys", "key": "SPLITSPEC_API_KEYS"}, name
+    assert fill["image"] == IMAGE
+
+
+def test_kuberay_service_reaches_only_pods_that_answer_ready_and_prometheus_scrapes_them(kuberay, rayservice):
+    service = kuberay["Service"]
+    selector = service["spec"]["selector"]
+    port = {p["name"]: p for p in service["spec"]["ports"]}["openai"]
+    serve_port = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["http_options"]["port"]
+    assert port["port"] == serve_port
+    scrape = yaml.safe_load(kuberay["ConfigMap"]["data"]["scrape-splitspec.yaml"])
+    (job,) = scrape["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}] and job["metrics_path"] == "/metrics"
+    keep = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+    metrics_port = keep["__meta_kubernetes_pod_container_port_name"]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+    for name, template in pod_templates(rayservice).items():
+        labels = template["metadata"]["labels"]
+        (c,) = template["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        # Ray's metrics (splitspec_* included) on the port Prometheus keeps
+        assert ports[metrics_port] == int(groups[name]["rayStartParams"]["metrics-export-port"]), name
+        assert re.fullmatch(keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"], labels["app.kubernetes.io/name"])
+        selected = all(labels.get(k) == v for k, v in selector.items())
+        if name == "head":
+            # KubeRay deploys the app only once the head pod is ready: an app-level probe there would block it
+            assert not selected and "readinessProbe" not in c and "livenessProbe" not in c
+            continue
+        assert selected, name
+        probe = c["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/ready", "port": serve_port}, name
+        # the probe outlasts the slowest /ready answer (a verifier replica that waits for a drafter's)
+        from deployments.router import READY_TIMEOUT_S
+        assert probe["timeoutSeconds"] > 2 * READY_TIMEOUT_S, name
+        assert ports[port["targetPort"]] == serve_port, name
 
 
 def test_serve_configs_parse_with_their_autoscaling_policies(gpu_serve):
@@ -201,3 +380,29 @@ def test_the_vllm_gpu_config_gives_each_verifier_replica_its_tensor_parallel_gpu
     assert not bundles[0].get("GPU") and not opts.get("num_gpus")
     assert all(bundles[0].get(r, 0) >= n for r, n in {"CPU": opts.get("num_cpus", 1), **opts["resources"]}.items())
     assert args.drafter.num_speculative_tokens <= v.vllm_num_speculative_tokens
+
+
+DEPLOY_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), ROOT / "serve_config.yaml", *ROOT.glob("bench/results/*/plan_serve.yaml")])
+
+
+@pytest.mark.parametrize("path", DEPLOY_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_in_the_repository_passes_its_schema(path):
+    """Each deployable file, by what it is: Kubernetes objects (the API's schemas; a RayService, KubeRay's CRD),
+    a Ray cluster launcher config (Ray's schema and checks), a Serve config (Serve's schema, and AppConfig for a
+    splitspec application's args)."""
+    from configs import AppConfig
+
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    if all("apiVersion" in d and "kind" in d for d in docs):
+        for d in docs:
+            crd().validate(d) if d["kind"] == "RayService" else check_kubernetes(d)
+    elif len(docs) == 1 and "provider" in docs[0]:
+        check_launcher_schema(docs[0], fill_defaults=docs[0]["provider"]["type"] != "fake_multinode")
+    elif len(docs) == 1 and "applications" in docs[0]:
+        schema = ServeDeploySchema.model_validate(docs[0])
+        apps = [a for a in schema.applications if a.import_path == "deployments.app:build_app"]
+        assert apps, f"{path}: no splitspec application"
+        for app in apps:
+            AppConfig.model_validate(app.args)
+    else:
+        pytest.fail(f"{path}: neither Kubernetes objects, a cluster launcher config nor a Serve config")

@@ -292,10 +292,23 @@ def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve
             assert r.status_code == 200, r.text
             out = r.json()
             assert out["choices"][0]["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 40)
-            spec = out["speculation"]
+            spec = out["choices"][0]["speculation"]
             assert spec["num_drafts"] > 3 and spec["mean_acceptance_length"] > (4.5 if method == "dspark" else 1.8), spec
             assert spec["degraded_steps"] == 0, spec
             assert spec["aux_bytes_per_token"] > 0, spec
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_in_process_cli_runs_an_exported_head(head_dirs, method, capsys):
+    """``python -m offline.generate --drafter <exported head>``: the head's config picks its drafter."""
+    import ast
+
+    from offline.generate import main
+
+    main(["--target", str(head_dirs / "target"), "--drafter", str(head_dirs / method), "--prompt", "def add(a, b):",
+          "--max-tokens", "24", "-k", "4"])
+    stats = ast.literal_eval(capsys.readouterr().out.rsplit("--- k=4: ", 1)[1].strip())
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
 
 
 def test_the_app_builder_reads_and_checks_the_head(head_dirs):

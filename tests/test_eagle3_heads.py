@@ -14,6 +14,7 @@ line naming the field and its value.
 
 import asyncio
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -151,6 +152,43 @@ def test_aux_layer_ids_left_to_a_verifier_too_small_for_the_default(tmp_path):
         app_check(DATA / "llama31", verifier)
     with pytest.raises(UnsupportedHead, match="needs the verifier's num_hidden_layers"):
         Eagle3Spec.from_config(json.loads((DATA / "llama31" / "config.json").read_text()))
+
+
+def other_verifier(dest: Path, hidden: int) -> Path:
+    """The test verifier's config at another width (the checks read configs and headers only)."""
+    dest.mkdir()
+    cfg = json.loads((VERIFIER / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "hidden_size": hidden, "head_dim": hidden // 4}))
+    return dest
+
+
+def test_a_head_for_another_verifier_is_named_as_one_with_both_hidden_sizes(tmp_path):
+    """The build-time check and the loader (a warm start's --init) name the two hidden sizes, not a weight's shape."""
+    wide = other_verifier(tmp_path / "v96", 96)
+    message = "hidden states of size 128 (target_hidden_size), the verifier's hidden size is 96: the head belongs to another"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        app_check(DATA / "llama31", wide)
+    with pytest.raises(UnsupportedHead, match=re.escape(message)):
+        load_head(DATA / "llama31", verifier=wide)
+    # a config edited to the verifier's width over weights trained at another: the weights' width is named
+    head = copy_head("gptoss", tmp_path / "head", target_hidden_size=80)
+    with pytest.raises(ValueError, match=re.escape("size 128 (fc.weight), the verifier's hidden size is 80: the head "
+                                                   "belongs to another verifier")):
+        app_check(head, other_verifier(tmp_path / "v80", 80))
+
+
+def test_repeated_aux_layer_ids_are_captured_once_as_vllm_does(tmp_path):
+    """vLLM 0.32 captures the listed layers as ``sorted(set(ids))`` (``EagleModelMixin._set_aux_hidden_state_layers``;
+    the transformers backend keys its recorders by layer): a repeat reads the layer once, and a head whose fc was
+    trained on the repeat is refused naming the ids, not a shape."""
+    cfg = json.loads((DATA / "gptoss" / "config.json").read_text())
+    assert Eagle3Spec.from_config({**cfg, "eagle_aux_hidden_state_layer_ids": [4, 1, 4]}, 8).aux_layer_ids == [1, 4]
+    head = copy_head("gptoss", tmp_path / "head", eagle_aux_hidden_state_layer_ids=[1, 4, 4])
+    message = "eagle_aux_hidden_state_layer_ids [1, 4, 4] repeat a layer: vLLM captures each layer once (2 states"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        app_check(head)
+    with pytest.raises(UnsupportedHead, match=re.escape(message)):
+        load_head(head, verifier=VERIFIER)
 
 
 def test_rope_in_old_and_new_keys_is_one_rope():

@@ -236,7 +236,7 @@ def _greedy_is_the_targets(url: str, ver) -> list[dict]:
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["choices"][0]["token_ids"] == hf_greedy(ver.model, ver.tokenizer(text)["input_ids"], 64)
-        spec = out["speculation"]
+        spec = out["choices"][0]["speculation"]
         assert spec["mean_acceptance_length"] > 2.5 and spec["num_drafts"] > 5 and spec["degraded_steps"] == 0, spec
         specs.append(spec)
     return specs
@@ -269,7 +269,7 @@ def test_served_greedy_equals_the_target_and_survives_drafter_deaths(eagle_app, 
                     assert "error" not in chunk, chunk
                     for c in chunk.get("choices", []):
                         ids += c.get("token_ids") or []
-                    stats = chunk.get("speculation") or stats
+                        stats = c.get("speculation") or stats
                     if not killed and len(ids) >= 8:
                         killed = _kill_drafters()
         return ids, killed, stats

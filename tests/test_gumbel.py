@@ -198,3 +198,27 @@ def test_a_trees_rows_drawn_together_are_drawn_as_alone(tiny_engines, monkeypatc
     assert len(together[2]) == 9 and all(len(toks) == 4 for toks, _ in together[2])
     monkeypatch.setattr(ModelDrafter, "_batched_draws", lambda self, passed: {})
     assert _draft_tree(tiny_engines, prompt, sp, "alone", 2) == together
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9)])
+def test_a_coupled_drafts_alternatives_are_its_runners_up_under_the_noise(tiny_engines, params):
+    """A Gumbel-coupled verifier emits argmax(log p + g) where it rejects a draft, with the noise g the drafter
+    drew with: the drafter's guess of that token, which a pre-draft tree branches on, is the runner-up of
+    log q + g, not of q. A position's alternatives are log q + g's top tokens, the draft first."""
+    from core.protocol import DraftRequest, Proposal
+    from core.sampling import perturbed, processed_probs
+
+    dr = tiny_engines[3]
+    sp = SamplingParams(**params, seed=4, verification="gumbel", max_tokens=64, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    differs = 0
+    for seed in range(20):
+        logits = 3 * torch.randn(1, V, generator=gen)
+        r = DraftRequest("alts", 0, None, [1, 2, 3], 1, sp, seed, alternatives=3)
+        prop = Proposal("alts", [], alts=[])
+        x = dr._draw(r, logits, [1, 2, 3], prop)
+        q = processed_probs(logits, sp)
+        scores = perturbed(q, gumbel_noise(seed, [3], V))[0]
+        assert prop.alts == [scores.topk(3).indices.tolist()] and prop.alts[0][0] == x
+        differs += prop.alts[0][1] != q[0].topk(3).indices.tolist()[1]
+    assert differs > 0  # (the two rankings differ on these rows: the test tells them apart)

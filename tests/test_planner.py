@@ -77,7 +77,11 @@ def test_the_plan_covers_every_shape_and_its_json_holds_the_figures(tmp_path):
         if not r["fits"]:
             continue
         assert (r["k"] == 0) == (r["placement"] == "plain") and 1 <= r["tokens_per_step"] <= r["k"] + 1
-        assert r["tpot_ms"] == pytest.approx(r["step_ms"] / r["tokens_per_step"], rel=1e-3)
+        assert r["decode_tpot_ms"] == pytest.approx(r["step_ms"] / r["tokens_per_step"], rel=1e-3)
+        # the latency counts prefill as the capacity does: the batch's prefills stall a request's decoding
+        out = data["traffic"]["output_tokens"]
+        assert r["tpot_ms"] == pytest.approx((r["batch"] * r["prefill_ms"] + out * r["decode_tpot_ms"]) / out, rel=1e-3)
+        assert r["tokens_per_s_per_replica"] == pytest.approx(1e3 * r["batch"] / r["tpot_ms"], rel=1e-3)
         assert r["usd_per_m_tokens"] == pytest.approx(r["usd_per_hour"] / (r["demand_tokens_per_s"] * 3600) * 1e6, rel=1e-3)
         assert r["verifier_replicas"] * r["batch"] >= 16 and (r["drafter_replicas"] > 0) == (r["placement"] == "split")
     met = [r for r in data["shapes"] if r["meets_target"]]
@@ -270,3 +274,36 @@ def test_the_planner_reads_the_gpu_kits_output(tmp_path):
     # the L4 rows now use this CPU's bandwidth: far slower than the datasheet's
     l4 = next(r for r in plan["shapes"] if r["shape"] == "L4, plain")
     assert l4["step_ms"] > 10 * next(r for r in plan["shapes"] if r["shape"] == "H100-SXM, plain")["step_ms"]
+
+
+def test_the_plan_reads_the_workload_writes_a_config_that_fits_and_heads_with_plain(tmp_path, capsys):
+    """Prompt and output lengths from the acceptance JSON's workload, the serve config at the verifier's own
+    context, a headline against plain decoding, and --help naming every option."""
+    acc = tmp_path / "acceptance.json"
+    acc.write_text(json.dumps({
+        "config": {"max_tokens": 128},
+        "workloads": {"mine": {"prompt_tokens": [900, 1100], "max_tokens": [300, 500]}},
+        "results": [{"workload": "mine", "drafter": "eagle3: head", "temperature": 0.0, "k_max": 8,
+                     "tokens_per_step_by_k": [1.8, 2.5, 3.0, 3.4, 3.7, 3.9, 4.0, 4.1],
+                     "per_position_acceptance_rate": [.8, .65, .5, .4, .3, .2, .15, .1]}]}))
+    P.main(["--acceptance", str(acc), "--out", str(tmp_path), "--workload", "mine", "--curve-drafter", "eagle3: head",
+            "--drafter-method", "eagle3", "--concurrency", "16", "--tpot-ms", "20"])
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert (data["traffic"]["prompt_tokens"], data["traffic"]["output_tokens"]) == (1000, 400)
+    assert "mean of workload 'mine'" in data["traffic"]["lengths_from"]
+    assert "against plain decoding's best" in data["headline"] or "does not pay" in data["headline"]
+    assert data["headline"] in (tmp_path / "plan.md").read_text()
+    args = yaml.safe_load((tmp_path / "plan_serve.yaml").read_text())["applications"][0]["args"]
+    assert args["verifier"]["max_model_len"] == P.load_shape("llama-3.1-8b")["max_position_embeddings"] == 131072
+    if data["recommendation"]["placement"] != "plain":
+        assert args["drafter"]["method"] == "eagle3"
+    # the flags override the workload; without a workload's lengths the acceptance run's length is the output's
+    P.main(["--acceptance", str(acc), "--out", str(tmp_path), "--workload", "mine", "--curve-drafter", "eagle3: head",
+            "--prompt-tokens", "64"])
+    assert json.loads((tmp_path / "plan.json").read_text())["traffic"]["prompt_tokens"] == 64
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        P.main(["--help"])
+    text = capsys.readouterr().out
+    assert all(f"--{o}" in text for o in ("verifier", "drafter", "workload", "prompt-tokens", "output-tokens", "tpot-ms",
+                                          "concurrency", "price", "verifier-model"))

@@ -193,7 +193,7 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_MIN_STREAMS
+    from deployments.verifier import GATE_HOLD_S, GATE_MIN_STREAMS
 
     def run(spec_cost, plain_cost, steps=400, prefill_every=0):
         server, now = _gate_server(tiny_engines)
@@ -216,7 +216,11 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     assert rep["spec_ms"] > rep["off_ms"] > 0
     server.speculating = False
     server._gate_step([], streams=GATE_MIN_STREAMS - 1)
-    assert server.speculating  # a few streams: the requests' own policies decide
+    assert not server.speculating and server.gate_load() == 8  # the burst's stragglers: its choice holds
+    end = server.clock()
+    server.clock = lambda: end + GATE_HOLD_S
+    server._gate_step([], streams=GATE_MIN_STREAMS - 1)
+    assert server.speculating and server.gate_load() == 0  # a few streams, the burst over: the requests' policies decide
     server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
     c = choice(server)
     assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
@@ -367,6 +371,46 @@ def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_toke
             assert not any(after_large), after_large
         outs[speculating] = [[t for ids, _, _ in steps for t in ids] for steps in streams]
     assert outs[False] == outs[True] and all(len(o) == 24 for o in outs[True])
+
+
+def test_a_burst_s_choice_holds_for_its_next_requests_which_never_call_the_drafter(tiny_engines):
+    """Right after the replica ran GATE_MIN_STREAMS streams or more with plain decoding chosen, requests that
+    start alone (a wave's first) decode plain from their first step, as the burst's did, and never reach the
+    drafter (no draft, no release); once the burst is GATE_HOLD_S behind, their own policies speculate again.
+    The same greedy tokens either way."""
+    import asyncio
+
+    from configs import SamplingParams
+    from deployments.drafter import DrafterServer
+    from deployments.verifier import GATE_HOLD_S, GATE_MIN_STREAMS
+
+    tok, _, ver, drafter = tiny_engines
+    server, now = _gate_server(tiny_engines)
+    server.local = DrafterServer({}, engine=drafter)
+    calls = []
+    for name in ("propose", "release"):
+        real = getattr(server.local, name)
+
+        async def counted(*a, name=name, real=real):
+            calls.append(name)
+            return await real(*a)
+        setattr(server.local, name, counted)
+    server._gate_peak, server.speculating = (GATE_MIN_STREAMS * 2, 0.0), False  # a burst just decoded plain
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def one(tag):
+        out = []
+        async for group in server.speculate(tok.encode("def add(a, b):"), params, tag, k=4, k_policy="adaptive"):
+            out += [t for ids, _, info in group for t in ids]
+        return out
+
+    async def main():
+        held = await one("held")
+        assert calls == [] and len(held) == 24
+        now[0] += GATE_HOLD_S  # the burst is over: a lone request's own policy speculates
+        assert await one("free") == held and "propose" in calls and "release" in calls
+
+    asyncio.run(main())
 
 
 def test_every_ks_cost_read_in_one_pass_is_each_ones_own():

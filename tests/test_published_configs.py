@@ -216,7 +216,7 @@ def test_a_published_config_serves_greedy_equal_to_its_target(name, stand_ins, o
             "ignore_eos": True, "return_token_ids": True})
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
-        drafted = r.json()["speculation"]["num_draft_tokens"]
+        drafted = r.json()["choices"][0]["speculation"]["num_draft_tokens"]
     finally:
         serve.delete(route)
     target = stand_ins[CONFIGS[name]][0]

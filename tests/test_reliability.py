@@ -219,7 +219,7 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
-            spec = body["speculation"]
+            spec = body["choices"][0]["speculation"]
             if spec["degraded_steps"] == 0:
                 break
             # the overload tests above filled the one-slot drafter queue: the verifier's breaker on that

@@ -43,7 +43,7 @@ def test_greedy_completions_match_target_generate(serve_app, k):
         assert choice["token_ids"] == ref_greedy(target, tok, text, 24), text
         assert choice["text"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
         assert body["usage"]["completion_tokens"] == 24
-        spec = body["speculation"]
+        spec = body["choices"][0]["speculation"]
         assert (spec["num_draft_tokens"] > 0) == (k > 0)
         if k:
             pre_drafts.append((spec["pre_draft_hits"], spec["pre_draft_misses"]))
@@ -179,7 +179,7 @@ def test_cache_affinity_keeps_sequences_on_their_replica(serve_app):
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": text, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "num_speculative_tokens": 3})
-        spec = r.json()["speculation"]
+        spec = r.json()["choices"][0]["speculation"]
         assert spec["steps"] >= 10
         assert spec["verifier_recomputes"] == 0 and spec["drafter_recomputes"] == 0, spec
     # drafter_transport direct (the default): after each sequence's first call through Serve, its

@@ -115,7 +115,7 @@ def test_non_streaming_requests_come_in_two_chunks_unless_they_have_stop_strings
             r = httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=120)
             assert r.status_code == 200, r.text
             data = r.json()
-            return data["choices"][0]["token_ids"], data["speculation"]
+            return data["choices"][0]["token_ids"], data["choices"][0]["speculation"]
 
         ids, spec = post()
         assert spec["replica_chunks"] == 2 and spec["steps"] > 2, spec
@@ -128,5 +128,5 @@ def test_non_streaming_requests_come_in_two_chunks_unless_they_have_stop_strings
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
         assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == ids
-        spec = next(e["speculation"] for e in events if e.get("speculation"))
+        spec = next(c["speculation"] for e in events for c in e["choices"] if c.get("speculation"))
         assert spec["replica_chunks"] == spec["steps"], spec

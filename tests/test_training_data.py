@@ -41,15 +41,29 @@ def masked_runs(ids, mask):
     return runs + ([cur] if cur else [])
 
 
-def test_the_mask_covers_exactly_the_assistant_turns(chat_tokenizer):
+def learned(examples):
+    """Per example, its learned runs and the tokens before each run."""
+    out = []
+    for ids, mask in examples:
+        for run in masked_runs(ids, mask):
+            out.append(run)
+    return out
+
+
+def test_each_reply_is_learned_after_its_served_prompt_with_a_template(chat_tokenizer):
     tok = chat_tokenizer
-    ids, mask = data.chat_example(tok, CONVERSATION)
-    assert ids == data.encode(tok, tok.apply_chat_template(CONVERSATION, tokenize=False))  # as the server encodes it
-    # each assistant turn is learned with its end-of-turn marker (what the target writes after the generation
-    # prompt), nothing else: the system and user turns and the template's headers are not
+    examples = data.chat_examples(tok, CONVERSATION)
+    # each assistant turn with its end-of-turn marker (what the target writes after the generation prompt), tokenised
+    # on its own as the target writes it; the system and user turns and the template's headers are not learned
     replies = [m["content"] + "<|im_end|>\n" for m in CONVERSATION if m["role"] == "assistant"]
-    assert [tok.decode(r) for r in masked_runs(ids, mask)] == replies
-    assert sum(mask) == sum(len(tok(r, add_special_tokens=False)["input_ids"]) for r in replies)
+    assert [tok.decode(r) for r in learned(examples)] == replies
+    assert learned(examples) == [tok(r, add_special_tokens=False)["input_ids"] for r in replies]
+    # and each reply follows its served prompt (the conversation so far with the generation prompt), from an
+    # example's start: here the second prompt extends the first turn, so one example holds both
+    for i, reply in zip([2, 4], learned(examples)):
+        prompt = data.encode(tok, data.render(tok, CONVERSATION[:i], add_generation_prompt=True))
+        assert any(ids[: len(prompt) + len(reply)] == prompt + reply and all(mask[len(prompt): len(prompt) + len(reply)])
+                   for ids, mask in examples)
 
 
 def test_sharegpt_and_openai_shapes_give_the_same_example(chat_tokenizer, tmp_path):
@@ -66,19 +80,45 @@ def test_sharegpt_and_openai_shapes_give_the_same_example(chat_tokenizer, tmp_pa
         data.normalise({"conversations": [{"from": "robot", "value": "hi"}]})
 
 
-def test_without_a_chat_template_the_servers_plain_template(chat_tokenizer):
+def test_without_a_chat_template_replies_are_learned_as_the_target_writes_them(chat_tokenizer):
+    """The server's plain template prompts with ``...assistant:`` and the target writes the reply from there: no
+    space before it (the history's ``assistant: {content}`` rendering is not what the target wrote), EOS after."""
     tok = tiny_tokenizer()
     assert not tok.chat_template
-    text, spans = data.assistant_spans(tok, CONVERSATION)
-    assert text == "".join(f"{m['role']}: {m['content']}\n" for m in CONVERSATION)
-    # the reply after the server's generation prompt "assistant:", its line end included
-    assert [text[a:b] for a, b in spans] == [" " + m["content"] + "\n" for m in CONVERSATION if m["role"] == "assistant"]
-    ids, mask = data.chat_example(tok, CONVERSATION)
-    learned = tok.decode([t for t, m in zip(ids, mask) if m])
-    assert learned.replace(" ", "") == "".join(m["content"] + "\n" for m in CONVERSATION
-                                               if m["role"] == "assistant").replace(" ", "")
+    examples = data.chat_examples(tok, CONVERSATION)
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert learned(examples) == [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in replies]
+    # every turn is an example of its own (the next prompt re-renders the reply as history), led by its served prompt
+    assert len(examples) == 2
+    for (ids, mask), i in zip(examples, [2, 4]):
+        prompt = data.encode(tok, data.render(tok, CONVERSATION[:i], add_generation_prompt=True))
+        assert tok.decode(prompt).endswith("assistant:")
+        assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)]) and all(mask[len(prompt):])
     prompt = data.prompts(tok, [CONVERSATION], 1)[0]
     assert tok.decode(prompt).endswith("user: add two numbers\nassistant:")
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_regenerated_reply_is_learned_as_its_served_token_ids(chat_tokenizer, template):
+    """A reply the server returned ids for (``regenerate`` writes them as ``token_ids``) is learned as exactly those
+    ids, even where its text would tokenise otherwise, in both record shapes."""
+    tok = chat_tokenizer if template else tiny_tokenizer()
+    served = tok("    return", add_special_tokens=False)["input_ids"][::-1] + [tok.eos_token_id]  # not the text's own
+    record = {"conversations": [{"from": "human", "value": "def f():"},
+                                {"from": "gpt", "value": tok.decode(served, skip_special_tokens=True), "token_ids": served}]}
+    (ids, mask), = data.chat_examples(tok, data.normalise(record))
+    prompt = data.encode(tok, data.render(tok, [{"role": "user", "content": "def f():"}], add_generation_prompt=True))
+    assert ids == prompt + served and mask == [False] * len(prompt) + [True] * len(served)
+
+
+def test_a_small_datasets_held_out_split_holds_several_conversations(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}():"},
+                                                     {"role": "assistant", "content": f"    return {i}"}]}) + "\n"
+                            for i in range(28)))
+    train, held, records = data.load([path], tiny_tokenizer())
+    assert len(records) == 4 and len(train.starts) == 24  # 5% of 28 is one; at least 4 are held out
+    assert [data.min_held_out(n) for n in (1, 2, 3, 4, 8, 100)] == [0, 1, 1, 2, 4, 4]
 
 
 def test_plain_text_is_learned_everywhere():

@@ -130,7 +130,36 @@ def test_a_warm_start_from_the_shipped_head_lowers_kl_on_humaneval(tmp_path):
     acc = json.loads((tmp_path / "head" / "acceptance.json").read_text())
     assert {"eagle3", "eagle3_before"} <= set(acc)
     assert load_head(tmp_path / "head", verifier=target).spec == load_head(head, verifier=target).spec
-    assert "(before)" in (tmp_path / "head" / "README.md").read_text()
+    card = (tmp_path / "head" / "README.md").read_text()
+    assert "(before)" in card
+    # at 3e-5 the updates are below bfloat16's step: the file is float32, says so, and keeps every norm's update
+    assert acc["export"].startswith("float32") and acc["export"] in card
+    out, init = load_head(tmp_path / "head", verifier=target), load_head(head, verifier=target)
+    assert not torch.equal(out.norm.weight, init.norm.weight)
+
+
+def test_an_export_keeps_a_warm_starts_small_updates(tmp_path):
+    """Updates of a warm start's size round back in bfloat16: the export is float32 then, and the file holds them;
+    updates bfloat16 keeps are written in bfloat16."""
+    from core.eagle3 import save_head
+    from offline.training.eagle3 import export_dtype
+
+    target, shipped = ROOT / "models/tiny-code-target", ROOT / "models/tiny-code-eagle3"
+    head = load_head(shipped, verifier=target)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    assert export_dtype(head, None)[0] == torch.bfloat16  # trained from scratch
+    for step, want in ((3e-5, torch.float32), (3e-2, torch.bfloat16)):
+        with torch.no_grad():
+            for k, p in head.named_parameters():
+                p.copy_(start[k] + step * torch.sign(torch.randn_like(p)) * start[k].abs().clamp(min=1e-3))
+        dtype, why = export_dtype(head, start)
+        assert dtype == want, why
+        save_head(head, tmp_path / str(step), json.loads((shipped / "config.json").read_text()), dtype=dtype)
+        back = load_head(tmp_path / str(step), verifier=target)
+        for k, w in back.state_dict().items():
+            if w.is_floating_point() and not k.startswith("embed_tokens"):
+                assert torch.equal(w, head.state_dict()[k].to(dtype).float()), k
+                assert not torch.equal(w, start[k]), k  # every update survives the file
 
 
 @pytest.mark.heavy

@@ -140,7 +140,7 @@ def test_greedy_over_http_matches_transformers_backend_and_generate(vllm_app, hf
         assert r.status_code == 200, r.text
         body = r.json()
         got = body["choices"][0]["token_ids"]
-        spec = body["speculation"]
+        spec = body["choices"][0]["speculation"]
         assert (spec["num_draft_tokens"] > 0) == (k > 0)
         # vLLM's own loop times no verify call: the exposed time is not split (splitspec's loop splits it)
         assert not {f"mean_{p}_ms" for p in ("verify_rest", "handoff", "loop", "transit")} & set(spec), spec
@@ -282,7 +282,7 @@ def test_vllm_loop_drafts_from_the_pool_per_request_k_and_q(vllm_app):
             "model": "tiny", "prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "num_speculative_tokens": k})
         assert r.status_code == 200, r.text
-        spec = r.json()["speculation"]
+        spec = r.json()["choices"][0]["speculation"]
         assert 0 < spec["num_draft_tokens"] <= k * spec["num_drafts"], spec
         assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     r = httpx.post(f"{base}/v1/completions", timeout=120, json={
@@ -439,7 +439,7 @@ def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": texts[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "num_speculative_tokens": 4})
-        if r.status_code == 200 and r.json()["speculation"]["num_accepted_tokens"] > 0:
+        if r.status_code == 200 and r.json()["choices"][0]["speculation"]["num_accepted_tokens"] > 0:
             break
         time.sleep(1.0)
     else:

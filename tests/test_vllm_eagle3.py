@@ -250,7 +250,7 @@ def test_served_head_on_the_pool_is_the_target_and_survives_a_drafter_death(ray_
         want = {t: hf_greedy(model, tok(t)["input_ids"], 160) for t in CODE}
         for text in CODE[:2]:
             out = _complete(url, text)
-            spec = out["speculation"]
+            spec = out["choices"][0]["speculation"]
             assert out["choices"][0]["token_ids"] == want[text][:N]
             assert spec["num_drafts"] > 5 and spec["mean_acceptance_length"] > 2.5, spec
 
@@ -280,7 +280,7 @@ def test_served_head_on_the_pool_is_the_target_and_survives_a_drafter_death(ray_
             assert ids == want[text], text
         deadline = time.time() + 120  # the pool Serve restored drafts again, from the states the proposer kept
         while time.time() < deadline:
-            spec = _complete(url, CODE[0])["speculation"]
+            spec = _complete(url, CODE[0])["choices"][0]["speculation"]
             if spec["num_accepted_tokens"] > 0:
                 break
             time.sleep(1.0)
@@ -310,7 +310,7 @@ def test_served_head_in_vllms_engine_is_the_target_with_its_acceptance(ray_clust
         drafted = accepted = 0
         for text in CODE:
             out = _complete(url, text)
-            spec = out["speculation"]
+            spec = out["choices"][0]["speculation"]
             assert out["choices"][0]["token_ids"] == hf_greedy(model, tok(text)["input_ids"], N), text
             assert spec["num_drafts"] > 5 and spec["num_draft_tokens"] <= K * spec["num_drafts"], spec
             drafted += spec["num_draft_tokens"]

@@ -80,3 +80,15 @@ def test_the_workload_flags():
     assert workloads.workload_names(a.workload) == ["humaneval", "x.jsonl", "held-out"] and a.prompts is None
     with pytest.raises(SystemExit):
         ap.parse_args(["--prompts", "0"])
+
+
+def test_the_unseen_code_workload_is_in_no_training_text(tok):
+    """``unseen-code``: the benchmark's own code openings, none of them in the shipped pair's corpus."""
+    from offline.training.corpus import load_split
+
+    w = workloads.load(workloads.UNSEEN, None, tok)
+    assert w.name == "unseen-code" and len(w.prompts) == 12
+    train, held = load_split()
+    corpus = "\n".join(s.text for s in [*train, *held])
+    for text, ids in w.prompts:
+        assert ids and text.splitlines()[-1].strip() and text[:60] not in corpus

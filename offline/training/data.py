@@ -7,11 +7,14 @@ learned) and the positions a training window may start at.
   OpenAI's ``{"messages": [{"role", "content"}]}``. Each conversation is rendered with the target's chat
   template, as the server renders a chat request; a tokenizer without one gets the server's plain
   template (``role: content`` lines, the generation prompt ``assistant:``: ``PLAIN_CHAT_TEMPLATE``).
-  The loss mask covers exactly the assistant turns: for assistant message i, the text the template
-  adds after rendering messages[:i] with the generation prompt (the reply and its end-of-turn marker,
-  what the target writes when it serves that prompt); a template that does not render prefixes that
-  way (one that rewrites earlier turns) falls back to the message's content found in the rendered
-  text. A token is learned when its characters overlap such a span.
+  Each assistant turn is learned as it is served: the prompt is the conversation before it, rendered
+  with the generation prompt and encoded as the server encodes a chat request, and the learned tokens
+  follow it, tokenised on their own as the target writes them after that prompt: the ids the server
+  returned (``token_ids`` on the message, which ``regenerate`` writes), else the text the template
+  adds for the reply (the reply and its end-of-turn marker), else (no template, or one that rewrites
+  earlier turns) the reply's content and EOS. The plain template's ``assistant: {content}`` is never
+  learned: its space is the history's rendering, not the target's writing. A later turn whose prompt
+  extends the tokens so far continues the example; otherwise it starts one of its own.
 - **Plain text** (JSONL ``{"text": ...}`` lines, or ``.txt``/``.py`` files, or the standard library's
   source, the default): documents as ``<bos> text <eos>``, every token learned.
 - **Captured traffic** (``verifier.capture`` shards): the tokens of served requests with the target's
@@ -71,17 +74,24 @@ def concat(parts: list[tuple[list[int], list[bool]]], starts: bool) -> TokenData
                      torch.tensor(first, dtype=torch.long) if starts else None)
 
 
+def _message(role: str, content, token_ids=None) -> dict:
+    m = {"role": role, "content": content or ""}
+    if token_ids:  # the served ids of a regenerated reply (``regenerate``)
+        m["token_ids"] = list(token_ids)
+    return m
+
+
 def normalise(record: dict) -> list[dict] | str:
     """A JSONL record as OpenAI-style messages, or as plain text ({"text": ...})."""
     if "messages" in record:
-        return [{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]]
+        return [_message(m["role"], m.get("content"), m.get("token_ids")) for m in record["messages"]]
     if "conversations" in record:
         out = []
         for turn in record["conversations"]:
             who = str(turn.get("from", turn.get("role", ""))).lower()
             if who not in SHAREGPT_ROLES:
                 raise ValueError(f"conversations: unknown speaker {who!r} (known: {', '.join(sorted(SHAREGPT_ROLES))})")
-            out.append({"role": SHAREGPT_ROLES[who], "content": turn.get("value", turn.get("content")) or ""})
+            out.append(_message(SHAREGPT_ROLES[who], turn.get("value", turn.get("content")), turn.get("token_ids")))
         return out
     if "text" in record:
         return str(record["text"])
@@ -107,33 +117,38 @@ def encode(tokenizer, text: str, offsets: bool = False):
     return (enc["input_ids"], enc["offset_mapping"]) if offsets else enc["input_ids"]
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, the character spans of its assistant turns)."""
-    full = render(tokenizer, messages)
-    spans, cursor = [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else None
+def reply_ids(tokenizer, messages: list[dict], i: int) -> list[int]:
+    """The tokens the target writes for assistant message i after the served prompt (``messages[:i]`` with the
+    generation prompt): the ids the server returned, else the template's text for the reply, else its content
+    and EOS."""
+    m = messages[i]
+    if m.get("token_ids"):
+        return [int(t) for t in m["token_ids"]]
+    if tokenizer.chat_template:
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = render(tokenizer, messages[: i + 1])
-        if before is not None and upto.startswith(before) and full.startswith(upto) and len(before) >= cursor:
-            spans.append((len(before), len(upto)))
-            cursor = len(upto)
-            continue
-        at = full.find(m["content"], cursor)  # a template that rewrites earlier turns
-        if at < 0 or not m["content"]:
-            continue
-        spans.append((at, at + len(m["content"])))
-        cursor = at + len(m["content"])
-    return full, spans
+        if upto.startswith(before) and len(upto) > len(before):
+            return tokenizer(upto[len(before):], add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return tokenizer(m["content"], add_special_tokens=False)["input_ids"] + eos
 
 
-def chat_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """(token ids, loss mask): the mask is true exactly on tokens overlapping an assistant span."""
-    text, spans = assistant_spans(tokenizer, messages)
-    ids, offsets = encode(tokenizer, text, offsets=True)
-    mask = [any(a < e and b > s for s, e in spans) and b > a for a, b in offsets]
-    return ids, mask
+def chat_examples(tokenizer, messages: list[dict]) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) examples of a conversation: each assistant turn after its served prompt, learned
+    (``reply_ids``); a turn whose prompt extends the example so far continues it, any other starts a new one."""
+    out, ids, mask = [], [], []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:  # a reply needs a request before it
+            continue
+        prompt = encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True))
+        if prompt[: len(ids)] != ids:
+            out.append((ids, mask))
+            ids, mask = [], []
+        mask += [False] * (len(prompt) - len(ids))
+        reply = reply_ids(tokenizer, messages, i)
+        ids = prompt + reply
+        mask += [True] * len(reply)
+    return [e for e in out + [(ids, mask)] if any(e[1])]
 
 
 def text_example(tokenizer, text: str) -> tuple[list[int], list[bool]]:
@@ -144,16 +159,37 @@ def text_example(tokenizer, text: str) -> tuple[list[int], list[bool]]:
     return ids, [True] * len(ids)
 
 
-def is_held_out(i: int, record: dict, percent: int) -> bool:
+def _score(i: int, record: dict) -> int:
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode() + str(i).encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < percent
+    return int.from_bytes(digest[:4], "big")
+
+
+def is_held_out(i: int, record: dict, percent: int) -> bool:
+    return _score(i, record) % 100 < percent
+
+
+def min_held_out(n: int) -> int:
+    """The fewest records held out of ``n``: 4, never more than half (2 of 4, 1 of 2 or 3, none of 1)."""
+    return min(4, n // 2)
+
+
+def held_out_flags(keys: list[dict], percent: int) -> list[bool]:
+    """Per record (``keys``: what its hash is taken of), whether it is held out: ``percent`` of them by the
+    hash, at least ``min_held_out`` (the lowest hashes)."""
+    scores = [_score(i, k) for i, k in enumerate(keys)]
+    flags = [s % 100 < percent for s in scores]
+    need = min_held_out(len(keys)) - sum(flags)
+    for i in sorted((i for i, f in enumerate(flags) if not f), key=scores.__getitem__)[: max(0, need)]:
+        flags[i] = True
+    return flags
 
 
 def load(paths: list[Path], tokenizer, held_out: list[Path] | None = None,
          held_out_percent: int = 5) -> tuple[TokenData, TokenData, list]:
     """(train, held-out, the held-out records: conversations as messages, texts as strings) from JSONL
     conversations or text, or text files.
-    Without ``held_out`` files, ``held_out_percent`` of the records (by a hash, at least one) are held out."""
+    Without ``held_out`` files, ``held_out_percent`` of the records are held out (by a hash; at least
+    ``min_held_out``: a small dataset's evaluation is more than one conversation)."""
     def records(ps):
         out = []
         for p in ps:
@@ -165,14 +201,12 @@ def load(paths: list[Path], tokenizer, held_out: list[Path] | None = None,
     if held_out:
         held = records(held_out)
     else:
-        flags = [is_held_out(i, {"r": r}, held_out_percent) for i, r in enumerate(train)]
-        if not any(flags) and len(train) > 1:
-            flags[-1] = True
+        flags = held_out_flags([{"r": r} for r in train], held_out_percent)
         held = [r for r, f in zip(train, flags) if f]
         train = [r for r, f in zip(train, flags) if not f]
 
     def tokens(recs):
-        parts = [chat_example(tokenizer, r) if isinstance(r, list) else text_example(tokenizer, r) for r in recs]
+        parts = [p for r in recs for p in (chat_examples(tokenizer, r) if isinstance(r, list) else [text_example(tokenizer, r)])]
         return concat(parts, starts=any(isinstance(r, list) for r in recs))
 
     return tokens(train), tokens(held), held

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.dflash import ParallelHead, ParallelSpec, save_head
+from core.dflash import ParallelHead, ParallelSpec, load_head, save_head
 from core.eagle3 import aux_states, draft_vocabulary, kl_to_target
 
 
@@ -220,6 +220,7 @@ def main(argv=None) -> None:
     minutes = (time.time() - t0) / 60
     arch = list(target.config.architectures or [])
     save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)  # before the evaluation
+    head = load_head(args.out, verifier=args.target)  # the card's figures are the exported file's
     prompts = [tokenizer(p)["input_ids"] for p in held_out_prompts(args.acceptance_prompts)]
     truths = greedy_continuations(target, prompts, args.acceptance_max_tokens)
     acc = acceptance(truths, prompts, head.spec.max_k, head_drafter(target, head))
@@ -233,7 +234,8 @@ def main(argv=None) -> None:
             f"{args.seed}; {minutes:.1f} min on {args.threads} CPU thread(s); last step KL {stats['kl']:.3f}, top-1 {stats['top1']:.3f}",
             f"- command: `python -m offline.training.dflash --target {args.target} --out {args.out} --method {args.method} "
             f"--steps {args.steps} --block {args.block}" + (f" --regenerate {args.regenerate}" if args.regenerate else "") + "`", "",
-            f"Greedy acceptance on {len(prompts)} held-out prompts x {args.acceptance_max_tokens} tokens, k = {acc['k']}: "
+            f"Greedy acceptance of the exported head (this directory's bfloat16 `model.safetensors`) on {len(prompts)} "
+            f"held-out prompts x {args.acceptance_max_tokens} tokens, k = {acc['k']}: "
             f"mean acceptance length {acc['mean_acceptance_length']}, per position {acc['per_position_acceptance_rate']}."]
     (args.out / "README.md").write_text("\n".join(card) + "\n")
     print(json.dumps(acc), flush=True)

@@ -196,9 +196,7 @@ def captured_sources(path: Path, held_out_percent: int) -> tuple[Source, Source,
     records, layers = read_shards(path)
     if not records:
         raise ValueError(f"{path}: no captured requests")
-    flags = [datasets.is_held_out(i, {"n": len(r["tokens"])}, held_out_percent) for i, r in enumerate(records)]
-    if not any(flags) and len(records) > 1:
-        flags[-1] = True
+    flags = datasets.held_out_flags([{"n": len(r["tokens"])} for r in records], held_out_percent)
 
     def source(recs):
         parts = [(r["tokens"], [i >= max(r["num_prompt"], 1) for i in range(len(r["tokens"]))]) for r in recs]
@@ -307,6 +305,26 @@ def model_drafter(drafter):
     return fn
 
 
+def export_dtype(head: nn.Module, start: dict[str, torch.Tensor] | None) -> tuple[torch.dtype, str]:
+    """The dtype the head is written in, and why: bfloat16, unless a warm start's updates (``start``: the initial
+    head's weights) would round away in it, where the head is written in float32: small learning rates move a
+    weight by less than bfloat16's step (a 1e-5 change of a norm weight near 1 rounds back to 1)."""
+    if start is None:
+        return torch.bfloat16, "bfloat16"
+    changed = lost = 0
+    for name, w in head.state_dict().items():
+        if not w.is_floating_point() or name not in start:
+            continue
+        w0 = start[name].to(w.device)
+        moved = w != w0
+        changed += int(moved.sum())
+        lost += int((moved & (w.bfloat16() == w0.bfloat16())).sum())
+    if changed and lost / changed > 0.01:
+        return torch.float32, (f"float32: in bfloat16, {100 * lost / changed:.1f}% of the {changed} weights this warm start "
+                               "changed would round back to the initial head's values")
+    return torch.bfloat16, f"bfloat16 ({100 * lost / max(changed, 1):.1f}% of the {changed} changed weights round back in it)"
+
+
 def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict, train_s: float):
     s = head.spec
     n_params = sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed_tokens"))
@@ -336,9 +354,11 @@ def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict,
            if not torch.cuda.is_available() else " on one GPU"),
         f"- held-out KL(p || q) at TTT step 0: {history[0]['held_out_kl']:.4f} at the start, "
         f"{history[-1]['held_out_kl']:.4f} nats/token at the end" if history else "",
-        f"- command: `{command}`", "",
+        f"- command: `{command}`",
+        f"- weights: {acc.get('export', 'bfloat16')}", "",
         f"## Greedy acceptance on {h['num_prompts']} held-out prompts (k = {h['k']}, {h['max_tokens']} new tokens each)", "",
-        "Simulated with the reference implementation (`core.eagle3`) on the target's own greedy continuation;",
+        "Simulated with the reference implementation (`core.eagle3`) on the target's own greedy continuation, with",
+        "the head as this directory's `model.safetensors` holds it (and the initial head as its file holds it);",
         "the draft model row drafts with its own greedy continuation on the same prompts.", "",
         "| drafter | mean acceptance length | per-position acceptance rate |", "|---|---|---|",
     ]
@@ -368,7 +388,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", type=Path, nargs="+", default=None,
                     help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
     ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
-    ap.add_argument("--held-out-percent", type=int, default=5)
+    ap.add_argument("--held-out-percent", type=int, default=5,
+                    help="records held out without --held-out, by a hash: at least 4, never more than half")
     ap.add_argument("--captured", type=Path, default=None, help="a directory of verifier.capture shards")
     ap.add_argument("--compare", type=Path, default=Path("models/tiny-code-drafter"),
                     help="a standalone draft model measured beside the head (none: skip)")
@@ -407,6 +428,7 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
     train_src, held_src, captured_layers, prompts = load_sources(args, tokenizer, tc.vocab_size)
     if args.init:
         head = load_head(args.init, verifier=args.target).to(device).float()
+        start = {k: v.detach().clone() for k, v in head.state_dict().items()}  # what a bfloat16 export must keep
         if captured_layers is not None and head.spec.aux_layer_ids != captured_layers:
             raise ValueError(f"--init {args.init} reads aux layers {head.spec.aux_layer_ids}; the captured shards "
                              f"hold {captured_layers}")
@@ -454,8 +476,11 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
         return None
     (args.work / "history.json").write_text(json.dumps({"history": result.history, "curve": result.curve}, indent=1))
 
-    save_head(head.cpu(), args.out, Eagle3Spec.to_config(head.spec, str(args.target), list(target.config.architectures or [])))
-    head.float().eval()
+    dtype, export = export_dtype(head.cpu(), start if args.init else None)
+    save_head(head, args.out, Eagle3Spec.to_config(head.spec, str(args.target), list(target.config.architectures or [])),
+              dtype=dtype)
+    print(f"wrote {args.out}: {export}")
+    head = load_head(args.out, verifier=args.target).float().eval()  # the card's figures are the exported file's
     target.cpu()
     truths = greedy_continuations(target, prompts, args.acceptance_max_tokens)  # once, for every drafter
     acc = {"eagle3": acceptance(truths, prompts, 4, head_drafter(target, head))}
@@ -465,6 +490,7 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
         drafter = AutoModelForCausalLM.from_pretrained(args.compare, dtype=torch.float32).eval()
         acc["draft_model"] = acceptance(truths, prompts, 4, model_drafter(drafter))
     acc["history"] = result.history
+    acc["export"] = export
     write_model_card(args.out, args, head, result.history, acc, result.train_s)
     print(json.dumps({k: v for k, v in acc.items() if k != "history"}, indent=1))
     return acc

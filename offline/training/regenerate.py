@@ -6,8 +6,11 @@
 A head learns the target's distribution; replies written by another model (or by people) are text the
 target would not have written, so the head spends capacity on them and drafts worse for the target.
 Each conversation's assistant turns are replaced, in order, by the target's reply to the conversation
-so far (``/v1/chat/completions``; greedy by default), every other turn kept. The output is JSONL in the
-input's shape (``messages``, or ShareGPT ``conversations``), one line per input line, in order.
+so far (``/v1/chat/completions``; greedy by default), every other turn kept. Each reply keeps the token
+ids the server returned (``token_ids``, asked with ``return_token_ids``, which this project's server and
+vLLM's answer; ``--no-token-ids`` for an endpoint that refuses it): training learns exactly those tokens
+after the served prompt (``offline.training.data``). The output is JSONL in the input's shape
+(``messages``, or ShareGPT ``conversations``), one line per input line, in order.
 
 Resumable: the output is appended line by line; a rerun keeps the complete lines already written (a
 torn last line is cut off) and continues with the next conversation.
@@ -37,31 +40,37 @@ def completed_lines(out: Path) -> int:
 
 
 def regenerate(record: dict, chat, max_tokens: int) -> dict:
-    """The record with each assistant turn replaced by ``chat(messages so far, max_tokens)``."""
+    """The record with each assistant turn replaced by ``chat(messages so far, max_tokens)``: (text, token ids
+    or None)."""
     messages = normalise(record)
     if isinstance(messages, str):
         return record
     out: list[dict] = []
     for m in messages:
         if m["role"] == "assistant" and out:
-            out.append({"role": "assistant", "content": chat(out, max_tokens)})
+            text, ids = chat([{"role": x["role"], "content": x["content"]} for x in out], max_tokens)
+            out.append({"role": "assistant", "content": text, **({"token_ids": ids} if ids else {})})
         else:
             out.append(m)
     if "conversations" in record and "messages" not in record:
-        return {**record, "conversations": [{"from": SHAREGPT_SPEAKER.get(m["role"], m["role"]), "value": m["content"]}
-                                            for m in out]}
+        return {**record, "conversations": [{"from": SHAREGPT_SPEAKER.get(m["role"], m["role"]), "value": m["content"],
+                                             **({"token_ids": m["token_ids"]} if "token_ids" in m else {})} for m in out]}
     return {**record, "messages": out}
 
 
-def openai_chat(url: str, model: str | None, temperature: float, seed: int | None, api_key: str, timeout: float):
-    """chat(messages, max_tokens) -> the reply's text, from an OpenAI-compatible ``/chat/completions``."""
+def openai_chat(url: str, model: str | None, temperature: float, seed: int | None, api_key: str, timeout: float,
+                token_ids: bool = True):
+    """chat(messages, max_tokens) -> (the reply's text, its token ids or None), from an OpenAI-compatible
+    ``/chat/completions``."""
     import httpx
 
     client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers={"Authorization": f"Bearer {api_key}"})
 
-    def chat(messages: list[dict], max_tokens: int) -> str:
+    def chat(messages: list[dict], max_tokens: int) -> tuple[str, list[int] | None]:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "store": False}  # the regeneration itself is not traffic to capture
+        if token_ids:
+            body["return_token_ids"] = True
         if model:
             body["model"] = model
         if seed is not None:
@@ -69,7 +78,8 @@ def openai_chat(url: str, model: str | None, temperature: float, seed: int | Non
         r = client.post("/chat/completions", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"{url}/chat/completions answered {r.status_code}: {r.text[:500]}")
-        return r.json()["choices"][0]["message"]["content"] or ""
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] or "", choice.get("token_ids")
 
     return chat
 
@@ -85,6 +95,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--limit", type=int, default=None, help="regenerate only the first N conversations")
     ap.add_argument("--api-key", default="none")
+    ap.add_argument("--no-token-ids", action="store_true",
+                    help="do not ask for the replies' token ids (an endpoint that refuses return_token_ids)")
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
 
@@ -94,7 +106,8 @@ def main(argv=None):
     done = completed_lines(args.out)
     if done:
         print(f"resuming after {done} conversations")
-    chat = openai_chat(args.url, args.model, args.temperature, args.seed, args.api_key, args.timeout)
+    chat = openai_chat(args.url, args.model, args.temperature, args.seed, args.api_key, args.timeout,
+                       token_ids=not args.no_token_ids)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for line in tqdm(lines[done:], initial=done, total=len(lines), desc="regenerate"):
