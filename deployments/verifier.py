@@ -408,14 +408,17 @@ class VerifierServer(EngineServer):
             self.streams -= 1
             self.tally.flush(time.monotonic())
             self._bound.pop(seq_id, None)
-            # (a sequence that never drafted, plain from its first step to its last under the replica's choice,
-            # holds nothing there: no call; one resumed here may have drafted on the replica it left)
-            drafted = k > 0 and (seq.drafter_asked or bool(output_ids))
-            if self.local is not None and drafted:
-                await self.local.release([seq_id])
-            elif self.drafter is not None and drafted:
-                self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
+            # (one that never drafted, plain throughout under the replica's choice, holds nothing there: no
+            # call; one resumed here may have drafted on the replica it left)
+            await self._release_drafts(seq_id, k > 0 and (seq.drafter_asked or bool(output_ids)))
             await self.release([seq_id])
+
+    async def _release_drafts(self, seq_id: str, drafted: bool) -> None:
+        """Free a finished sequence's drafter cache, if it may hold one."""
+        if self.local is not None and drafted:
+            await self.local.release([seq_id])
+        elif self.drafter is not None and drafted:
+            self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
                               logprobs: int | None, output_ids):
