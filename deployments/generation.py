@@ -26,6 +26,7 @@ from deployments.admission import overloaded
 from deployments.batcher import Overloaded
 from deployments.metrics import Tally, metrics
 from deployments.openai_api import OpenAIError
+from deployments.vllm_metrics import ChoiceMeter
 
 log = logging.getLogger("ray.serve")
 
@@ -39,6 +40,7 @@ class StepOutput:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     stats: dict | None = None  # the choice's speculation statistics, on its last step
+    spec_metrics: dict | None = None  # vLLM's metrics.speculative_decoding, on its last step (when asked)
 
 
 @dataclass
@@ -64,9 +66,11 @@ class Generation:
     predicted-output counters, shared by its choices."""
 
     def __init__(self, pools: tuple, seq: Sequence, call: Call, retry_s: float, timing: bool = False,
-                 predicted: dict | None = None):
+                 predicted: dict | None = None, meter: ChoiceMeter | None = None, spec_metrics: str = "none"):
         self.drafter, self.verifier = pools
         self.seq, self.call, self.retry_s, self.timing, self.predicted = seq, call, retry_s, timing, predicted
+        self.meter = meter  # vLLM's metric families (GET /metrics)
+        self.spec_metrics = spec_metrics  # vLLM's per-request level: none, summary, detailed
         self.stats = RequestStats(call.k)
         self.deadline, self.attempt = 0.0, 0
         self.ended = False  # the replica's loop finished by itself: nothing to cancel
@@ -105,6 +109,8 @@ class Generation:
                     await self._failed(failure)
         finally:
             release((self.drafter, self.verifier), self.seq.seq_id)
+            if self.meter is not None:
+                self.meter.end()
 
     def _progress(self):
         """The stream moved on: a later failure gets the whole retry window again."""
@@ -142,14 +148,20 @@ class Generation:
                                                 logprobs=lps if self.call.logprobs is not None else None))
             self.stats.record(info, wall, len(seq.output_ids))
             tally_step(seq, info, wall, tally)
+            if self.meter is not None:
+                self.meter.step(info.k, info.accepted, len(new), wall)
             if self.predicted is not None and info.predicted:
                 self.predicted["accepted_prediction_tokens"] += info.accepted
                 self.predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
             out_ids += new
             text += delta
         tally.flush()
+        if self.meter is not None:
+            self.meter.x.flush()
         report = self.stats.report(seq, self.timing) if seq.done else None
-        return StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report)
+        spec = (self.stats.speculative_decoding(self.spec_metrics == "detailed")
+                if seq.done and self.spec_metrics != "none" else None)
+        return StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report, spec)
 
     async def _failed(self, e: BaseException):
         """The stream broke: resume on another replica after a back-off, or give up."""
