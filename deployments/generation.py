@@ -149,7 +149,7 @@ class Generation:
             self.stats.record(info, wall, len(seq.output_ids))
             tally_step(seq, info, wall, tally)
             if self.meter is not None:
-                self.meter.step(info.k, info.accepted, len(new), wall)
+                self.meter.step(info, len(new), wall)
             if self.predicted is not None and info.predicted:
                 self.predicted["accepted_prediction_tokens"] += info.accepted
                 self.predicted["rejected_prediction_tokens"] += info.predicted - info.accepted

@@ -45,6 +45,24 @@ GAUGES = {
     "vllm:num_requests_running": "Number of requests in model execution batches.",
     "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
 }
+# splitspec's own, beside vLLM's: what the two pools did for the router's steps (same labels)
+SPLITSPEC_COUNTERS = {"splitspec:degraded_steps": "Steps decoded without speculation because no drafter answered."}
+SPLITSPEC_LABELED = {  # name -> (documentation, label)
+    "splitspec:steps_by_k": ("Steps by the number of drafts the policy played (0: a plain step).", "k"),
+    "splitspec:pre_drafts": ("Pre-drafted blocks by outcome (hit: used; miss: discarded).", "outcome"),
+}
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SPLITSPEC_HISTOGRAMS = {
+    "splitspec:verify_batch_size": ("Sequences in the verify batch of a step.", BATCH_BUCKETS),
+    "splitspec:draft_seconds": ("Drafting on a speculative step's critical path (drafter pool: queue, transport and "
+                                "engine; 0 on a pre-draft hit).", STEP_SECONDS_BUCKETS),
+    "splitspec:draft_engine_seconds": ("Of a speculative step's drafting, the time in the drafter engine.",
+                                       STEP_SECONDS_BUCKETS),
+    "splitspec:verify_forward_seconds": ("The verify forward pass of a step (verifier pool).", STEP_SECONDS_BUCKETS),
+}
+ALL_COUNTERS = {**COUNTERS, **SPLITSPEC_COUNTERS}
+ALL_HISTOGRAMS = {**HISTOGRAMS, **SPLITSPEC_HISTOGRAMS}
 FLUSH_INTERVAL_S = 1.0  # a router sends its sums when a choice ends, and at most this often in between
 
 
@@ -56,6 +74,7 @@ class Delta:
 
     counters: dict[str, float] = field(default_factory=dict)
     per_pos: dict[int, int] = field(default_factory=dict)
+    labeled: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, label value) -> increment
     hist: dict[str, list] = field(default_factory=dict)  # name -> [counts per bucket..., sum]
     gauges: dict[str, int] = field(default_factory=dict)
     replica: str = ""
@@ -64,15 +83,18 @@ class Delta:
     def inc(self, name: str, value: float = 1):
         self.counters[name] = self.counters.get(name, 0) + value
 
+    def inc_labeled(self, name: str, label: str):
+        self.labeled[name, label] = self.labeled.get((name, label), 0) + 1
+
     def observe(self, name: str, value: float):
-        buckets = HISTOGRAMS[name][1]
+        buckets = ALL_HISTOGRAMS[name][1]
         row = self.hist.setdefault(name, [0] * (len(buckets) + 2))
         i = next((j for j, b in enumerate(buckets) if value <= b), len(buckets))
         row[i] += 1
         row[-1] += value
 
     def empty(self) -> bool:
-        return not (self.counters or self.per_pos or self.hist)
+        return not (self.counters or self.per_pos or self.hist or self.labeled)
 
 
 class MetricsState:
@@ -80,9 +102,11 @@ class MetricsState:
 
     def __init__(self, model_name: str, num_speculative_tokens: int = 0):
         self.model_name = model_name
-        self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.counters = dict.fromkeys(ALL_COUNTERS, 0.0)
         self.per_pos = dict.fromkeys(range(num_speculative_tokens), 0)  # as vLLM: every position from the start
-        self.hist = {name: [0] * (len(b) + 2) for name, (_, b) in HISTOGRAMS.items()}
+        self.labeled: dict[tuple[str, str], int] = {("splitspec:pre_drafts", o): 0 for o in ("hit", "miss")}
+        self.hist = {name: [0] * (len(b) + 2) for name, (_, b) in ALL_HISTOGRAMS.items()}
+        self.replicas: dict[str, dict[str, int]] = {}  # deployment -> replica state -> count (set by the hub)
         self.gauges: dict[str, tuple[int, dict]] = {}  # replica -> (seq, gauges)
 
     def add(self, d: Delta):
@@ -90,6 +114,8 @@ class MetricsState:
             self.counters[name] += v
         for pos, v in d.per_pos.items():
             self.per_pos[pos] = self.per_pos.get(pos, 0) + v
+        for key, v in d.labeled.items():
+            self.labeled[key] = self.labeled.get(key, 0) + v
         for name, row in d.hist.items():
             self.hist[name] = [a + b for a, b in zip(self.hist[name], row)]
         if d.seq >= self.gauges.get(d.replica, (-1, {}))[0]:
@@ -117,7 +143,7 @@ class _Collector:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(lv, sum(v.get(name, 0) for _, v in s.gauges.values()))
             yield g
-        for name, doc in COUNTERS.items():
+        for name, doc in ALL_COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(lv, s.counters[name])
             yield c
@@ -125,7 +151,19 @@ class _Collector:
         for pos, v in sorted(s.per_pos.items()):
             c.add_metric([*lv, str(pos)], v)
         yield c
-        for name, (doc, bounds) in HISTOGRAMS.items():
+        for name, (doc, label) in SPLITSPEC_LABELED.items():
+            c = CounterMetricFamily(name, doc, labels=(*LABELS, label))
+            for (n, value), v in sorted(s.labeled.items()):
+                if n == name:
+                    c.add_metric([*lv, value], v)
+            yield c
+        g = GaugeMetricFamily("splitspec:replicas", "Replicas per deployment (pool) and state, as Serve reports them.",
+                              labels=(*LABELS, "deployment", "state"))
+        for dep, states in sorted(s.replicas.items()):
+            for state, n in sorted(states.items()):
+                g.add_metric([*lv, dep, state], n)
+        yield g
+        for name, (doc, bounds) in ALL_HISTOGRAMS.items():
             h, row, acc, cum = HistogramMetricFamily(name, doc, labels=LABELS), s.hist[name], 0, []
             for b, n in zip((*bounds, float("inf")), row[:-1]):
                 acc += n
@@ -144,7 +182,20 @@ class MetricsHub:
         self.state.add(delta)
 
     def exposition(self) -> bytes:
+        self.state.replicas = serve_replicas()
         return self.state.exposition()
+
+
+def serve_replicas() -> dict[str, dict[str, int]]:
+    """This app's deployments' replicas by state, from Serve's controller ({} outside Serve)."""
+    try:
+        from ray import serve
+
+        app = serve.get_replica_context().app_name
+        return {name: {str(getattr(k, "value", k)): n for k, n in d.replica_states.items()}
+                for name, d in serve.status().applications[app].deployments.items()}
+    except Exception:  # noqa: BLE001 - not in a Serve replica, or the controller is away: no replica figures
+        return {}
 
 
 class Exporter:
@@ -191,9 +242,10 @@ class ChoiceMeter:
         self.t0, self.first, self.ended = time.perf_counter(), True, False
         exporter.waiting += 1
 
-    def step(self, k: int, accepted: int, new_tokens: int, wall_s: float):
-        """A step applied: ``k`` drafts verified, ``accepted`` of them kept, ``new_tokens`` emitted."""
-        d = self.x.delta
+    def step(self, info, new_tokens: int, wall_s: float):
+        """A step applied (``core.protocol.StepInfo``): ``new_tokens`` emitted, ``wall_s`` as the router saw it."""
+        d, k, accepted = self.x.delta, info.k, info.accepted
+        self.pools(info)
         if self.first:  # the prompt is processed: the choice runs (vLLM counts prompt tokens at prefill)
             self.first = False
             self.x.waiting -= 1
@@ -211,6 +263,20 @@ class ChoiceMeter:
             d.inc("vllm:spec_decode_num_accepted_tokens", accepted)
             for pos in range(accepted):
                 d.per_pos[pos] = d.per_pos.get(pos, 0) + 1
+
+    def pools(self, info):
+        """splitspec's own: what the policy played and what each pool took."""
+        d = self.x.delta
+        d.inc_labeled("splitspec:steps_by_k", str(info.k))
+        d.observe("splitspec:verify_batch_size", info.batch_size)
+        d.observe("splitspec:verify_forward_seconds", info.forward_s)
+        if info.degraded:
+            d.inc("splitspec:degraded_steps")
+        if info.pre_draft is not None:
+            d.inc_labeled("splitspec:pre_drafts", info.pre_draft)
+        if info.k:
+            d.observe("splitspec:draft_seconds", info.draft_s)
+            d.observe("splitspec:draft_engine_seconds", info.draft_engine_s)
 
     def end(self):
         if self.ended:

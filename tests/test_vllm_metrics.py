@@ -50,9 +50,9 @@ def test_router_replicas_counts_add_up_once():
     hub = MetricsHub("m", 2)
     a, b = Exporter("m", 2, _Handle(hub), "a"), Exporter("m", 2, _Handle(hub), "b")
     ca, cb, cb2 = a.choice(5), b.choice(7), b.choice(3)
-    ca.step(2, 1, 2, 0.0)
-    ca.step(2, 2, 3, 0.05)
-    cb.step(2, 0, 1, 0.0)
+    ca.step(StepInfo(k=2, accepted=1), 2, 0.0)
+    ca.step(StepInfo(k=2, accepted=2, pre_draft="hit", batch_size=3), 3, 0.05)
+    cb.step(StepInfo(k=2, accepted=0), 1, 0.0)
     ca.end()
     cb.end()
     b.flush(force=True)  # cb2 still waiting on replica b
@@ -73,6 +73,9 @@ def test_router_replicas_counts_add_up_once():
     assert ttft["vllm:time_to_first_token_seconds_count"] == 2
     itl = [s for s in fams["vllm:inter_token_latency_seconds"].samples if s.labels.get("le") == "0.075"]
     assert itl[0].value == 1  # the one step after a first token, 0.05 s
+    assert value("splitspec:steps_by_k", k="2") == 3 and value("splitspec:pre_drafts", outcome="hit") == 1
+    batch = {s.labels.get("le"): s.value for s in fams["splitspec:verify_batch_size"].samples if "le" in s.labels}
+    assert (batch["2.0"], batch["4.0"]) == (2, 3)
     cb2.end()
     assert _parse(hub.exposition().decode())["vllm:num_requests_waiting"].samples[0].value == 0
 
