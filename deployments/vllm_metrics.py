@@ -15,6 +15,7 @@ Definitions copied from vLLM 0.32 (``vllm/v1/metrics/loggers.py``, ``vllm/v1/spe
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 LABELS = ("model_name", "engine")  # vLLM's; the engine is "0", as a server with one engine core
@@ -89,8 +90,7 @@ class Delta:
     def observe(self, name: str, value: float):
         buckets = ALL_HISTOGRAMS[name][1]
         row = self.hist.setdefault(name, [0] * (len(buckets) + 2))
-        i = next((j for j, b in enumerate(buckets) if value <= b), len(buckets))
-        row[i] += 1
+        row[bisect_left(buckets, value)] += 1  # the first bucket b with value <= b (+Inf past the last)
         row[-1] += value
 
     def empty(self) -> bool:
