@@ -157,7 +157,8 @@ class _Collector:
                 if n == name:
                     c.add_metric([*lv, value], v)
             yield c
-        g = GaugeMetricFamily("splitspec:replicas", "Replicas per deployment (pool) and state, as Serve reports them.",
+        g = GaugeMetricFamily("splitspec:replicas", "Replicas per deployment (pool) by state, as Serve reports them; "
+                              "state TARGET: the number Serve's autoscaler aims at.",
                               labels=(*LABELS, "deployment", "state"))
         for dep, states in sorted(s.replicas.items()):
             for state, n in sorted(states.items()):
@@ -182,20 +183,31 @@ class MetricsHub:
         self.state.add(delta)
 
     def exposition(self) -> bytes:
-        self.state.replicas = serve_replicas()
+        self.state.replicas, live = serve_replicas()
+        if live:  # a router replica that died left its last gauges: they go with it
+            self.state.gauges = {r: g for r, g in self.state.gauges.items() if r in live}
         return self.state.exposition()
 
 
-def serve_replicas() -> dict[str, dict[str, int]]:
-    """This app's deployments' replicas by state, from Serve's controller ({} outside Serve)."""
+def serve_replicas() -> tuple[dict[str, dict[str, int]], set[str]]:
+    """This app's deployments: replicas by state, and ``"TARGET"``, the number Serve (its autoscaler)
+    aims at, from Serve's controller; and the ids of the replicas not stopped (nothing outside Serve)."""
     try:
         from ray import serve
+        from ray.serve.context import _get_global_client
 
         app = serve.get_replica_context().app_name
-        return {name: {str(getattr(k, "value", k)): n for k, n in d.replica_states.items()}
-                for name, d in serve.status().applications[app].deployments.items()}
+        deps = _get_global_client().get_serve_details()["applications"][app]["deployments"]
+        out, live = {}, set()
+        for name, d in deps.items():
+            states = out.setdefault(name, {"TARGET": d["target_num_replicas"]})
+            for r in d["replicas"]:
+                states[r["state"]] = states.get(r["state"], 0) + 1
+                if r["state"] != "STOPPING":
+                    live.add(r["replica_id"])
+        return out, live
     except Exception:  # noqa: BLE001 - not in a Serve replica, or the controller is away: no replica figures
-        return {}
+        return {}, set()
 
 
 class Exporter:

@@ -173,6 +173,17 @@ async def _traffic(base: str, n_requests: int) -> list[dict]:
     return await asyncio.gather(*(one(i) for i in range(n_requests)))
 
 
+async def _traffic_watched(base: str, n_requests: int) -> tuple[list[dict], float]:
+    """The traffic, and the most requests running or waiting that /metrics showed meanwhile."""
+    task, busiest = asyncio.create_task(_traffic(base, n_requests)), 0.0
+    async with httpx.AsyncClient() as c:
+        while not task.done():
+            fams = _parse((await c.get(f"{base}/metrics", timeout=30)).text)
+            busiest = max(busiest, sum(fams[n].samples[0].value for n in GAUGES))
+            await asyncio.sleep(0.3)
+    return await task, busiest
+
+
 @pytest.mark.serve
 def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_cluster):
     from tests.conftest import side_app
@@ -184,7 +195,8 @@ def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_c
                         "num_speculative_tokens": 4, "cache_budget_mb": 32, "num_threads": 1}}
     with side_app(serve_app, "observed", args, {"Router": {"num_replicas": 2}}) as base:
         before = httpx.get(f"{base}/metrics", timeout=30).text
-        results = asyncio.run(_traffic(base, 36))
+        results, busiest = asyncio.run(_traffic_watched(base, 36))
+        assert busiest > 0  # the gauges saw requests in flight (and are back to 0 below)
         specs = [s for r in results for s in r["specs"]]
         want = {"vllm:spec_decode_num_drafts": sum(s["num_drafts"] for s in specs),
                 "vllm:spec_decode_num_draft_tokens": sum(s["num_draft_tokens"] for s in specs),
@@ -202,6 +214,8 @@ def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_c
                          timeout=15)
         assert after, (counters(httpx.get(f"{base}/metrics", timeout=30).text), want)
         _check_families(after, len(specs), specs)
+        reps = {(x.labels["deployment"], x.labels["state"]): x.value for x in _parse(after)["splitspec:replicas"].samples}
+        assert reps[("Router", "RUNNING")] == reps[("Router", "TARGET")] == 2 and reps[("Metrics", "RUNNING")] == 1, reps
         # Speculators' evaluation script reads the acceptance rate the responses report
         accepted, drafted = want["vllm:spec_decode_num_accepted_tokens"], want["vllm:spec_decode_num_draft_tokens"]
         got = _speculators_acceptance(before, after)
