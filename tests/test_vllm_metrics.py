@@ -140,14 +140,18 @@ def _speculators_acceptance(before: str, after: str) -> dict:
 
 
 async def _traffic(base: str, n_requests: int) -> list[dict]:
-    """Mixed completions and chat, temperatures and streaming: each choice's speculation block, usage and metrics."""
+    """Mixed completions and chat, temperatures, streaming, drafts per step and drafters (the pool, a
+    predicted output): each choice's speculation block, usage and metrics."""
     from openai import AsyncOpenAI
 
     client, sem = AsyncOpenAI(base_url=f"{base}/v1", api_key="none", timeout=120), asyncio.Semaphore(6)
 
     async def one(i):
         temp = (0.0, 0.6, 1.0)[i % 3]
-        common = {"max_tokens": 12 + i % 5 * 6, "temperature": temp, "seed": i, "extra_body": {"ignore_eos": True}}
+        extra = {"ignore_eos": True}
+        if i % 8 == 5:  # drafts the request allows: fewer, or none (speculation off)
+            extra["num_speculative_tokens"] = (2, 0)[i // 8 % 2]
+        common = {"max_tokens": 12 + i % 5 * 6, "temperature": temp, "seed": i, "extra_body": extra}
         n = 2 if i % 10 == 9 else 1
         async with sem:
             if i % 4 == 3:  # streamed, usage (and with it vLLM's metrics) on the last chunk
@@ -162,6 +166,8 @@ async def _traffic(base: str, n_requests: int) -> list[dict]:
                 return {"specs": specs, "n": n, "prompt": usage.prompt_tokens, "out": usage.completion_tokens,
                         "metrics": metrics}
             if i % 2:
+                if i % 6 == 1 and i % 8 != 5:  # drafts from a predicted output, not the drafter pool
+                    extra["prediction"] = {"type": "content", "content": f"write {i} lines " * 4}
                 r = await client.chat.completions.create(model="tiny", n=n, messages=[
                     {"role": "user", "content": f"write {i} lines"}], **common)
             else:
@@ -221,7 +227,10 @@ def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_c
         got = _speculators_acceptance(before, after)
         assert got["acceptance_rate"] == round(accepted / drafted, 4)
         assert got["mean_accepted_tokens"] == round(1 + accepted / want["vllm:spec_decode_num_drafts"], 4)
-        per_pos = [sum(s["accepted_per_pos"][i] for s in specs if len(s["accepted_per_pos"]) > i) for i in range(4)]
+        per_pos = [sum(s["accepted_per_pos"][i] for s in specs if len(s["accepted_per_pos"]) > i)
+                   for i in range(max(4, *(len(s["accepted_per_pos"]) for s in specs)))]
+        while len(per_pos) > 4 and not per_pos[-1]:  # /metrics has positions 0-3 (k), and any accepted beyond
+            per_pos.pop()
         assert got["per_position_acceptance"] == [round(p / want["vllm:spec_decode_num_drafts"], 4) for p in per_pos]
         _check_per_request(results)
         # both router replicas served (Ray's port, which keeps its families, counts by replica)
