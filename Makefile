@@ -49,7 +49,9 @@ test-all: $(STAMP)
 
 # End-to-end scenarios that take long (replica deaths and restarts, vLLM runs, benchmark smoke runs):
 # CI runs them after `make test`, which stays under 15 minutes on 2 cores; about 7 minutes here.
+# The dashboard's test runs a real Prometheus (Debian's package), installed here when missing.
 test-long: $(STAMP)
+	command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 	$(PY) -m pytest -q -m long
 
 # Concurrent streams for minutes while replicas are killed; fails on any failed or wrong request.

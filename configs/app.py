@@ -81,6 +81,9 @@ class AppConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, le=86_400, description=(
         "Deadline of every request (a request's `timeout` may shorten it): past it the request stops, its caches are released, and the client gets a "
         "504 (an error event when streaming)."))
+    per_request_spec_decode_metrics: Literal["none", "summary", "detailed"] = Field("none", description=(
+        "As vLLM's --per-request-spec-decode-metrics: add vLLM's `metrics.speculative_decoding` to single-choice "
+        "responses (streams: on the usage chunk); detailed adds the per-step arrays. The `speculation` block stays."))
     max_active_requests: int = Field(192, ge=1, le=1_000_000, description=(
         "Requests a router replica runs at once; beyond it new requests get 429 with Retry-After at once instead of queueing."))
     api_keys: list[str] = Field(default_factory=list, max_length=1024, description=(

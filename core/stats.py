@@ -119,6 +119,11 @@ class RequestStats:
     degraded_steps: int = 0  # speculation wanted, no drafter answered
     plain_from_token: int | None = None  # output tokens before the policy chose plain decoding
     timing: Timing = field(default_factory=Timing)
+    accepted_hist: list[int] = field(default_factory=list)  # speculative steps by drafts accepted (0..k)
+    per_step: list[tuple[int, int]] = field(default_factory=list)  # (accepted, drafted) per speculative step
+
+    def __post_init__(self):
+        self.accepted_hist = [0] * (self.k + 1)
 
     def record(self, info: StepInfo, wall_s: float, output_tokens: int):
         """One step; ``wall_s``: its time as the router saw it; ``output_tokens``: the sequence's
@@ -131,8 +136,28 @@ class RequestStats:
             self.steps_by_k[info.k] = self.steps_by_k.get(info.k, 0) + 1
         if info.k:
             self.timing.speculative_step(info, wall_s)
+            if info.accepted >= len(self.accepted_hist):  # (drafts from a predicted output may exceed k)
+                self.accepted_hist += [0] * (info.accepted + 1 - len(self.accepted_hist))
+            self.accepted_hist[info.accepted] += 1
+            self.per_step.append((info.accepted, info.k))
         elif self.k > 0 and not info.degraded and self.plain_from_token is None:
             self.plain_from_token = output_tokens - 1
+
+    def speculative_decoding(self, detailed: bool = False) -> dict:
+        """vLLM 0.32's per-request ``metrics.speculative_decoding`` (``RequestSpecDecodeMetrics.to_dict``):
+        the histogram counts speculative steps by drafts accepted, bonus token excluded; ``num_spec_tokens``
+        is the request's k; ``detailed`` adds the per-step arrays."""
+        steps = sum(self.accepted_hist)
+        accepted = sum(j * n for j, n in enumerate(self.accepted_hist))
+        drafted = sum(d for _, d in self.per_step)
+        out = {"mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+               "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+               "acceptance_histogram": list(self.accepted_hist), "num_spec_steps": steps,
+               "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafted, "num_spec_tokens": self.k}
+        if detailed and self.per_step:
+            out["per_step_accepted"] = [a for a, _ in self.per_step]
+            out["per_step_drafted"] = [d for _, d in self.per_step]
+        return out
 
     def emitted(self, seconds: float):
         """One stream item applied, detokenised and passed on by the router."""

@@ -36,6 +36,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
     from deployments.drafter import DrafterServer
     from deployments.router import Router
     from deployments.verifier import VerifierOptions, VerifierServer
+    from deployments.vllm_metrics import MetricsHub
 
     config = resolve_model_paths(AppConfig.model_validate(args))  # ids pinned to commits
     aux_layers = check_models(local_view(config))
@@ -64,7 +65,10 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
             stall_timeout_s=config.stall_timeout_s)
     verifier = verifier.options(**overrides.get("Verifier", {})).bind(
         cfg["verifier"], drafter=drafter, options=VerifierOptions.of(config, aux_layers))
-    return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier)
+    # vLLM's metric families: the router replicas' counts added up in one place (GET /metrics on any of them)
+    hub = serve.deployment(MetricsHub, name="Metrics", num_replicas=1, ray_actor_options={"num_cpus": 0}, **health)
+    hub = hub.options(**overrides.get("Metrics", {})).bind(config.model_name, config.drafter.num_speculative_tokens or 0)
+    return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier, hub)
 
 
 PROJECT_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

@@ -125,7 +125,7 @@ async def _http_error(request: Request, e: HTTPException):
 def http_error(method: str, path: str, status: int, detail) -> OpenAIError:
     if status == 404:
         return OpenAIError(404, f"Invalid URL ({method} {path}): this server serves /v1/models, "
-                           "/v1/completions, /v1/chat/completions, /health and /ready", code="not_found")
+                           "/v1/completions, /v1/chat/completions, /health, /ready and /metrics", code="not_found")
     if status == 405:
         return OpenAIError(405, f"method {method} is not allowed on {path}", code="method_not_allowed")
     return OpenAIError(status, str(detail))

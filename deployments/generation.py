@@ -26,6 +26,7 @@ from deployments.admission import overloaded
 from deployments.batcher import Overloaded
 from deployments.metrics import Tally, metrics
 from deployments.openai_api import OpenAIError
+from deployments.vllm_metrics import ChoiceMeter
 
 log = logging.getLogger("ray.serve")
 
@@ -39,6 +40,7 @@ class StepOutput:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     stats: dict | None = None  # the choice's speculation statistics, on its last step
+    spec_metrics: dict | None = None  # vLLM's metrics.speculative_decoding, on its last step (when asked)
 
 
 @dataclass
@@ -65,12 +67,15 @@ class Generation:
     its reasoning (``chat.OutputParser``), for acceptance counted apart for reasoning and answer."""
 
     def __init__(self, pools: tuple, seq: Sequence, call: Call, retry_s: float, timing: bool = False,
-                 predicted: dict | None = None, phases=None):
+                 predicted: dict | None = None, phases=None, meter: ChoiceMeter | None = None,
+                 spec_metrics: str = "none"):
         self.drafter, self.verifier = pools
         self.seq, self.call, self.retry_s, self.timing, self.predicted = seq, call, retry_s, timing, predicted
         self.phases = phases
         # per phase: [speculative steps, drafts, accepted drafts]
         self.by_phase = {"reasoning": [0, 0, 0], "answer": [0, 0, 0]} if phases is not None else None
+        self.meter = meter  # vLLM's metric families (GET /metrics)
+        self.spec_metrics = spec_metrics  # vLLM's per-request level: none, summary, detailed
         self.stats = RequestStats(call.k)
         self.deadline, self.attempt = 0.0, 0
         self.ended = False  # the replica's loop finished by itself: nothing to cancel
@@ -109,6 +114,8 @@ class Generation:
                     await self._failed(failure)
         finally:
             release((self.drafter, self.verifier), self.seq.seq_id)
+            if self.meter is not None:
+                self.meter.end()
 
     def _progress(self):
         """The stream moved on: a later failure gets the whole retry window again."""
@@ -148,18 +155,24 @@ class Generation:
             if self.by_phase is not None:
                 self._phase(info, new)
             tally_step(seq, info, wall, tally)
+            if self.meter is not None:
+                self.meter.step(info, len(new), wall)
             if self.predicted is not None and info.predicted:
                 self.predicted["accepted_prediction_tokens"] += info.accepted
                 self.predicted["rejected_prediction_tokens"] += info.predicted - info.accepted
             out_ids += new
             text += delta
         tally.flush()
+        if self.meter is not None:
+            self.meter.x.flush()
         report = self.stats.report(seq, self.timing) if seq.done else None
         if report is not None and self.by_phase is not None:
             report["by_phase"] = {phase: {"num_drafts": n, "num_draft_tokens": k, "num_accepted_tokens": a,
                                           "acceptance_rate": round(a / k, 4) if k else None}
                                   for phase, (n, k, a) in self.by_phase.items()}
-        return StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report)
+        spec = (self.stats.speculative_decoding(self.spec_metrics == "detailed")
+                if seq.done and self.spec_metrics != "none" else None)
+        return StepOutput(out_ids, text, seq.finish_reason, seq.logprobs[n_lp:], report, spec)
 
     def _phase(self, info: StepInfo, new: list[int]):
         """A step's drafts count to the phase its first token was in (a step crossing the end of

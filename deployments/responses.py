@@ -116,7 +116,10 @@ class Reply:
             choices.append(choice)
         self.count("200")
         usage = self.usage(sum(len(out["ids"]) for out in outs))
-        return {**self.envelope(), "choices": choices, **usage}
+        body = {**self.envelope(), "choices": choices, **usage}
+        if len(outs) == 1 and outs[0]["spec_metrics"] is not None:  # as vLLM: a single sequence's only
+            body["metrics"] = {"speculative_decoding": outs[0]["spec_metrics"]}
+        return body
 
     def chat_choice(self, i: int, out: dict) -> dict:
         parser, lps = self.parser(i), out["logprobs"]
@@ -129,13 +132,14 @@ class Reply:
 
     async def sse_chunks(self, steps):
         """The stream's events: a chunk per step that adds something, then usage when asked, then [DONE]."""
-        n_out, status, started = 0, "200", set()
+        n_out, status, started, spec = 0, "200", set(), None
         # a step that releases no text (a held-back multi-byte character or stop-string prefix)
         # still carries tokens: sent when the client asked for their ids or logprobs
         per_token = self.body.return_token_ids or self.logprobs is not None
         try:
             async for i, s in steps:
                 n_out += len(s.token_ids)
+                spec = s.spec_metrics or spec
                 first = i not in started
                 if self.parser(i) is not None:  # the parser sees every step, and says whether to send one
                     chunk = self.chunk(s, first, i, per_token)
@@ -154,7 +158,10 @@ class Reply:
             err = OpenAIError(500, f"generation failed: {type(e).__name__}", type_="internal_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         if self.body.stream_options and self.body.stream_options.include_usage:
-            yield f"data: {json.dumps({**self.envelope(), 'choices': [], **self.usage(n_out)})}\n\n"
+            usage = {**self.envelope(), "choices": [], **self.usage(n_out)}
+            if spec is not None and self.body.n == 1:  # as vLLM: on the usage chunk, a single sequence's only
+                usage["metrics"] = {"speculative_decoding": spec}
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
         self.count(status)
 
@@ -165,7 +172,8 @@ class Reply:
 
 async def collect(steps, request, n: int) -> list[dict]:
     """A non-streamed request's choices, step by step; a client that left ends it (499)."""
-    outs = [{"ids": [], "text": [], "logprobs": [], "finish_reason": None, "stats": None} for _ in range(n)]
+    outs = [{"ids": [], "text": [], "logprobs": [], "finish_reason": None, "stats": None, "spec_metrics": None}
+            for _ in range(n)]
     async for i, s in steps:
         out = outs[i]
         out["ids"] += s.token_ids
@@ -173,6 +181,7 @@ async def collect(steps, request, n: int) -> list[dict]:
         out["logprobs"] += s.logprobs
         out["finish_reason"] = s.finish_reason or out["finish_reason"]
         out["stats"] = s.stats or out["stats"]
+        out["spec_metrics"] = s.spec_metrics or out["spec_metrics"]
         if await request.is_disconnected():
             await steps.aclose()
             raise OpenAIError(499, "client disconnected")

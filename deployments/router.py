@@ -13,7 +13,8 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from configs import AppConfig, SamplingParams
@@ -23,6 +24,7 @@ from deployments.admission import Admission, admit, until_deadline
 from deployments.chat import ChatFormat
 from deployments.edge import app, configure_edge
 from deployments.generation import Call, Generation, merged, prepend
+from deployments.metrics import where
 from deployments.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +35,7 @@ from deployments.openai_api import (
 )
 from deployments.responses import Reply, collect
 from deployments.server import within
+from deployments.vllm_metrics import Exporter
 
 __all__ = ["Admission", "Router"]
 
@@ -46,7 +49,7 @@ class Router:
     """The HTTP ingress and per-request loop. Receives its drafter and verifier as handles
     (or, in tests without a cluster, as anything with the same async methods)."""
 
-    def __init__(self, config: dict, drafter, verifier):
+    def __init__(self, config: dict, drafter, verifier, metrics_hub=None):
         from transformers import AutoTokenizer
 
         from core.hub import localize
@@ -74,6 +77,8 @@ class Router:
         self.chat = ChatFormat(self.tokenizer, self.config.verifier, self.model_name, model_config.model_type)
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
+        # vLLM's metric families, summed over the router replicas by the hub (GET /metrics)
+        self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub, where().get("replica_id", ""))
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -96,6 +101,11 @@ class Router:
         if problem:
             return JSONResponse({"status": "not ready", "reason": problem}, status_code=503)
         return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics(self):
+        """vLLM's metric families (Prometheus' text format), the deployment's totals."""
+        return Response(await self.exporter.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(self):
@@ -211,7 +221,9 @@ class Router:
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
                     list(prediction), interval_s)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
-                          reply.predicted, phases=self._phases(reply, i))
+                          reply.predicted, phases=self._phases(reply, i),
+                          meter=self.exporter.choice(len(reply.prompt_ids)),
+                          spec_metrics=self.config.per_request_spec_decode_metrics)
 
     @staticmethod
     def _phases(reply: Reply, i: int):

@@ -318,7 +318,7 @@ def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(r
         "drafter": {"method": "eagle3", "model": str(HEAD), "dtype": "float32", "num_speculative_tokens": 4,
                     "cache_budget_mb": 16, "num_threads": 1},
     }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2}}}) as url:
-        assert set(serve.status().applications["eagle-colocated"].deployments) == {"Router", "Verifier"}
+        assert set(serve.status().applications["eagle-colocated"].deployments) == {"Router", "Verifier", "Metrics"}
         _greedy_is_the_targets(url, shipped_engines[0])
         stats = serve.get_deployment_handle("Verifier", app_name="eagle-colocated").stats.remote().result()
         assert stats["drafter_calls"]["local"] > 10 and stats["local_drafter"]["cached_sequences"] == 0, stats
