@@ -25,6 +25,7 @@ __all__ = ["generate", "own_cancel", "speculate", "speculate_local", "step", "tr
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
+    from core.grammar import Constraint
 
 
 def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> None:
@@ -66,11 +67,13 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
 
 
 def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int,
-             drafter: Drafter | None, verifier: Verifier, release: bool = True) -> list[Sequence]:
+             drafter: Drafter | None, verifier: Verifier, release: bool = True,
+             constraint: Constraint | None = None) -> list[Sequence]:
     """Generate for several prompts together until each hits max_tokens, EOS, a stop string
-    or the context limit. k = 0 (or no drafter) is plain decoding with the same engine."""
+    or the context limit. k = 0 (or no drafter) is plain decoding with the same engine;
+    ``constraint``: every sequence's structured output (``core.grammar``)."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier))
+    seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier), constraint=constraint)
             for p, sp in zip(prompts, params_list)]
     for s in seqs:
         s.capture = getattr(drafter, "aux_layers", ()) if k > 0 else ()

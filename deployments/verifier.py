@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from configs import AppConfig, SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.gate import BatchSpeculation
+from core.grammar import Constraint
 from core.hub import localize
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
@@ -310,17 +311,19 @@ class VerifierServer(EngineServer):
 
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
-                        k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None):
+                        k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None,
+                        constraint: Constraint | None = None):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
         ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
-        the last at once."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction)
+        the last at once. ``constraint``: a structured output's (``core.grammar``)."""
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint)
         async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
-                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = ()):
+                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = (),
+                     constraint: Constraint | None = None):
         """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
         each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
         network (to the drafter pool, overlapped with verification by pre-drafting); verification
@@ -339,7 +342,7 @@ class VerifierServer(EngineServer):
         eng = self.engine
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
-                       output_ids=output_ids)
+                       output_ids=output_ids, constraint=constraint)
         policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params)), self) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
