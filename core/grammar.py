@@ -144,7 +144,7 @@ class Grammars:
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._bytes = 0
         self._inflight: dict[str, object] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a compile done at once runs its callback, which takes it, where it is held)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
 
     def get(self, key: str):
@@ -164,31 +164,34 @@ class Grammars:
             raise KeyError(c.key)
         with self._lock:
             fut = self._inflight.get(c.key)
-            if fut is None:
+            if fut is None:  # (a second request for the same constraint waits on the same compile)
                 fut = self._inflight[c.key] = self._pool.submit(_compile, self.compiler, c)
+                fut.add_done_callback(lambda f, key=c.key: self._done(key, f))
         try:
-            g = fut.result(timeout=self.timeout_s)
+            return self._keep(c.key, fut.result(timeout=self.timeout_s))
         except FutureTimeout:
             raise GrammarError(f"the {c.kind} constraint did not compile within {self.timeout_s:g} s", c.param) from None
         except Exception as e:  # noqa: BLE001 - xgrammar's errors for a bad spec are of several types
             raise GrammarError(f"the {c.kind} constraint does not compile: {str(e).strip().splitlines()[-1]}",
                                c.param) from None
-        finally:
-            if fut.done():
-                with self._lock:
-                    self._inflight.pop(c.key, None)
-        self._keep(c.key, g)
-        return g
 
-    def _keep(self, key: str, g) -> None:
+    def _done(self, key: str, fut) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+        if fut.exception() is None:
+            self._keep(key, fut.result())
+
+    def _keep(self, key: str, g):
+        """Cache g under key (once: the kept one is returned)."""
         with self._lock:
             if key in self._compiled:
-                return
+                return self._compiled[key]
             self._compiled[key] = g
             self._bytes += g.memory_size_bytes
             while self._bytes > self.budget_bytes and len(self._compiled) > 1:
                 _, old = self._compiled.popitem(last=False)
                 self._bytes -= old.memory_size_bytes
+        return g
 
     def bitmask(self, n: int) -> torch.Tensor:
         """An all-allowed bitmask [n, ceil(V / 32)] (int32, a bit per token)."""
@@ -306,12 +309,21 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
-    """logits [n, V] with forbidden tokens at -inf (float32, a copy); unchanged without a mask."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None, uniform_fallback: bool = False) -> torch.Tensor:
+    """logits [n, V] with forbidden tokens at -inf (float32, a copy); unchanged without a mask.
+
+    ``uniform_fallback``: a row where no allowed token has a finite logit (a draft head whose vocabulary
+    misses every legal token) becomes uniform over the allowed tokens: a drafter's q only has to be the
+    distribution its draft was drawn from."""
     if bitmask is None:
         return logits
     allowed = unpack(bitmask, logits.shape[-1])
-    return logits.float().masked_fill(~allowed, float("-inf"))
+    out = logits.float().masked_fill(~allowed, float("-inf"))
+    if uniform_fallback:
+        empty = ~torch.isfinite(out).any(-1)  # [n]
+        if empty.any():
+            out[empty] = torch.zeros_like(out[empty]).masked_fill(~allowed[empty], float("-inf"))
+    return out
 
 
 def screened(propose):

@@ -81,7 +81,7 @@ class ModelDrafter:
             tok = self.grammar_tokenizer or AutoTokenizer.from_pretrained(
                 getattr(self.config, "verifier_model", None) or self.config.model)
             self._gmasks = SequenceMasks(Grammars(tok, logits.shape[-1], self.eos_ids))
-        return apply_bitmask(logits, self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1))
+        return apply_bitmask(logits, self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1), uniform_fallback=True)
 
     def release(self, seq_id: str) -> bool:
         if self._gmasks is not None:
