@@ -1,0 +1,90 @@
+"""What structured outputs cost a speculative step: the grammar's masks against the step itself.
+
+Runs the shipped pair in process (``core.loop.generate``, greedy, float32) on code prompts under a
+JSON schema, and times, per verify step, the verifier's masking stage (``VerifierEngine.masked``:
+syncing the matcher, k + 1 bitmasks, applying them) and the drafter's (``ModelDrafter._masked``)
+against the whole step; and the same prompts without the schema.
+
+    .venv/bin/python -m bench.grammar_cost [--k 4] [--prompts 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z_]{1,12}$"},
+    "args": {"type": "array", "items": {"type": "string", "pattern": "^[a-z_]{1,8}$"}, "maxItems": 4},
+    "returns": {"enum": ["int", "str", "list", "None"]},
+    "lines": {"type": "integer", "minimum": 1, "maximum": 200}},
+    "required": ["name", "args", "returns", "lines"], "additionalProperties": False}
+PROMPTS = ["def parse_header(line):\n    ", "class Stack:\n    def __init__(self):\n        ",
+           "import os\n\ndef walk(root):\n    for ", "def fib(n):\n    ", "for i in range(10):\n    if i % 2",
+           "def merge(a, b):\n    out = []\n    "]
+
+
+def timed(obj, name: str, acc: list):
+    """Wrap obj.name so each call's time is appended to acc."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            acc.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)
+
+
+def run(k: int, n_prompts: int) -> dict:
+    from configs import DraftModelConfig, SamplingParams, VerifierConfig
+    from core.grammar import json_schema_constraint
+    from core.loop import generate
+    from drafter.model_drafter import ModelDrafter
+    from verifier.engine import VerifierEngine
+
+    ver = VerifierEngine(VerifierConfig(model="models/tiny-code-target", dtype="float32", num_threads=1))
+    dr = ModelDrafter(DraftModelConfig(model="models/tiny-code-drafter", dtype="float32", num_threads=1))
+    c = json_schema_constraint(SCHEMA)
+    verify_s, mask_s, draft_mask_s, propose_s = [], [], [], []
+    timed(ver, "verify", verify_s)
+    timed(ver, "masked", mask_s)
+    timed(dr, "_masked", draft_mask_s)
+    timed(dr, "propose", propose_s)
+    prompts = [ver.tokenizer(p)["input_ids"] for p in PROMPTS[:n_prompts]]
+    params = SamplingParams(temperature=0, max_tokens=96)
+    generate(prompts[:1], params, k, dr, ver, constraint=c)  # compile and warm up
+    out = {}
+    for label, constraint in (("free", None), ("schema", c)):
+        for acc in (verify_s, mask_s, draft_mask_s, propose_s):
+            acc.clear()
+        t0 = time.perf_counter()
+        seqs = [generate([p], params, k, dr, ver, constraint=constraint)[0] for p in prompts]
+        wall = time.perf_counter() - t0
+        tokens = sum(s.num_output for s in seqs)
+        steps = sum(s.stats.steps for s in seqs)
+        out[label] = {"tokens": tokens, "steps": steps, "tokens_per_step": round(tokens / steps, 3),
+                      "ms_per_token": round(1e3 * wall / tokens, 3), "verify_ms_per_step": round(1e3 * sum(verify_s) / steps, 3),
+                      "propose_ms_per_step": round(1e3 * sum(propose_s) / steps, 3),
+                      "verifier_mask_ms_per_step": round(1e3 * sum(mask_s) / steps, 3),
+                      "drafter_mask_ms_per_step": round(1e3 * sum(draft_mask_s) / steps, 3)}
+    s = out["schema"]
+    s["verifier_mask_share_of_verify"] = round(s["verifier_mask_ms_per_step"] / s["verify_ms_per_step"], 4)
+    s["mask_share_of_step"] = round((s["verifier_mask_ms_per_step"] + s["drafter_mask_ms_per_step"])
+                                    / (s["verify_ms_per_step"] + s["propose_ms_per_step"]), 4)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=6)
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args.k, args.prompts), indent=1))
+
+
+if __name__ == "__main__":
+    main()
