@@ -163,6 +163,8 @@ class VerifierEngine:
             try:
                 # the slot holds the sequence through its drafts
                 res = decide(r, self.masked(r, lg, slot.tokens), slot.tokens, self.eos_ids)
+                if r.grammar is not None and res.logprobs:
+                    res.logprobs = _finite(res.logprobs)
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, results)
                 continue
@@ -200,3 +202,8 @@ class VerifierEngine:
             group.append(item)
         if group:
             yield group
+
+
+def _finite(logprobs: list) -> list:
+    """Masked tokens' log-probabilities (-inf) as -9999.0, as vLLM reports them: JSON has no infinity."""
+    return [(max(lp, -9999.0), [(t, max(v, -9999.0)) for t, v in top]) for lp, top in logprobs]
