@@ -300,12 +300,12 @@ def is_allowed(row: torch.Tensor, token: int) -> bool:
     return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = torch.arange(32, dtype=torch.int32)  # (moved to the mask's device when it is elsewhere)
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bitmask [n, W] -> bool [n, V]: True where the token is allowed."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [n, W, 32]
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [n, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
@@ -317,12 +317,13 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None, uniform_fa
     distribution its draft was drawn from."""
     if bitmask is None:
         return logits
-    allowed = unpack(bitmask, logits.shape[-1])
+    # (torch ops, within the engine's thread count: xgrammar's CPU kernel measured no faster on a quiet core and
+    # far slower on a loaded one, docs/decisions/0034-grammar-masks.md)
+    allowed = unpack(bitmask.to(logits.device), logits.shape[-1])
     out = logits.float().masked_fill(~allowed, float("-inf"))
-    if uniform_fallback:
-        empty = ~torch.isfinite(out).any(-1)  # [n]
-        if empty.any():
-            out[empty] = torch.zeros_like(out[empty]).masked_fill(~allowed[empty], float("-inf"))
+    if uniform_fallback and float(out.max(-1).values.min()) == float("-inf"):  # (one reduction: the common case)
+        empty = out.max(-1).values == float("-inf")  # [n]
+        out[empty] = torch.zeros_like(out[empty]).masked_fill(~allowed[empty], float("-inf"))
     return out
 
 
