@@ -140,7 +140,7 @@ class VerifierServer(EngineServer):
         self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
         # what a step costs here and how often drafts are accepted, measured by every sequence (the adaptive
         # policy), per temperature (``costs_for``)
-        self.step_costs: dict[float, StepCosts] = {}
+        self.step_costs: dict[float | tuple, StepCosts] = {}
         # whether adaptive requests speculate while GATE_MIN_STREAMS or more run here, measured per load bucket;
         # None: no measuring, ``speculating`` stays as set
         # plain decoding is the safe arm: speculation is chosen where it measures 1.1x faster, and left where it
@@ -301,12 +301,14 @@ class VerifierServer(EngineServer):
         if self.engine.llm.errored:
             raise RuntimeError("vLLM engine is dead")
 
-    def costs_for(self, params: SamplingParams) -> StepCosts:
+    def costs_for(self, params: SamplingParams, constrained: bool = False) -> StepCosts:
         """The step costs and acceptance shared by this replica's requests at this request's temperature (to
         0.1). Why apart: a sampled draft is accepted less often than a greedy one (served, HumanEval: 2.3
         tokens a step at k = 3 and T = 0.8 against 2.7 greedy) and its step costs more (the drafter ships its
         q: 6.4 ms against 5.2), and a replica that served greedy requests first had its sampled ones start
         from greedy's rates at k = 4-8, where k = 3 pays best."""
+        if constrained:  # a grammar's forced punctuation is accepted far more often: its own table
+            return self.step_costs.setdefault((round(params.temperature, 1), "constrained"), StepCosts())
         return self.step_costs.setdefault(round(params.temperature, 1), StepCosts())
 
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
@@ -343,7 +345,7 @@ class VerifierServer(EngineServer):
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
                        min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
                        output_ids=output_ids, constraint=constraint)
-        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params)), self) if k_policy == "adaptive" else FixedK(k)
+        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
