@@ -70,12 +70,25 @@ def run(k: int, n_prompts: int) -> dict:
         # medians per call: on a shared machine a neighbour's burst lands on a few calls, not on the typical one
         verify, propose = _median_ms(verify_s), _median_ms(propose_s)
         masks = _median_ms(mask_s) + len(draft_mask_s) / max(len(propose_s), 1) * _median_ms(draft_mask_s)
-        out[label] = {"tokens": tokens, "steps": steps, "tokens_per_step": round(tokens / steps, 3),
+        forced = _forced_positions(ver, c, seqs) if constraint is not None else 0
+        out[label] = {"forced_share": round(forced / tokens, 3), "tokens": tokens, "steps": steps, "tokens_per_step": round(tokens / steps, 3),
                       "ms_per_token": round(1e3 * wall / tokens, 3), "verify_call_ms": round(verify, 3),
                       "propose_call_ms": round(propose, 3), "verifier_mask_call_ms": round(_median_ms(mask_s), 3),
                       "drafter_mask_call_ms": round(_median_ms(draft_mask_s), 3), "mask_ms_per_step": round(masks, 3),
                       "mask_share_of_step": round(masks / (verify + propose), 4)}
     return out
+
+
+def _forced_positions(ver, c, seqs) -> int:
+    """Output positions where the grammar allowed a single token (what forced tokens as free drafts would skip)."""
+    from core.grammar import SequenceMasks, unpack
+
+    masks, n = SequenceMasks(ver.masks.grammars), 0
+    for i, s in enumerate(seqs):
+        out = s.output_ids
+        bm = masks.masks(f"forced-{i}", c, out, len(out) + 1)[:-1]  # [len(out), W]: the mask before each token
+        n += int((unpack(bm, ver.vocab_size).sum(-1) == 1).sum())
+    return n
 
 
 def _median_ms(xs: list[float]) -> float:
