@@ -140,9 +140,12 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             # every step, plain ones too: the policy compares what each k costs here, end to end (not a
             # step drafted from the client's prediction, which says nothing about the drafter; of the
-            # prompt's prefill only its acceptance: its times say nothing about a decoding step)
+            # prompt's prefill only its acceptance: its times say nothing about a decoding step; nor one of the
+            # grammar's forced tokens, accepted with probability 1 whatever the drafter)
             times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
-            if not info.predicted:
+            if info.forced and res.num_drafts > info.forced:  # the drafter's drafts after the forced ones
+                policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
+            elif not info.predicted and not info.forced:
                 policy.observe(res.num_drafts, res.num_accepted, *times)
             if not seq.done:
                 (k, degraded), prefill = _plan(seq, policy, breaker, res.batch_size), False
@@ -186,10 +189,11 @@ async def _verified(seq: Sequence, verify, drafts: list[int], probs, capture: bo
 
 async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,
                           pipeline: bool = True, alternatives: int = 1,
-                          predicted: PredictedOutput | None = None) -> Sequence:
+                          predicted: PredictedOutput | None = None, forced: bool = False) -> Sequence:
     """``speculate`` in process: the drafter and the verifier each on a thread of its own (torch
     releases the GIL), so pre-drafting overlaps verification as it does across the pools. Each
-    engine's calls run one at a time, in order, as a served replica's batcher runs them."""
+    engine's calls run one at a time, in order, as a served replica's batcher runs them. ``forced``:
+    where the sequence's constraint leaves one token, draft it without the drafter (``core.proposers``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     loop = asyncio.get_running_loop()
@@ -204,6 +208,10 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
             return await loop.run_in_executor(v_pool, verifier.aux_states, tokens, seq.capture)
 
         seq.capture = getattr(drafter, "aux_layers", ()) if drafter is not None and seq.k > 0 else ()
+        if forced and seq.constraint is not None and not seq.capture:  # the grammar's forced tokens drafted for free
+            from core.grammar import SequenceMasks
+
+            seq.forced_masks = SequenceMasks(verifier.masks.grammars)
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
                                      Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,

@@ -223,6 +223,7 @@ class StepInfo:
     pre_branches: int = 0  # branches of the pre-draft tree the step was checked against (1: a chain)
     pre_outcome: int | None = None  # that tree's block: drafts accepted (its outcome j)
     predicted: int = 0  # drafts taken from the client's predicted output (then none from the drafter)
+    forced: int = 0  # drafts the grammar forced (a single legal token each; then none from the drafter)
     degraded: bool = False  # speculation was wanted but no drafter answered (or its breaker is open)
     forward_s: float = 0.0  # the verify forward pass
     draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)

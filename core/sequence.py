@@ -112,6 +112,8 @@ class Sequence:
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
         self.constraint = constraint
+        # the loop's own matcher (``core.grammar.SequenceMasks``), when forced tokens are drafted for free
+        self.forced_masks = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -148,6 +150,13 @@ class Sequence:
         # a pre-draft context (the tokens, then a guess) reads the memo but never adds guessed blocks to it
         return self._constrained(DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx),
                                                          self.hash_chain, None if context is None else 0, **kw))
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the constraint forces next (each the single legal one), at most ``limit``; [] without
+        ``forced_masks``."""
+        if self.forced_masks is None or self.constraint is None or limit <= 0:
+            return []
+        return self.forced_masks.forced(self.seq_id, self.constraint, self.output_ids, limit)
 
     def _constrained(self, req):
         """The call with the sequence's constraint: whole on a full call, by hash otherwise (a replica

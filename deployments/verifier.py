@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from configs import AppConfig, SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.gate import BatchSpeculation
-from core.grammar import Constraint
+from core.grammar import Constraint, SequenceMasks
 from core.hub import localize
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
@@ -350,6 +350,9 @@ class VerifierServer(EngineServer):
             policy = FixedK(0)
         elif k > 0:
             seq.capture = self.drafter_aux_layers
+            if constraint is not None and not seq.capture:
+                # the grammar's forced tokens as free drafts, the drafter's after them (docs/decisions/0034-grammar-masks.md)
+                seq.forced_masks = SequenceMasks(eng.masks.grammars)
 
         async def verify(requests):
             delay = 0.01

@@ -319,3 +319,61 @@ def test_the_control_without_the_bonus_mask_fails(flat):
     c = choice_constraint(DIST_CHOICES)
     prompt, outs, params = _sampled_outcomes(tok, target, dr, ver, c)
     assert outcome_p_value(outs, exact_outcomes(target, tok, prompt, c, params)) < 1e-6
+
+
+# ------------------------------------------------------------ forced tokens as free drafts (the served loop)
+def _speculated(tok, target, dr, ver, prompt, params, c, forced, k=4):
+    import asyncio
+
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from core.sequence import Sequence
+
+    seq = Sequence(prompt, params, k, None, ver.eos_ids, 256, constraint=c)
+    return asyncio.run(speculate_local(seq, dr, ver, FixedK(k), forced=forced))
+
+
+class Counting:
+    """A drafter's calls and the drafts asked of it."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, 0
+
+    def propose(self, requests):
+        self.asked += sum(r.k for r in requests)
+        return self.inner.propose(requests)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_forced_tokens_drafted_for_free_keep_greedy_and_seeded_outputs(peaked):
+    tok, target = peaked
+    dr = Counting(drafters(tok, target, ["draft_model"])["draft_model"])
+    ver = _engines(target, tok, dr.inner)
+    c = json_schema_constraint(SCHEMA)
+    prompts = [tok(p)["input_ids"] for p in ("def add(a, b):", "class Point:\n")]
+    greedy = SamplingParams(temperature=0, max_tokens=120)
+    asked = {}
+    for forced in (False, True):
+        dr.asked = 0
+        outs = [_speculated(tok, target, dr, ver, p, greedy, c, forced).output_ids for p in prompts]
+        assert outs == [masked_greedy(target, tok, p, c, 120) for p in prompts]
+        asked[forced] = dr.asked
+    assert asked[True] < asked[False]  # the forced tokens were not asked of the drafter
+    for seed in range(6):  # gumbel: the output is the seed's, whatever drafted it
+        params = SamplingParams(temperature=0.8, max_tokens=120, seed=seed, verification="gumbel")
+        plain = generate([prompts[0]], params, 0, None, ver, constraint=c)[0].output_ids
+        assert _speculated(tok, target, dr, ver, prompts[0], params, c, True).output_ids == plain
+
+
+@pytest.mark.heavy  # 1500 sequences through the served loop, one at a time
+def test_forced_blocks_follow_the_masked_target(flat):
+    tok, target = flat
+    dr = drafters(tok, target, ["draft_model"])["draft_model"]
+    ver = _engines(target, tok, dr)
+    c = choice_constraint(DIST_CHOICES)
+    prompt = tok("def add(a, b):")["input_ids"]
+    params = [SamplingParams(temperature=T, max_tokens=12, seed=s) for s in range(1500)]
+    outs = [tuple(_speculated(tok, target, dr, ver, prompt, p, c, True).output_ids) for p in params]
+    assert outcome_p_value(outs, exact_outcomes(target, tok, prompt, c, params[0])) > 1e-3
