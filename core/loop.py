@@ -138,15 +138,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.aux_bytes, info.step_s = seq.aux_bytes_sent - sent, clock() - t0
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, res.batch_size
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
-            # every step, plain ones too: the policy compares what each k costs here, end to end (not a
-            # step drafted from the client's prediction, which says nothing about the drafter; of the
-            # prompt's prefill only its acceptance: its times say nothing about a decoding step; nor one of the
-            # grammar's forced tokens, accepted with probability 1 whatever the drafter)
-            times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
-            if info.forced and res.num_drafts > info.forced:  # the drafter's drafts after the forced ones
-                policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
-            elif not info.predicted and not info.forced:
-                policy.observe(res.num_drafts, res.num_accepted, *times)
+            _observe(policy, info, res, prefill)
             if not seq.done:
                 (k, degraded), prefill = _plan(seq, policy, breaker, res.batch_size), False
                 source.next(k)
@@ -154,6 +146,18 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             yield new, seq.logprobs[n_lp:], info  # emit
     finally:
         source.close()
+
+
+def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
+    """Every step, plain ones too: the policy compares what each k costs here, end to end. Not a step drafted
+    from the client's prediction, which says nothing about the drafter; of the prompt's prefill only its
+    acceptance: its times say nothing about a decoding step; of a block the grammar forced, only the
+    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter)."""
+    times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
+    if info.forced and res.num_drafts > info.forced:
+        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
+    elif not info.predicted and not info.forced:
+        policy.observe(res.num_drafts, res.num_accepted, *times)
 
 
 # a plain stretch the policy holds at least this long captures no states for a head: capturing them costs

@@ -349,10 +349,7 @@ class VerifierServer(EngineServer):
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
-            seq.capture = self.drafter_aux_layers
-            if constraint is not None and not seq.capture:
-                # the grammar's forced tokens as free drafts, the drafter's after them (docs/decisions/0034-grammar-masks.md)
-                seq.forced_masks = SequenceMasks(eng.masks.grammars)
+            self._speculating(seq)
 
         async def verify(requests):
             delay = 0.01
@@ -386,6 +383,13 @@ class VerifierServer(EngineServer):
             elif self.drafter is not None and k > 0:
                 self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
             await self.release([seq_id])
+
+    def _speculating(self, seq: Sequence) -> None:
+        """A sequence that drafts: a head's states captured for it; a structured output's forced tokens drafted
+        for free, the drafter's after them (docs/decisions/0034-grammar-masks.md)."""
+        seq.capture = self.drafter_aux_layers
+        if seq.constraint is not None and not seq.capture:
+            seq.forced_masks = SequenceMasks(self.engine.masks.grammars)
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
                               logprobs: int | None, output_ids):

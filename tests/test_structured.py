@@ -370,10 +370,14 @@ def test_forced_tokens_drafted_for_free_keep_greedy_and_seeded_outputs(peaked):
 @pytest.mark.heavy  # 1500 sequences through the served loop, one at a time
 def test_forced_blocks_follow_the_masked_target(flat):
     tok, target = flat
-    dr = drafters(tok, target, ["draft_model"])["draft_model"]
-    ver = _engines(target, tok, dr)
+    dr = Counting(drafters(tok, target, ["draft_model"])["draft_model"])
+    ver = _engines(target, tok, dr.inner)
     c = choice_constraint(DIST_CHOICES)
     prompt = tok("def add(a, b):")["input_ids"]
     params = [SamplingParams(temperature=T, max_tokens=12, seed=s) for s in range(1500)]
+    for p in params[:100]:
+        _speculated(tok, target, dr, ver, prompt, p, c, False)
+    unforced, dr.asked = dr.asked, 0
     outs = [tuple(_speculated(tok, target, dr, ver, prompt, p, c, True).output_ids) for p in params]
+    assert dr.asked * 100 < unforced * 1500  # forced blocks happened: fewer drafts asked of the drafter
     assert outcome_p_value(outs, exact_outcomes(target, tok, prompt, c, params[0])) > 1e-3
