@@ -295,11 +295,6 @@ class SequenceMasks:
             self._seqs.pop(seq_id, None)
 
 
-def is_allowed(row: torch.Tensor, token: int) -> bool:
-    """Whether a bitmask row [W] allows ``token``."""
-    return bool((int(row[token // 32]) >> (token % 32)) & 1)
-
-
 _BITS = torch.arange(32, dtype=torch.int32)  # (moved to the mask's device when it is elsewhere)
 
 

@@ -336,15 +336,15 @@ class VerifierServer(EngineServer):
         by position, so a seeded request continues exactly as it would have. ``prediction``: the
         client's predicted output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
-
         if self.vllm_loop:
             async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids):
                 yield item
             return
         eng = self.engine
-        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
-                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
-                       output_ids=output_ids, constraint=constraint)
+        if constraint is not None:  # a structured output's, compiled off the engine's thread: it holds no batch
+            await asyncio.to_thread(eng.masks.grammars.compile, constraint)
+        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
+                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint)
         policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
