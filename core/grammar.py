@@ -290,6 +290,14 @@ class SequenceMasks:
             t.accepted.append(got[-1])
         return got
 
+    def legal(self, seq_id: str, c: Constraint, out: list[int], drafts: list[int]) -> int:
+        """How many of ``drafts`` (after the output ``out``) the grammar allows, from the first."""
+        t = self._tracked(seq_id, c)
+        if not t.sync(out):
+            return 0
+        t.sync(out + drafts)
+        return len(t.accepted) - len(out)
+
     def release(self, seq_id: str) -> None:
         with self._lock:
             self._seqs.pop(seq_id, None)

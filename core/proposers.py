@@ -199,6 +199,18 @@ async def _as_tree(chain_draft) -> Proposal | None:
     return None if p is None else Proposal(p.seq_id, [], branches=[p], cached=p.cached)
 
 
+def _legal(seq: Sequence, proposal: Proposal | None) -> Proposal | None:
+    """The proposal cut at its first draft the sequence's grammar forbids (an n-gram's lookup knows no grammar;
+    a forbidden draft would be rejected anyway, its p being 0, but it widens the verify)."""
+    if proposal is None or seq.forced_masks is None:
+        return proposal
+    n = seq.legal_drafts(proposal.tokens)
+    if n < len(proposal.tokens):
+        proposal.tokens = proposal.tokens[:n]
+        proposal.probs = proposal.probs.head(n) if proposal.probs is not None else None
+    return proposal
+
+
 class Proposer:
     """A step's drafts, from the first of: the client's ``predicted`` output where it continues the
     sequence (one-hot q, no drafter); the pre-draft ``ahead`` made during the step before, when the
@@ -259,7 +271,7 @@ class Proposer:
         self.early = None
         if k > 0:  # (a plain step keeps what the plan said: degraded while the breaker is open)
             info.degraded = proposal is None
-        return k, proposal
+        return k, _legal(seq, proposal)
 
     async def _forced_block(self, k: int, info: StepInfo) -> tuple[int, Proposal]:
         """The grammar's forced tokens (q = 1, no drafter call for them), then, up to the step's k, the drafter's

@@ -158,6 +158,12 @@ class Sequence:
             return []
         return self.forced_masks.forced(self.seq_id, self.constraint, self.output_ids, limit)
 
+    def legal_drafts(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` the constraint allows, from the first (all without ``forced_masks``)."""
+        if self.forced_masks is None or self.constraint is None or not drafts:
+            return len(drafts)
+        return self.forced_masks.legal(self.seq_id, self.constraint, self.output_ids, list(drafts))
+
     def _constrained(self, req):
         """The call with the sequence's constraint: whole on a full call, by hash otherwise (a replica
         without it answers a cache miss, and the resend is full)."""

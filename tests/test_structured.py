@@ -347,9 +347,34 @@ def forced_count(monkeypatch):
     return got
 
 
-def test_forced_tokens_drafted_for_free_keep_greedy_and_seeded_outputs(peaked, forced_count):
+@pytest.fixture
+def cut_count(monkeypatch):
+    """Drafts the loop cut from proposals (forbidden by the grammar), one entry per proposal."""
+    got, inner = [], SequenceMasks.legal
+
+    def counted(self, seq_id, c, out, drafts):
+        n = inner(self, seq_id, c, out, drafts)
+        got.append(len(drafts) - n)
+        return n
+
+    monkeypatch.setattr(SequenceMasks, "legal", counted)
+    return got
+
+
+def test_legal_counts_the_allowed_drafts_from_the_first(peaked):
     tok, target = peaked
-    dr = drafters(tok, target, ["draft_model"])["draft_model"]
+    masks = SequenceMasks(Grammars(tok, target.config.vocab_size, {EOS}))
+    c = choice_constraint(["yes", "no"])
+    y, e, s_, n = (tok.convert_tokens_to_ids(x) for x in ("y", "e", "s", "n"))
+    assert masks.legal("a", c, [], [y, e, s_, EOS]) == 4
+    assert masks.legal("a", c, [y], [e, n, s_]) == 1  # rolled back from the call before, cut at "n"
+    assert masks.legal("a", c, [n], [e]) == 0
+
+
+@pytest.mark.parametrize("name", ["draft_model", "ngram"])
+def test_forced_tokens_drafted_for_free_keep_greedy_and_seeded_outputs(peaked, forced_count, cut_count, name):
+    tok, target = peaked
+    dr = drafters(tok, target, [name])[name]
     ver = _engines(target, tok, dr)
     c = json_schema_constraint(SCHEMA)
     prompts = [tok(p)["input_ids"] for p in ("def add(a, b):", "class Point:\n")]
@@ -358,6 +383,8 @@ def test_forced_tokens_drafted_for_free_keep_greedy_and_seeded_outputs(peaked, f
         outs = [_speculated(tok, target, dr, ver, p, greedy, c, forced).output_ids for p in prompts]
         assert outs == [masked_greedy(target, tok, p, c, 120) for p in prompts]
     assert sum(forced_count) > 10  # (a schema's keys and punctuation)
+    if name == "ngram":  # the loop cut its lookups at their first forbidden draft
+        assert cut_count and sum(cut_count) > 0
     for seed in range(6):  # gumbel: the output is the seed's, whatever drafted it
         params = SamplingParams(temperature=0.8, max_tokens=120, seed=seed, verification="gumbel")
         plain = generate([prompts[0]], params, 0, None, ver, constraint=c)[0].output_ids
