@@ -25,6 +25,7 @@ __all__ = ["generate", "own_cancel", "speculate", "speculate_local", "step", "tr
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
+    from core.grammar import Constraint
 
 
 def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> None:
@@ -66,11 +67,13 @@ def step(seqs: list[Sequence], drafter: Drafter | None, verifier: Verifier) -> N
 
 
 def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], k: int,
-             drafter: Drafter | None, verifier: Verifier, release: bool = True) -> list[Sequence]:
+             drafter: Drafter | None, verifier: Verifier, release: bool = True,
+             constraint: Constraint | None = None) -> list[Sequence]:
     """Generate for several prompts together until each hits max_tokens, EOS, a stop string
-    or the context limit. k = 0 (or no drafter) is plain decoding with the same engine."""
+    or the context limit. k = 0 (or no drafter) is plain decoding with the same engine;
+    ``constraint``: every sequence's structured output (``core.grammar``)."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier))
+    seqs = [Sequence(p, sp, k, verifier.tokenizer, verifier.eos_ids, _max_len(drafter, verifier), constraint=constraint)
             for p, sp in zip(prompts, params_list)]
     for s in seqs:
         s.capture = getattr(drafter, "aux_layers", ()) if k > 0 else ()
@@ -135,12 +138,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             info.aux_bytes, info.step_s = seq.aux_bytes_sent - sent, clock() - t0
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, res.batch_size
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
-            # every step, plain ones too: the policy compares what each k costs here, end to end (not a
-            # step drafted from the client's prediction, which says nothing about the drafter; of the
-            # prompt's prefill only its acceptance: its times say nothing about a decoding step)
-            times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
-            if not info.predicted:
-                policy.observe(res.num_drafts, res.num_accepted, *times)
+            _observe(policy, info, res, prefill)
             if not seq.done:
                 (k, degraded), prefill = _plan(seq, policy, breaker, res.batch_size), False
                 source.next(k)
@@ -148,6 +146,18 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             yield new, seq.logprobs[n_lp:], info  # emit
     finally:
         source.close()
+
+
+def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
+    """Every step, plain ones too: the policy compares what each k costs here, end to end. Not a step drafted
+    from the client's prediction, which says nothing about the drafter; of the prompt's prefill only its
+    acceptance: its times say nothing about a decoding step; of a block the grammar forced, only the
+    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter)."""
+    times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
+    if info.forced and res.num_drafts > info.forced:
+        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
+    elif not info.predicted and not info.forced:
+        policy.observe(res.num_drafts, res.num_accepted, *times)
 
 
 # a plain stretch the policy holds at least this long captures no states for a head: capturing them costs
@@ -183,10 +193,11 @@ async def _verified(seq: Sequence, verify, drafts: list[int], probs, capture: bo
 
 async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Verifier, policy,
                           pipeline: bool = True, alternatives: int = 1,
-                          predicted: PredictedOutput | None = None) -> Sequence:
+                          predicted: PredictedOutput | None = None, forced: bool = False) -> Sequence:
     """``speculate`` in process: the drafter and the verifier each on a thread of its own (torch
     releases the GIL), so pre-drafting overlaps verification as it does across the pools. Each
-    engine's calls run one at a time, in order, as a served replica's batcher runs them."""
+    engine's calls run one at a time, in order, as a served replica's batcher runs them. ``forced``:
+    where the sequence's constraint leaves one token, draft it without the drafter (``core.proposers``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     loop = asyncio.get_running_loop()
@@ -201,6 +212,10 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
             return await loop.run_in_executor(v_pool, verifier.aux_states, tokens, seq.capture)
 
         seq.capture = getattr(drafter, "aux_layers", ()) if drafter is not None and seq.k > 0 else ()
+        if forced and seq.constraint is not None and not seq.capture:  # the grammar's forced tokens drafted for free
+            from core.grammar import SequenceMasks
+
+            seq.forced_masks = SequenceMasks(verifier.masks.grammars)
         try:
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
                                      Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,

@@ -21,7 +21,7 @@ import logging
 import time
 
 from core.prediction import PredictedOutput
-from core.protocol import Proposal, StepInfo
+from core.protocol import DraftProbs, Proposal, StepInfo
 from core.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,18 @@ async def _as_tree(chain_draft) -> Proposal | None:
     return None if p is None else Proposal(p.seq_id, [], branches=[p], cached=p.cached)
 
 
+def _legal(seq: Sequence, proposal: Proposal | None) -> Proposal | None:
+    """The proposal cut at its first draft the sequence's grammar forbids (an n-gram's lookup knows no grammar;
+    a forbidden draft would be rejected anyway, its p being 0, but it widens the verify)."""
+    if proposal is None or seq.forced_masks is None:
+        return proposal
+    n = seq.legal_drafts(proposal.tokens)
+    if n < len(proposal.tokens):
+        proposal.tokens = proposal.tokens[:n]
+        proposal.probs = proposal.probs.head(n) if proposal.probs is not None else None
+    return proposal
+
+
 class Proposer:
     """A step's drafts, from the first of: the client's ``predicted`` output where it continues the
     sequence (one-hot q, no drafter); the pre-draft ``ahead`` made during the step before, when the
@@ -210,11 +222,15 @@ class Proposer:
                  predicted: PredictedOutput | None = None, clock=time.perf_counter):
         self.seq, self.call, self.ahead, self.predicted, self.clock = seq, call, ahead, predicted, clock
         self.early: asyncio.Future | None = None  # the next step's draft, started as this one ended
-        self.guess: list[int] = []  # the predicted output's drafts for the next step
+        self.guess: list[int] = []  # the predicted output's drafts for the next step (or the grammar's forced tokens)
+        self.forced = False  # the guess is the grammar's forced tokens
 
     def plan(self) -> None:
         """Look up the prediction's drafts for the next step (the output as it is now)."""
         self.guess = self.predicted.drafts(self.seq.output_ids, self.seq.step_k()) if self.predicted else []
+        self.forced = not self.guess and self.seq.forced_masks is not None
+        if self.forced:  # where the grammar leaves one token, the drafts are known: q = 1, no drafter call
+            self.guess = self.seq.forced(self.seq.step_k())
 
     def _draft(self, k: int) -> asyncio.Future:
         alts = self.ahead.alternatives() if self.ahead else 0
@@ -227,6 +243,8 @@ class Proposer:
         if self.guess:  # the client's prediction continues here: drafts without the drafter
             if ahead:
                 ahead.drop(seq, tell=True)
+            if self.forced:
+                return await self._forced_block(k, info)
             info.predicted, info.degraded = len(self.guess), False
             return len(self.guess), Proposal(seq.seq_id, self.guess)
         if pre is not None:
@@ -253,7 +271,24 @@ class Proposer:
         self.early = None
         if k > 0:  # (a plain step keeps what the plan said: degraded while the breaker is open)
             info.degraded = proposal is None
-        return k, proposal
+        return k, _legal(seq, proposal)
+
+    async def _forced_block(self, k: int, info: StepInfo) -> tuple[int, Proposal]:
+        """The grammar's forced tokens (q = 1, no drafter call for them), then, up to the step's k, the drafter's
+        drafts after them (a drafter that reads the target's states has none for them: forced tokens only)."""
+        seq, forced = self.seq, list(self.guess)
+        info.forced, info.degraded = len(forced), False
+        rest = min(k, seq.step_k()) - len(forced)
+        if rest <= 0 or seq.capture or self.call.breaker.open(time.monotonic()):
+            return len(forced), Proposal(seq.seq_id, forced)
+        t0 = self.clock()
+        p = await self.call(rest, list(seq.tokens) + forced)
+        info.draft_s = self.clock() - t0
+        if p is None or not p.tokens:
+            return len(forced), Proposal(seq.seq_id, forced)
+        probs = None if p.probs is None else DraftProbs([[t] for t in forced] + p.probs.ids[:rest],
+                                                        [[1.0]] * len(forced) + p.probs.probs[:rest])
+        return len(forced) + len(p.tokens[:rest]), Proposal(seq.seq_id, forced + p.tokens[:rest], probs)
 
     def pre_draft(self, k: int, drafts: list[int], proposal: Proposal | None, info: StepInfo) -> None:
         """Start the next block's pre-draft, before this block's verify takes the engine's core."""

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import SamplingParams
+    from core.grammar import Constraint
 
 
 HASH_BLOCK = 256  # tokens per link of the prefix hash's chain
@@ -136,6 +137,9 @@ class DraftRequest(CacheAddressed):
     # a pre-draft tree: instead of drafting after the context, draft k tokens after each branch
     # (n, c): the context's first n tokens, then token c (``Proposal.branches``, in this order)
     branches: list[tuple[int, int]] = field(default_factory=list)
+    # a structured output's constraint (core.grammar): by hash (``Constraint.ref``), whole on a full
+    # call; a replica that has not compiled it answers cache_miss. Drafts are drawn under its masks
+    grammar: Constraint | None = None
 
 
 @dataclass
@@ -172,6 +176,9 @@ class VerifyRequest(CacheAddressed):
     logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
     num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
     capture: tuple[int, ...] = ()  # return the hidden states entering these layers (an EAGLE-3 drafter's aux states)
+    # a structured output's constraint, as in ``DraftRequest``: p at each position is masked by the grammar
+    # state reached along the drafts
+    grammar: Constraint | None = None
 
     @property
     def k(self) -> int:
@@ -216,6 +223,7 @@ class StepInfo:
     pre_branches: int = 0  # branches of the pre-draft tree the step was checked against (1: a chain)
     pre_outcome: int | None = None  # that tree's block: drafts accepted (its outcome j)
     predicted: int = 0  # drafts taken from the client's predicted output (then none from the drafter)
+    forced: int = 0  # drafts the grammar forced (a single legal token each; then none from the drafter)
     degraded: bool = False  # speculation was wanted but no drafter answered (or its breaker is open)
     forward_s: float = 0.0  # the verify forward pass
     draft_s: float = 0.0  # drafting on the critical path (0 on a pre-draft hit)

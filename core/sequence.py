@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.detok import IncrementalDetokenizer
+from core.grammar import Constraint
 from core.protocol import DraftProbs, DraftRequest, Proposal, VerifyRequest, VerifyResult, common_prefix_len, cut_chain
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
@@ -72,9 +73,10 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, k: int, tokenizer,
                  eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None,
-                 output_ids: list[int] = ()):
+                 output_ids: list[int] = (), constraint: Constraint | None = None):
         """``tokenizer`` None: no text is kept (stop strings then belong to the caller);
-        ``output_ids``: resume a sequence that already generated these tokens."""
+        ``output_ids``: resume a sequence that already generated these tokens; ``constraint``: a structured
+        output's (``core.grammar``), which both engines apply to every draft and verified position."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= max_len:
@@ -110,6 +112,9 @@ class Sequence:
         self.aux_bytes_sent = 0
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
+        self.constraint = constraint
+        # the loop's own matcher (``core.grammar.SequenceMasks``), when forced tokens are drafted for free
+        self.forced_masks = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -143,10 +148,30 @@ class Sequence:
             kw.update(aux=self.aux, aux_start=self.aux_start)
             self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()
         if full:
-            return DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw)
+            return self._constrained(DraftRequest(self.seq_id, 0, None, list(ctx), full=True, **kw))
         # a pre-draft context (the tokens, then a guess) reads the memo but never adds guessed blocks to it
-        return DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx),
-                                       self.hash_chain, None if context is None else 0, **kw)
+        return self._constrained(DraftRequest.for_tokens(self.seq_id, ctx, common_prefix_len(self.drafter_held, ctx),
+                                                         self.hash_chain, None if context is None else 0, **kw))
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the constraint forces next (each the single legal one), at most ``limit``; [] without
+        ``forced_masks``."""
+        if self.forced_masks is None or self.constraint is None or limit <= 0:
+            return []
+        return self.forced_masks.forced(self.seq_id, self.constraint, self.output_ids, limit)
+
+    def legal_drafts(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` the constraint allows, from the first (all without ``forced_masks``)."""
+        if self.forced_masks is None or self.constraint is None or not drafts:
+            return len(drafts)
+        return self.forced_masks.legal(self.seq_id, self.constraint, self.output_ids, list(drafts))
+
+    def _constrained(self, req):
+        """The call with the sequence's constraint: whole on a full call, by hash otherwise (a replica
+        without it answers a cache miss, and the resend is full)."""
+        if self.constraint is not None:
+            req.grammar = self.constraint if req.full else self.constraint.ref()
+        return req
 
     def note_proposal(self, proposal: Proposal, context: list[int] | None = None):
         """Record what the drafter now holds: the context and the drafts it fed back in."""
@@ -213,9 +238,9 @@ class Sequence:
                   draft_probs=probs if drafts else None, num_prompt=self.num_prompt,
                   capture=self.capture if capture else ())
         if full:
-            return VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw)
-        return VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),
-                                        self.hash_chain, **kw)
+            return self._constrained(VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw))
+        return self._constrained(VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),
+                                                          self.hash_chain, **kw))
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
         """Emit a verified step. Returns (new token ids, newly final text): only the tokens kept,

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from configs import SamplingParams
+from core.grammar import Constraint
 from core.loop import own_cancel
 from core.protocol import StepInfo, VerifyResult
 from core.sequence import Sequence
@@ -55,6 +56,7 @@ class Call:
     k_policy: str
     prediction: list[int] = field(default_factory=list)  # a chat request's predicted output tokens
     interval_s: float | None = None  # how often the replica sends the steps (None: its stream_interval_ms)
+    constraint: Constraint | None = None  # a structured output's (core.grammar)
 
 
 class Generation:
@@ -126,7 +128,7 @@ class Generation:
         self.ended, self.t_prev = False, time.perf_counter()
         return self.verifier.options(stream=True).speculate.remote(
             c.prompt_ids, c.params, seq.seq_id, c.k, c.max_len, c.logprobs, seq.output_ids, c.k_policy,
-            list(c.prediction), c.interval_s)
+            list(c.prediction), c.interval_s, c.constraint)
 
     async def _next(self, stream) -> StepOutput | None:
         """The next stream item (the replica's steps since the last one) applied; None: the stream ended."""

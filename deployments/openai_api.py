@@ -1,7 +1,8 @@
 """OpenAI-compatible request schemas and error bodies.
 
 Unknown parameters are rejected with a 400 naming them, rather than silently ignored:
-a client that sets e.g. ``guided_json`` would otherwise get output it did not ask for. What
+a client that sets e.g. ``guided_json`` (which vLLM 0.32 no longer reads) would otherwise get output it did
+not ask for; the 400 names its replacement. What
 vLLM's OpenAI protocol rejects (its request validators and ``SamplingParams``), these models
 reject too, with the same kind of 400 naming the parameter (docs/serving.md has the comparison).
 """
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from configs.models import MAX_SPECULATIVE_TOKENS
+from core.grammar import Constraint, GrammarError, choice_constraint, json_schema_constraint
 
 MAX_STOP_CHARS = 1024  # per stop string: each one is searched in the output at every step
 
@@ -38,9 +40,11 @@ def invalid(param: str, message: str) -> PydanticCustomError:
 
 # vLLM request fields this server does not serve, and why: a 400 that says so, never a silent ignore
 UNSUPPORTED = {
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"),
-                    "no guided or structured decoding"),
+    # the guided decoding fields vLLM 0.32 removed: each names its replacement
+    **{f"guided_{kind}": f"removed in vLLM 0.32: use structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar")},
+    "guided_decoding_backend": "removed in vLLM 0.32: the grammar engine is xgrammar",
+    "guided_whitespace_pattern": "removed in vLLM 0.32: JSON is generated compact",
+    "structural_tag": "use structured_outputs.structural_tag",
     "prompt_logprobs": "no prompt logprobs; on completions, echo with logprobs returns the prompt's",
     "max_completion_tokens": "completions take max_tokens",
     "top_logprobs": "completions take logprobs: the number of alternatives",
@@ -76,6 +80,85 @@ def validation_error(errors: list[dict]) -> OpenAIError:
     else:
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     return OpenAIError(400, msg, param=param, code=first.get("type"))
+
+
+class ResponseFormatSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(..., max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema (``strict`` or not, the output
+    matches the schema: it is generated under the schema's grammar)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: ResponseFormatSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise invalid("response_format", "response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM 0.32's structured_outputs: one kind of constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | bool | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="An EBNF (GBNF) or Lark grammar.")
+    json_object: bool | None = None
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON.")
+    disable_fallback: bool = Field(False, description="Accepted: there is no fallback engine.")
+    disable_any_whitespace: bool = Field(False, description="Accepted: JSON is always generated compact.")
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        kinds = [k for k in ("json_", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise invalid("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                          f"json_object, structural_tag (got {len(kinds)})")
+        return self
+
+    def constraint(self) -> Constraint:
+        if self.json_ is not None:
+            return json_schema_constraint(self.json_, param="structured_outputs.json")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, param="structured_outputs.regex")
+        if self.choice is not None:
+            return choice_constraint(self.choice)
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar, param="structured_outputs.grammar")
+        if self.structural_tag is not None:
+            return Constraint("structural_tag", self.structural_tag, param="structured_outputs.structural_tag")
+        return json_schema_constraint(None, param="structured_outputs.json_object")
+
+
+def request_constraint(body: "_Common") -> Constraint | None:
+    """The request's structured output (response_format or structured_outputs), None for free text;
+    a malformed one is a 400 naming its field. (Whether it compiles is checked by the caller.)"""
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type != "text" and so is not None:
+        raise OpenAIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    try:
+        if so is not None:
+            return so.constraint()
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return json_schema_constraint(None, param="response_format")
+        if rf.json_schema.schema_ is None:
+            return json_schema_constraint(None, param="response_format.json_schema")
+        return json_schema_constraint(rf.json_schema.schema_, param="response_format.json_schema.schema")
+    except GrammarError as e:
+        raise OpenAIError(400, str(e), param=e.param) from None
 
 
 class StreamOptions(BaseModel):
@@ -119,6 +202,10 @@ class _Common(BaseModel):
         False, description="splitspec extension: add the per-step time breakdown to the response's speculation block "
         "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: the output is generated under the schema's grammar.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: json, regex, choice, grammar, json_object or structural_tag.")
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -251,11 +338,6 @@ TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class PredictionContent(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["content"]
@@ -284,7 +366,6 @@ class ChatCompletionRequest(_Common):
     include_reasoning: bool = Field(True, description="false: the reasoning is left out of the response (as vLLM).")
     # OpenAI chat fields clients send with neutral values (SDKs and agent frameworks fill them in):
     # accepted where they ask for nothing this server would not do, a 400 naming them otherwise
-    response_format: ResponseFormat | None = Field(None, description="Only {\"type\": \"text\"} (no JSON or schema-guided decoding).")
     tools: list[Tool] | None = Field(None, max_length=512, description=(
         "Functions the model may call; needs a tool_call_parser on the app (verifier.tool_call_parser). Empty: none."))
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
@@ -304,13 +385,6 @@ class ChatCompletionRequest(_Common):
     prediction: PredictionContent | None = Field(
         None, description="Predicted Outputs: text the answer is expected to mostly repeat; where it continues the "
         "output, its tokens are the drafts (verified, so the output is the model's whatever it says).")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(f"type {v.type!r} is not supported: no JSON or schema-guided decoding, only 'text'")
-        return v
 
     @field_validator("functions")
     @classmethod

@@ -9,6 +9,7 @@ engine, so no step crosses back to the router. The replicas hold only caches, na
 stateless protocol: a request whose replica dies resumes on another one from its tokens.
 """
 
+import asyncio
 import time
 import uuid
 
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from configs import AppConfig, SamplingParams
+from core.grammar import Constraint, GrammarError, Grammars
 from core.models import context_limit, eos_token_ids
 from core.sequence import Sequence
 from deployments.admission import Admission, admit, until_deadline
@@ -30,6 +32,7 @@ from deployments.openai_api import (
     CompletionRequest,
     OpenAIError,
     generation_defaults,
+    request_constraint,
     to_sampling_params,
     wants_timing,
 )
@@ -79,6 +82,7 @@ class Router:
         self.active = 0  # requests running on this router replica
         # vLLM's metric families, summed over the router replicas by the hub (GET /metrics)
         self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub, where().get("replica_id", ""))
+        self._grammars = None  # structured outputs' compiled grammars (core.grammar), made at the first such request
 
     # ---------------------------------------------------------------- HTTP
     @app.get("/health")
@@ -161,14 +165,35 @@ class Router:
                                   verification=self.config.verification, backend=self.config.verifier.backend,
                                   vllm_loop=self.config.verifier.vllm_loop)
 
+    async def _constraint(self, body) -> Constraint | None:
+        """The request's structured output, compiled here once (off the event loop, within the grammar's time
+        bound) so that a constraint that cannot be served is a 400 naming its field before anything runs."""
+        c = request_constraint(body)
+        if c is None:
+            return None
+        param = c.param.split(".")[0]
+        if self.config.verifier.backend == "vllm":
+            raise OpenAIError(400, f"{param} is not supported with the vllm verifier backend", param=param)
+        if body.ignore_eos:
+            raise OpenAIError(400, "ignore_eos cannot be combined with a structured output, which ends where its "
+                              "grammar does", param="ignore_eos")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        try:
+            await asyncio.to_thread(self._grammars.compile, c)
+        except GrammarError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
+        return c
+
     async def _serve(self, endpoint: str, body, prompt_ids: list[int], request: Request, logprobs: int | None,
                      prediction: list[int] = ()):
         params = self._params(body, len(prompt_ids))
+        constraint = await self._constraint(body)
         slot = admit(self, self.config.max_active_requests)
         try:
             reply = await self._reply(endpoint, body, prompt_ids, logprobs, prediction)
             # n choices: each its own speculative sequence; choice i of a seeded request uses seed + i
-            choices = [self._choice(reply, params, i, prediction, wants_timing(body, request)).steps()
+            choices = [self._choice(reply, params, i, prediction, wants_timing(body, request), constraint).steps()
                        for i in range(body.n)]
             timeout_s = min(body.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
             steps = until_deadline(merged(choices), timeout_s)
@@ -205,7 +230,7 @@ class Router:
         return reply
 
     def _choice(self, reply: Reply, params: SamplingParams, i: int, prediction: list[int],
-                timing: bool) -> Generation:
+                timing: bool, constraint: Constraint | None = None) -> Generation:
         """Choice ``i`` of a request: its sequence, and what its verifier replica runs."""
         body, rid = reply.body, reply.rid if reply.body.n == 1 else f"{reply.rid}-{i}"
         if params.seed is not None and i:
@@ -219,7 +244,7 @@ class Router:
         seq = Sequence(reply.prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=reply.logprobs)
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
-                    list(prediction), interval_s)
+                    list(prediction), interval_s, constraint)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
                           reply.predicted, phases=self._phases(reply, i),
                           meter=self.exporter.choice(len(reply.prompt_ids)),

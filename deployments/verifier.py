@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from configs import AppConfig, SamplingParams, VerifierConfig
 from core.channel import ChannelClient, Endpoint
 from core.gate import BatchSpeculation
+from core.grammar import Constraint, SequenceMasks
 from core.hub import localize
 from core.loop import speculate
 from core.policy import AdaptiveK, Breaker, FixedK, StepCosts
@@ -143,7 +144,7 @@ class VerifierServer(EngineServer):
         self._breakers: dict[Endpoint, Breaker] = {}  # per drafter replica reached directly
         # what a step costs here and how often drafts are accepted, measured by every sequence (the adaptive
         # policy), per temperature (``costs_for``)
-        self.step_costs: dict[float, StepCosts] = {}
+        self.step_costs: dict[float | tuple, StepCosts] = {}
         # whether adaptive requests speculate while GATE_MIN_STREAMS or more run here, measured per load bucket;
         # None: no measuring, ``speculating`` stays as set
         # plain decoding is the safe arm: speculation is chosen where it measures 1.1x faster, and left where it
@@ -335,27 +336,31 @@ class VerifierServer(EngineServer):
         if self.engine.llm.errored:
             raise RuntimeError("vLLM engine is dead")
 
-    def costs_for(self, params: SamplingParams) -> StepCosts:
+    def costs_for(self, params: SamplingParams, constrained: bool = False) -> StepCosts:
         """The step costs and acceptance shared by this replica's requests at this request's temperature (to
         0.1). Why apart: a sampled draft is accepted less often than a greedy one (served, HumanEval: 2.3
         tokens a step at k = 3 and T = 0.8 against 2.7 greedy) and its step costs more (the drafter ships its
         q: 6.4 ms against 5.2), and a replica that served greedy requests first had its sampled ones start
         from greedy's rates at k = 4-8, where k = 3 pays best."""
+        if constrained:  # a grammar's forced punctuation is accepted far more often: its own table
+            return self.step_costs.setdefault((round(params.temperature, 1), "constrained"), StepCosts())
         return self.step_costs.setdefault(round(params.temperature, 1), StepCosts())
 
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
-                        k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None):
+                        k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None,
+                        constraint: Constraint | None = None):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
         ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
-        the last at once."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction)
+        the last at once. ``constraint``: a structured output's (``core.grammar``)."""
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint)
         async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
-                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = ()):
+                     max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = (),
+                     constraint: Constraint | None = None):
         """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
         each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
         network (to the drafter pool, overlapped with verification by pre-drafting); verification
@@ -366,20 +371,20 @@ class VerifierServer(EngineServer):
         by position, so a seeded request continues exactly as it would have. ``prediction``: the
         client's predicted output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
-
         if self.vllm_loop:
             async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids):
                 yield item
             return
         eng = self.engine
-        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
-                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
-                       output_ids=output_ids)
-        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params)), self) if k_policy == "adaptive" else FixedK(k)
+        if constraint is not None:  # a structured output's, compiled off the engine's thread: it holds no batch
+            await asyncio.to_thread(eng.masks.grammars.compile, constraint)
+        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
+                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint)
+        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
-            seq.capture = self.drafter_aux_layers
+            self._speculating(seq)
 
         async def verify(requests):
             delay = 0.01
@@ -419,6 +424,13 @@ class VerifierServer(EngineServer):
             await self.local.release([seq_id])
         elif self.drafter is not None and drafted:
             self.drafter.release.remote([seq_id])  # via Serve: its router forgets the sequence too
+
+    def _speculating(self, seq: Sequence) -> None:
+        """A sequence that drafts: a head's states captured for it; a structured output's forced tokens drafted
+        for free, the drafter's after them (docs/decisions/0034-grammar-masks.md)."""
+        seq.capture = self.drafter_aux_layers
+        if seq.constraint is not None and not seq.capture:
+            seq.forced_masks = SequenceMasks(self.engine.masks.grammars)
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
                               logprobs: int | None, output_ids):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.dflash import ParallelHead, load_head
+from core.grammar import screened
 from core.models import DTYPES, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
 from drafter.model_drafter import ModelDrafter
@@ -111,6 +112,7 @@ class ParallelDrafter(ModelDrafter):
         self.stats = {"passes": 0, "drafts": 0, "stopped": 0}  # DSpark's confidence stops, for the measurement
 
     @torch.inference_mode()
+    @screened
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.eagle3 import EagleHead, load_head, sdpa, window_mask
+from core.grammar import screened
 from core.kv_cache import CacheFull, PagedKVCache, batched_forward
 from core.models import (
     DTYPES,
@@ -118,6 +119,7 @@ class Eagle3Drafter(ModelDrafter):
         self.runner = HeadRunner(self.head, self.max_len)
 
     @torch.inference_mode()
+    @screened
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}

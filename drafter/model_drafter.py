@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.grammar import Grammars, SequenceMasks, apply_bitmask, screened
 from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class ModelDrafter:
+    # the tokenizer structured outputs compile against; None: the target's (verifier_model) or the draft model's
+    grammar_tokenizer = None
+    _gmasks: SequenceMasks | None = None  # made at the first constrained draft
+
     def __init__(self, config: DraftModelConfig, model=None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -65,7 +70,22 @@ class ModelDrafter:
         self.narrowed = {}  # (narrow: a head drafts chains or blocks, never trees, so nothing reads it)
         return name
 
+    def _masked(self, r: DraftRequest, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """logits [1, V] after ``tokens`` (the context and earlier drafts) masked by the constraint's grammar
+        state there: q is the drafter's distribution under the grammar, so every draft is legal."""
+        if r.grammar is None:
+            return logits
+        if self._gmasks is None:
+            from transformers import AutoTokenizer
+
+            tok = self.grammar_tokenizer or AutoTokenizer.from_pretrained(
+                getattr(self.config, "verifier_model", None) or self.config.model)
+            self._gmasks = SequenceMasks(Grammars(tok, logits.shape[-1], self.eos_ids))
+        return apply_bitmask(logits, self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1), uniform_fallback=True)
+
     def release(self, seq_id: str) -> bool:
+        if self._gmasks is not None:
+            self._gmasks.release(seq_id)
         self.narrowed.pop(seq_id, None)
         return self.cache.release(seq_id)
 
@@ -105,6 +125,7 @@ class ModelDrafter:
             return None
         return slot, (r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens))
 
+    @screened
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         t0 = time.perf_counter()
         out: dict[str, Proposal] = {}
@@ -223,7 +244,7 @@ class ModelDrafter:
         docs/decisions/0012-batched-pass-bookkeeping.md."""
         groups: dict[object, list[int]] = {}
         for i, ((r, _, _, k, _), _) in enumerate(passed):
-            if not k or r.sampling.processed:
+            if not k or r.sampling.processed or r.grammar is not None:  # (a grammar's rows: masked one by one)
                 continue
             if r.sampling.greedy:
                 groups.setdefault("greedy", []).append(i)
@@ -292,6 +313,7 @@ class ModelDrafter:
     def _draw(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], prop: Proposal) -> int:
         """Draw the draft token after ``slot_tokens`` (the context and earlier drafts) from q (logits [1, V])."""
         position = len(slot_tokens)
+        logits = self._masked(r, logits, slot_tokens)
         # q gets the target's processors too (penalties over the context and earlier drafts), so it tracks p
         history = None
         if r.sampling.processed:

@@ -90,7 +90,7 @@ def test_openai_chat_fields_with_neutral_values_are_accepted_the_rest_named(serv
         modalities=["text"], prompt_cache_key="k1", safety_identifier="u1",
         extra_body={"functions": [], "function_call": "auto"})
     assert neutral.choices[0].message.content == plain.choices[0].message.content
-    refused = [({"response_format": {"type": "json_object"}}, "response_format"),
+    refused = [({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema given
                ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
                ({"tool_choice": "required"}, "tool_choice"),
                ({"store": True}, "store"), ({"modalities": ["text", "audio"]}, "modalities"),

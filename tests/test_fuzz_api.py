@@ -21,7 +21,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words",
           "return_timing", "max_completion_tokens", "tool_choice", "tools", "prompt_logprobs", "guided_json",
           "chat_template_kwargs", "reasoning_effort", "include_reasoning", "documents", "continue_final_message",
-          "add_generation_prompt", "parallel_tool_calls", "chat_template"]
+          "add_generation_prompt", "parallel_tool_calls", "chat_template",
+          "response_format", "structured_outputs"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 # mostly-valid bodies reach the generation path with odd but legal values
 valid_ish = st.fixed_dictionaries({
@@ -55,9 +56,18 @@ numeric = st.fixed_dictionaries({"prompt": st.just("def f(x):")}, optional={
                                                                    around(-100.0, 100.0), max_size=2),
     "stop_token_ids": st.lists(around(0, 400, True), max_size=2)})
 
+# constraints of every kind with odd specs: each compiles or is a 400 naming its field, never a 5xx or a hang
+structured = st.fixed_dictionaries({
+    "prompt": st.just("def f(x):"), "max_tokens": st.integers(1, 6),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"regex": st.text(max_size=12)}), st.fixed_dictionaries({"json": values}),
+        st.fixed_dictionaries({"choice": st.lists(st.text(max_size=6), max_size=3)}),
+        st.fixed_dictionaries({"grammar": st.text(max_size=24)}),
+        st.fixed_dictionaries({"structural_tag": st.text(max_size=24)}))})
+
 
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(body=st.one_of(bodies, valid_ish, numeric), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(body=st.one_of(bodies, valid_ish, numeric, structured), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_no_request_gets_a_5xx(serve_app, body, path):
     base, *_ = serve_app
     # encoded here: httpx refuses NaN/Infinity, which a client can still send (the server must say 400)

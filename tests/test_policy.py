@@ -558,3 +558,16 @@ def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
     assert s.measured(1) > 0 and s.acceptance.tested
     assert g.acceptance.tested == tested and g.measured(1) == measured
     assert server.costs_for(SamplingParams(temperature=0.81, max_tokens=1)) is s
+    # a structured output's steps (forced punctuation, accepted far more often) measure apart too
+    from core.grammar import json_schema_constraint
+
+    drafter.grammar_tokenizer = tok
+    schema = {"type": "array", "items": {"enum": ["alpha", "beta"]}, "minItems": 6, "maxItems": 6}
+
+    async def constrained():
+        return [g async for g in server.speculate(prompt, greedy, "c", k=4, k_policy="adaptive",
+                                                   constraint=json_schema_constraint(schema))]
+
+    asyncio.run(constrained())
+    assert server.costs_for(greedy, True) is not g and server.costs_for(greedy, True).acceptance.tested
+    assert g.acceptance.tested == tested and g.measured(1) == measured

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.grammar import Grammars, SequenceMasks, apply_bitmask
 from core.kv_cache import CacheFull, batched_forward
 from core.llama import EngineModel, capture_states
 from core.models import eos_token_ids, pin_process
@@ -42,6 +43,7 @@ class VerifierEngine:
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
         self.eos_ids = eos_token_ids(self.tokenizer, model=self.model)
+        self._masks = None  # structured outputs' grammar masks (core.grammar), made at the first such request
         self.capture = None  # served traffic recorded for training a head (verifier/capture.py), when configured
         if getattr(config, "capture", None) is not None:
             from verifier.capture import TrafficCapture
@@ -49,7 +51,22 @@ class VerifierEngine:
             tc = self.model.config.get_text_config()
             self.capture = TrafficCapture(config.capture, tc.num_hidden_layers, tc.hidden_size, str(config.model))
 
+    @property
+    def masks(self) -> SequenceMasks:
+        if self._masks is None:
+            self._masks = SequenceMasks(Grammars(self.tokenizer, self.vocab_size, self.eos_ids))
+        return self._masks
+
+    def masked(self, r: VerifyRequest, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """logits [k+1, V] masked by the grammar state reached along the drafts (``tokens``: the sequence
+        through them), the stage before ``decide``: p is the masked target's processed distribution."""
+        if r.grammar is None:
+            return logits
+        return apply_bitmask(logits, self.masks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], r.k + 1))
+
     def release(self, seq_id: str) -> bool:
+        if self._masks is not None:
+            self._masks.release(seq_id)
         if self.capture is not None:
             self.capture.finish(seq_id)
         return self.cache.release(seq_id)
@@ -89,6 +106,9 @@ class VerifierEngine:
             room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
             if room < 0:  # the router never sends this; fail this sequence only, not the batch
                 results[r.seq_id] = VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
+                continue
+            if r.grammar is not None and not self.masks.has(r.grammar):  # resent with the constraint's spec
+                results[r.seq_id] = VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
                 continue
             if r.k > room:  # verifying fewer drafts is still lossless
                 r.draft_tokens = r.draft_tokens[:room]
@@ -141,7 +161,10 @@ class VerifierEngine:
             self.on_progress()
         for i, ((r, slot), lg) in enumerate(zip(group, logits)):
             try:
-                res = decide(r, lg, slot.tokens, self.eos_ids)  # the slot holds the sequence through its drafts
+                # the slot holds the sequence through its drafts
+                res = decide(r, self.masked(r, lg, slot.tokens), slot.tokens, self.eos_ids)
+                if r.grammar is not None and res.logprobs:
+                    res.logprobs = _finite(res.logprobs)
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, results)
                 continue
@@ -179,3 +202,8 @@ class VerifierEngine:
             group.append(item)
         if group:
             yield group
+
+
+def _finite(logprobs: list) -> list:
+    """Masked tokens' log-probabilities (-inf) as -9999.0, as vLLM reports them: JSON has no infinity."""
+    return [(max(lp, -9999.0), [(t, max(v, -9999.0)) for t, v in top]) for lp, top in logprobs]
