@@ -17,13 +17,10 @@ import json
 import uuid
 from pathlib import Path
 
+from core.grammar import Constraint, GrammarError, json_schema_constraint
 from deployments.openai_api import ChatCompletionRequest, OpenAIError
 
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # used when the tokenizer has no chat template
-
-# tool_choice required, or a named function, makes the model call a tool: its output must be
-# constrained to the tools' schemas by a grammar. Until the verifier runs one, they are refused here.
-CONSTRAINED_TOOL_CHOICE = False
 
 
 def load_template(value: str | None) -> str | None:
@@ -68,9 +65,22 @@ class ChatFormat:
             raise OpenAIError(400, "tools with tool_choice auto need the app's verifier.tool_call_parser and "
                               "verifier.enable_auto_tool_choice (as vLLM's --tool-call-parser and "
                               "--enable-auto-tool-choice)", param="tools")
-        if choice not in (None, "auto") and not CONSTRAINED_TOOL_CHOICE:  # required, or a named function
-            raise OpenAIError(400, "tool_choice 'required' or a named function needs constrained decoding, which this "
-                              "server does not run yet: use 'auto' or 'none'", param="tool_choice")
+
+    def constraint(self, body: ChatCompletionRequest) -> Constraint | None:
+        """The grammar a forced tool choice puts on the output: vLLM's JSON schema for it (the named
+        function's parameters, or an array of calls to any of the tools), None where no tool is forced.
+        The same whatever tool parser is configured: the arguments always match their tool's schema
+        (decision 0041)."""
+        if not forces_tool(body):
+            return None
+        from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+        request = vllm_request(body)
+        try:
+            schema = get_json_schema_from_tools(request.tool_choice, request.tools, body.parallel_tool_calls)
+            return json_schema_constraint(schema, param="tools")
+        except (GrammarError, ValueError) as e:  # (vLLM's validation error is a ValueError) e.g. clashing $defs
+            raise OpenAIError(400, f"tools: {e}", param="tools") from None
 
     def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The request's prompt tokens, as vLLM renders and tokenizes a chat."""
@@ -98,9 +108,21 @@ class ChatFormat:
     # ------------------------------------------------------------ the output
     def output(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> OutputParser | None:
         """A choice's output parser (None: the output is the answer as it is)."""
+        if forces_tool(body):
+            if self.parser_cls is not None and OutputParser(self, body, prompt_ids).in_reasoning():
+                # the grammar holds from the first token, so the model could not think first
+                raise OpenAIError(400, "tool_choice 'required' or a named function is served when the output opens "
+                                  "with its answer: turn thinking off (chat_template_kwargs {\"enable_thinking\": "
+                                  "false} or reasoning_effort none) or use 'auto'", param="tool_choice")
+            return ForcedToolCalls(body)
         if self.parser_cls is None:
             return None
         return OutputParser(self, body, prompt_ids)
+
+
+def forces_tool(body: ChatCompletionRequest) -> bool:
+    """Whether the request makes the model call a tool (tool_choice required, or a named function)."""
+    return bool(body.tools) and body.tool_choice not in (None, "auto", "none")
 
 
 def conversation_message(m) -> dict:
@@ -252,6 +274,64 @@ class OutputParser:
         if content:
             out["content"] = content
         return out
+
+
+class ForcedToolCalls:
+    """One choice's output under a forced tool choice, read as vLLM reads it: under ``required`` a JSON
+    array of ``{"name", "parameters"}`` objects, each a call; under a named function the arguments
+    object itself. Its grammar (``ChatFormat.constraint``) keeps the output to that form. finish_reason
+    is ``tool_calls`` for required and stays ``stop`` for a named function, as vLLM's. A call's
+    arguments are its text as generated, whole and streamed alike (vLLM streams that text but
+    re-serializes it in a whole response), so that a stream adds up to the whole response."""
+
+    reasons = False  # the output is the calls: no reasoning part (``ChatFormat.output`` sees to it)
+
+    def __init__(self, body: ChatCompletionRequest):
+        self.name = body.tool_choice.function.name if body.tool_choice != "required" else None
+        self.text = ""
+        self.ids: list[str] = []  # each started call's id, streamed in its first delta
+
+    def in_reasoning(self) -> bool:
+        return False
+
+    def advance(self, ids: list[int]):
+        pass
+
+    def calls(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments) of each call whose name is out so far: the arguments as far as they go."""
+        if self.name is not None:
+            return [(self.name, text)] if text.strip() else []
+        from vllm.tool_parsers.streaming import _scan_required_tool_calls
+
+        return [(s.name, text[s.args_start:len(text) if s.args_end is None else s.args_end])
+                for s in _scan_required_tool_calls(text) if s.ready]
+
+    def finish(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.name is None else finish_reason
+
+    def final(self, text: str, ids: list[int], finish_reason: str | None) -> tuple[dict, str | None]:
+        calls = self.calls(text)
+        message = {"role": "assistant", "content": "",
+                   "tool_calls": [{"id": self._id(i), "type": "function", "function": {"name": n, "arguments": a}}
+                                  for i, (n, a) in enumerate(calls)]}
+        return message, self.finish(finish_reason)
+
+    def delta(self, text: str, ids: list[int], finish_reason: str | None) -> tuple[dict | None, str | None]:
+        sent = self.calls(self.text)
+        self.text += text
+        out = []
+        for i, (name, arguments) in enumerate(self.calls(self.text)):
+            if i >= len(sent):
+                out.append({"index": i, "id": self._id(i), "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > len(sent[i][1]):
+                out.append({"index": i, "function": {"arguments": arguments[len(sent[i][1]):]}})
+        return ({"tool_calls": out} if out else None), self.finish(finish_reason)
+
+    def _id(self, i: int) -> str:
+        while len(self.ids) <= i:
+            self.ids.append(_call_id())
+        return self.ids[i]
 
 
 class HarmonyChannels:

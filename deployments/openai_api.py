@@ -369,7 +369,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = Field(None, max_length=512, description=(
         "Functions the model may call; needs a tool_call_parser on the app (verifier.tool_call_parser). Empty: none."))
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
-        "auto (the default with tools) or none; required and a named function need constrained decoding (a 400 for now)."))
+        "auto (the default with tools), none, required, or a named function (these two constrain the output to "
+        "calls matching the tools' schemas)."))
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call in a response (the first).")
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")

@@ -168,7 +168,9 @@ class Router:
     async def _constraint(self, body) -> Constraint | None:
         """The request's structured output, compiled here once (off the event loop, within the grammar's time
         bound) so that a constraint that cannot be served is a 400 naming its field before anything runs."""
-        c = request_constraint(body)
+        # a forced tool choice constrains the output to its calls, over any structured output (as vLLM)
+        c = self.chat.constraint(body) if isinstance(body, ChatCompletionRequest) else None
+        c = c if c is not None else request_constraint(body)
         if c is None:
             return None
         param = c.param.split(".")[0]

@@ -233,9 +233,12 @@ def test_what_the_app_is_not_set_up_for_is_a_400_naming_the_config_field():
         bare.prompt_ids(ChatCompletionRequest(messages=user, tools=TOOLS))
     assert e.value.param == "tools" and "verifier.tool_call_parser" in e.value.message
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        # a forced call is grammar-constrained from the first token: a model that would think first cannot
+        body = ChatCompletionRequest(messages=user, tools=TOOLS, tool_choice=choice)
+        fmt = chat_format("qwen3")
         with pytest.raises(OpenAIError) as e:
-            chat_format("qwen3").prompt_ids(ChatCompletionRequest(messages=user, tools=TOOLS, tool_choice=choice))
-        assert e.value.param == "tool_choice", choice
+            fmt.output(body, fmt.prompt_ids(body))
+        assert e.value.param == "tool_choice" and "enable_thinking" in e.value.message, choice
     own = ChatCompletionRequest(messages=user, chat_template="{{ messages[0].content }}")
     with pytest.raises(OpenAIError) as e:
         bare.prompt_ids(own)
@@ -286,3 +289,74 @@ def test_harmony_answer_and_the_end_of_its_reasoning():
     answer_from = len(tok("<|channel|>analysis<|message|>Short answer.<|end|><|start|>assistant<|channel|>final"
                           "<|message|>", add_special_tokens=False)["input_ids"])
     assert phases[0] and not phases[-1] and phases.index(False) <= answer_from, phases.index(False)
+
+
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", None), ("required", False), (NAMED, None)])
+def test_a_forced_tool_choice_constrains_with_vllms_schema(choice, parallel):
+    """required and a named function: the output's grammar is vLLM's own JSON schema for the choice
+    (an array of calls to any tool, one at most without parallel calls; the named tool's parameters),
+    with or without parsers, over any response_format (as vLLM)."""
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    from deployments.chat import vllm_request
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TWO_TOOLS, tool_choice=choice,
+                                 parallel_tool_calls=parallel, response_format={"type": "json_object"})
+    want = get_json_schema_from_tools(vllm_request(body).tool_choice, vllm_request(body).tools, parallel)
+    for fmt in (chat_format("qwen3"), chat_format("llama3.1"), chat_format("qwen3", parsers=False)):
+        c = fmt.constraint(body)
+        assert c.kind == "json" and json.loads(c.spec) == want and c.param == "tools"
+    if choice == "required":
+        assert want["minItems"] == 1 and len(want["items"]["anyOf"]) == 2 and want.get("maxItems") == (
+            1 if parallel is False else None)
+    else:
+        assert want == TWO_TOOLS[1]["function"]["parameters"]
+    auto = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TWO_TOOLS)
+    assert chat_format("qwen3").constraint(auto) is None
+
+
+REQUIRED_OUT = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{"zone":"CET"}}]'
+
+
+@pytest.mark.parametrize("choice,text,finish", [("required", REQUIRED_OUT, "tool_calls"),
+                                                (NAMED, '{"zone":"UTC"}', "stop")])
+@pytest.mark.parametrize("every", [1, 2, 5])
+@pytest.mark.parametrize("fields", [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}])
+def test_forced_tool_calls_parsed_whole_and_streamed_alike(choice, text, finish, every, fields):
+    """The constrained output read as vLLM reads it: the calls with their arguments as generated,
+    finish_reason tool_calls for required and stop for a named function; the stream adds up to the
+    whole response."""
+    import jsonschema
+
+    fmt = chat_format("qwen3")
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TWO_TOOLS, tool_choice=choice,
+                                 **fields)
+    message, whole_finish, deltas, stream_finish = run_parser(fmt, body, text, every)
+    assert whole_finish == stream_finish == finish
+    assert message["content"] == "" and "reasoning" not in message
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    want = ([(c["name"], json.dumps(c["parameters"], separators=(",", ":"))) for c in json.loads(text)]
+            if choice == "required" else [("get_time", text)])
+    assert calls == want
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TWO_TOOLS}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), params[name])
+    streamed = joined(deltas)
+    assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == calls
+    assert all(c["id"] for c in streamed["tool_calls"]) and "content" not in streamed
+    assert all(c.get("id") is None or c["function"].get("name") for d in deltas for c in d["tool_calls"])
+
+
+def test_a_forced_choice_cut_short_keeps_what_was_generated():
+    fmt = chat_format("qwen3", parsers=False)
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TWO_TOOLS, tool_choice="required")
+    cut = REQUIRED_OUT.index('"zone"') + 3  # max_tokens ends the output inside the second call's arguments
+    message, finish = fmt.output(body, fmt.prompt_ids(body)).final(REQUIRED_OUT[:cut], [], "length")
+    assert finish == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert message["tool_calls"][1]["function"]["arguments"] == '{"zo'

@@ -154,6 +154,7 @@ def test_speculation_counts_acceptance_apart_for_reasoning_and_answer(chat_app):
 def test_bad_values_over_http_are_400s_naming_the_field(chat_app):
     user = [{"role": "user", "content": "hi"}]
     for extra, param in [({"chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs"),
+                         # a forced call while the model would think first (the grammar holds from the start)
                          ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
                          ({"reasoning_effort": "huge"}, "reasoning_effort"),
                          ({"thinking_token_budget": 10}, "thinking_token_budget"),
@@ -245,3 +246,67 @@ def test_gpt_oss_harmony_tool_loop_with_reasoning_effort(ray_cluster, chat_app, 
         stream = events(url, model="tiny-gpt-oss", messages=messages, tools=TOOLS, reasoning_effort="low")
         streamed = joined([e["choices"][0]["delta"] for e in stream if e["choices"]])
         assert streamed["content"] == final.message.content and streamed["reasoning"] == final.message.reasoning
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "roll", "parameters": {
+        "type": "object", "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 99},
+                                         "fair": {"type": "boolean"}},
+        "required": ["sides", "fair"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def forced_app(chat_app, tmp_path_factory):
+    """The tiny Qwen3 itself (random weights, its published template, the shipped configs' parsers) with
+    a draft model proposing 3 tokens a step: what it writes under a forced tool choice is its own."""
+    from ray import serve
+
+    from deployments.app import build_app_with
+
+    model = str(chat_model_dir("qwen3", tmp_path_factory.mktemp("qwen3-forced")))
+    app = build_app_with({"model_name": "tiny-qwen3", "k_policy": "fixed", "max_tokens_limit": 256,
+                          "verifier": {"model": model, "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1,
+                                       "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
+                                       "enable_auto_tool_choice": True},
+                          "drafter": {"method": "draft_model", "model": model, "dtype": "float32",
+                                      "num_speculative_tokens": 3, "cache_budget_mb": 16, "num_threads": 1}},
+                         overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.1}},
+                                    "Drafter": {"ray_actor_options": {"num_cpus": 0.1}}})
+    serve.run(app, name="chat-forced", route_prefix="/chat-forced")
+    try:
+        yield chat_app.rsplit("/", 1)[0] + "/chat-forced"
+    finally:
+        serve.delete("chat-forced")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "roll"}}])
+def test_a_forced_tool_choice_always_gives_calls_that_match_their_schema(forced_app, choice):
+    """required (one call: parallel_tool_calls false) and a named function, greedy and seeded sampled,
+    with speculation on: the official client gets message.tool_calls whose arguments validate against
+    the tool's parameters; finish_reason is tool_calls for required and stop for a named function (as
+    vLLM's); the stream adds up to the whole response."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{forced_app}/v1", api_key="none")
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Roll a die."}], "tools": FORCED_TOOLS,
+            "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 200}
+    thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}, {"temperature": 1.0, "seed": 11}):
+        r = client.chat.completions.create(**body, **sampling, extra_body=thinking_off)
+        choice_out, spec = r.choices[0], r.choices[0].model_extra["speculation"]
+        assert choice_out.finish_reason == ("tool_calls" if choice == "required" else "stop"), choice_out
+        calls = choice_out.message.tool_calls
+        assert len(calls) == 1 and calls[0].id and calls[0].type == "function", choice_out.message
+        if choice != "required":
+            assert calls[0].function.name == "roll"
+        jsonschema.validate(json.loads(calls[0].function.arguments), params[calls[0].function.name])
+        assert spec["num_drafts"] > 0, spec
+        streamed = joined([c["choices"][0]["delta"] for c in events(forced_app, **body, **sampling, **thinking_off)])
+        assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == [
+            (c.function.name, c.function.arguments) for c in calls], sampling
+        assert not streamed.get("content") and not choice_out.message.content
