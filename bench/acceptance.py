@@ -228,7 +228,7 @@ def run_steps(prompts: list[list[int]], temperature: float, seed: int, max_token
 
 def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[str, object]]) -> list[dict]:
     from configs import VerifierConfig
-    from offline.generate import build_drafter
+    from drafter.build import build_drafter
     from verifier.engine import VerifierEngine
 
     verifier = VerifierEngine(VerifierConfig(**{"cache_budget_mb": 256, **verifier_fields}))

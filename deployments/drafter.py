@@ -6,12 +6,13 @@ import logging
 
 from pydantic import TypeAdapter
 
-from configs import DrafterConfig, DraftModelConfig, Eagle3Config, NgramConfig, ParallelHeadConfig
+from configs import DrafterConfig
 from core.channel import ChannelServer, Endpoint
 from core.hub import localize
 from core.protocol import DraftRequest, Proposal
 from deployments.metrics import where
 from deployments.server import EngineServer
+from drafter.build import build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -23,20 +24,6 @@ def node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - not in a Ray worker
         return "127.0.0.1"
-
-
-def build_drafter(config: DraftModelConfig | NgramConfig | Eagle3Config | ParallelHeadConfig):
-    if config.method == "ngram":
-        from drafter.ngram import NgramDrafter
-        return NgramDrafter(config)
-    if config.method == "eagle3":
-        from drafter.eagle3_drafter import Eagle3Drafter
-        return Eagle3Drafter(config)
-    if config.method in ("dflash", "dspark"):
-        from drafter.dflash_drafter import ParallelDrafter
-        return ParallelDrafter(config)
-    from drafter.model_drafter import ModelDrafter
-    return ModelDrafter(config)
 
 
 class DrafterServer(EngineServer):

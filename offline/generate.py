@@ -18,8 +18,7 @@ from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
 from core.sequence import Sequence
-from drafter.model_drafter import ModelDrafter
-from drafter.ngram import NgramDrafter
+from drafter.build import build_drafter
 from verifier.engine import VerifierEngine
 
 HEADS = {"eagle3": Eagle3Config, "dflash": ParallelHeadConfig, "dspark": ParallelHeadConfig}
@@ -39,19 +38,6 @@ def drafter_config(ref: str, target: str, k: int, **engine):
     if method is not None:
         raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this runs {', '.join(HEADS)} heads")
     return DraftModelConfig(model=str(path), num_speculative_tokens=k, **engine)
-
-
-def build_drafter(config):
-    """The drafter engine of a drafter config (``configs``' drafter models, as the drafter pool builds it)."""
-    if config.method == "ngram":
-        return NgramDrafter(config)
-    if config.method == "eagle3":
-        from drafter.eagle3_drafter import Eagle3Drafter
-        return Eagle3Drafter(config)
-    if config.method in ("dflash", "dspark"):
-        from drafter.dflash_drafter import ParallelDrafter
-        return ParallelDrafter(config)
-    return ModelDrafter(config)
 
 
 def main(argv=None):
