@@ -222,6 +222,9 @@ class VerifierConfig(_EngineConfig):
         "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when "
         "full."))
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
+    prefix_caching: bool = Field(True, description=(
+        "Share full KV blocks across requests by a chained hash of their tokens and the request's cache_salt: a request prefills only "
+        "what no earlier request on the replica left cached (transformers backend; docs/serving.md, Prefix caching)."))
     backend: Literal["transformers", "vllm"] = Field("transformers", description=(
         "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, "
         "prefix caching), one per replica, with the same verify protocol and guarantees."))

@@ -430,6 +430,7 @@ class EngineModel:
         self.max_len = config.max_model_len or text.max_position_embeddings
         self.runner = make_runner(self.model, self.max_len, config.forward)
         kv = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, self.device)]
-        self.cache = PagedKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20), kv, self.device)
+        self.cache = PagedKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20), kv, self.device,
+                                  prefix_caching=getattr(config, "prefix_caching", False))
         log.info("engine for %s: %s compute, %s KV cache (%d blocks of %d tokens), %s forward", config.model, name,
                  kv, self.cache.num_blocks, self.cache.block_size, self.runner.kind)

@@ -73,10 +73,11 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, k: int, tokenizer,
                  eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None,
-                 output_ids: list[int] = (), constraint: Constraint | None = None):
+                 output_ids: list[int] = (), constraint: Constraint | None = None, cache_salt: str | None = None):
         """``tokenizer`` None: no text is kept (stop strings then belong to the caller);
         ``output_ids``: resume a sequence that already generated these tokens; ``constraint``: a structured
-        output's (``core.grammar``), which both engines apply to every draft and verified position."""
+        output's (``core.grammar``), which both engines apply to every draft and verified position; ``cache_salt``:
+        the tenant's, which the verifier's prefix cache is keyed by."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= max_len:
@@ -113,6 +114,7 @@ class Sequence:
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
         self.constraint = constraint
+        self.cache_salt = cache_salt
         # the loop's own matcher (``core.grammar.SequenceMasks``), when forced tokens are drafted for free
         self.forced_masks = None
 
@@ -236,7 +238,7 @@ class Sequence:
         self._verifying = list(drafts)
         kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
                   draft_probs=probs if drafts else None, num_prompt=self.num_prompt,
-                  capture=self.capture if capture else ())
+                  capture=self.capture if capture else (), cache_salt=self.cache_salt)
         if full:
             return self._constrained(VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw))
         return self._constrained(VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),

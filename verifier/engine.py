@@ -115,7 +115,8 @@ class VerifierEngine:
                 if r.draft_probs is not None:
                     r.draft_probs = r.draft_probs.head(room)
             try:
-                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned,
+                                        r.cache_salt, self._shares(r))
                 # the sequence through its drafts: blocks for them now, so a full pool fails this sequence only
                 self.cache.reserve(r.seq_id, (0 if r.full else r.start) + len(r.new_tokens) + r.k, pinned)
             except CacheMiss:
@@ -133,6 +134,11 @@ class VerifierEngine:
         for res in out:
             res.engine_s = dt
         return out
+
+    def _shares(self, r: VerifyRequest) -> bool:
+        """Whether a sequence may start from blocks cached by other requests: not one whose states are captured
+        from its first position (an EAGLE-3 drafter's, recorded traffic), which a cached block never computed."""
+        return not r.capture and not (self.capture is not None and self.capture.wants(r))
 
     def _verify_group(self, group, results: dict) -> None:
         """One forward pass for the group, then each sequence's decision. A sequence that makes either
@@ -175,7 +181,8 @@ class VerifierEngine:
                 res.aux_start = starts[i]
             # keep the accepted drafts' K/V; the recovered/bonus token was never fed
             slot.cut(len(slot.tokens) - r.k + res.num_accepted)
-            res.cached = len(slot.tokens)
+            self.cache.commit(slot)  # its full blocks, now final, for later requests
+            res.cached, res.prefix_hit = len(slot.tokens), slot.prefix_hit
             if states is not None and self.capture is not None and self.capture.wants(r):
                 self.capture.record(r, slot.tokens, starts[i], states[i])
             results[r.seq_id] = res

@@ -1,0 +1,209 @@
+"""Prefix caching across requests: the block bookkeeping (reference counts, eviction, the budget), and
+outputs identical with the cache on and off (a hit inside a block, after eviction, across salts)."""
+
+import pytest
+import torch
+
+from configs import DraftModelConfig, SamplingParams, VerifierConfig
+from core.kv_cache import PagedKVCache
+from core.loop import step
+from core.protocol import CacheMiss, prefix_hash
+from core.sequence import Sequence
+from drafter.model_drafter import ModelDrafter
+from tests.helpers import tiny_llama
+from tests.test_greedy_equivalence import TINY_TEXT
+from verifier.engine import VerifierEngine
+
+BS = 16
+
+
+def pool(blocks: int, prefix_caching: bool = True) -> PagedKVCache:
+    cfg = tiny_llama(64).config
+    probe = PagedKVCache(cfg, 32, 2**20, torch.float32)
+    return PagedKVCache(cfg, 64, blocks * probe.block_bytes, torch.float32, prefix_caching=prefix_caching)
+
+
+def hold(cache: PagedKVCache, seq: str, tokens: list[int], salt=None):
+    """A sequence's prefill as the engine does it, without the forward pass: claim, reserve, the rows
+    written (the tokens), committed. -> the tokens it found cached."""
+    slot = cache.claim(seq, 0, None, tokens, {seq}, salt)
+    hit = slot.prefix_hit
+    cache.reserve(seq, len(tokens), {seq})
+    slot.tokens.extend(tokens[len(slot.tokens):])
+    cache.commit(slot)
+    return hit
+
+
+def accounted(cache: PagedKVCache) -> bool:
+    """Every block but block 0 is free, cached and idle, or in a table; a block in two tables is cached."""
+    held = [b for s in cache.slots.values() for b in s.blocks]
+    shared = {b for b in held if held.count(b) > 1}
+    return (cache.free_blocks + cache.idle_blocks + len(set(held)) == cache.num_blocks - 1
+            and all(cache.refs(b) == held.count(b) for b in shared))
+
+
+def test_full_blocks_are_shared_and_counted():
+    cache = pool(20)
+    a = list(range(3, 43))  # 40 tokens: two full blocks
+    assert hold(cache, "a", a) == 0
+    first_two = cache.slots["a"].blocks[:2]
+    assert [cache.refs(b) for b in first_two] == [1, 1]
+    # b begins with a's 40 tokens then differs: it holds a's two full blocks, its own after them
+    assert hold(cache, "b", a + [50, 51]) == 32
+    assert cache.slots["b"].blocks[:2] == first_two and [cache.refs(b) for b in first_two] == [2, 2]
+    assert cache.slots["b"].blocks[2] != cache.slots["a"].blocks[2]  # a's partial block is never shared
+    assert accounted(cache)
+    cache.release("a")
+    assert [cache.refs(b) for b in first_two] == [1, 1] and cache.idle_blocks == 0
+    cache.release("b")  # nobody holds them: cached, not freed
+    assert [cache.refs(b) for b in first_two] == [0, 0] and cache.idle_blocks == 2 and accounted(cache)
+    assert hold(cache, "c", a) == 32 and cache.idle_blocks == 0
+    assert cache.stats["prefix_hits"] == 64 and cache.stats["prefix_queries"] == 40 + 42 + 40
+
+
+def test_a_hit_leaves_one_token_to_feed_and_a_cached_block_is_never_written():
+    cache = pool(20)
+    a = list(range(3, 35))  # exactly two blocks
+    hold(cache, "a", a)
+    cache.release("a")
+    # the same 32 tokens again: only the first block is taken (the last token is fed, its block recomputed)
+    assert hold(cache, "b", a) == 16
+    # a sequence cut back inside a cached block: a call from there is a miss; resent, it keeps the blocks before
+    cache.release("b")
+    hold(cache, "c", a + [60, 61])
+    slot = cache.slots["c"]
+    cached = slot.blocks[:2]
+    with pytest.raises(CacheMiss):
+        cache.claim("c", 20, prefix_hash(slot.tokens, 20), None, {"c"})
+    slot = cache.claim("c", 0, None, a[:20] + [70, 71], {"c"})
+    assert len(slot.tokens) == 16 and slot.blocks[0] == cached[0] and cached[1] not in slot.blocks
+    assert accounted(cache)
+
+
+def test_salts_share_nothing():
+    cache = pool(20)
+    a = list(range(3, 60))
+    hold(cache, "a", a, salt="tenant-1")
+    assert hold(cache, "b", a, salt="tenant-2") == 0
+    assert hold(cache, "c", a) == 0  # no salt is a salt of its own
+    assert hold(cache, "d", a, salt="tenant-1") == 48
+
+
+def test_idle_blocks_go_first_least_recently_used_tail_first_within_the_budget():
+    cache = pool(9)  # 8 blocks to hand out (block 0 is reserved)
+    old, new = list(range(3, 35)), list(range(100, 132))
+    hold(cache, "old", old + [1])
+    cache.release("old")  # two idle blocks (and its partial third freed)
+    hold(cache, "new", new + [1])
+    cache.release("new")
+    assert cache.idle_blocks == 4 and cache.free_blocks == 4 and accounted(cache)
+    hold(cache, "live", list(range(200, 264)))  # the 4 free blocks
+    assert cache.idle_blocks == 4 and cache.stats["prefix_evictions"] == 0
+    hold(cache, "live2", list(range(300, 316)))  # one block more: the least recently used idle one, old's tail
+    assert cache.stats["prefix_evictions"] == 1 and cache.stats["evictions"] == 0 and accounted(cache)
+    assert cache.claim("probe", 0, None, old + [2], set()).prefix_hit == 16  # old's head is still cached
+    cache.release("probe")
+    assert cache.claim("probe", 0, None, new + [2], set()).prefix_hit == 32
+    # a sequence needing more than the idle blocks takes them all, then evicts the least recently used
+    # sequence, whose blocks stay cached but the one it needed
+    cache.release("probe")
+    hold(cache, "big", list(range(400, 464)))
+    assert cache.stats["prefix_evictions"] == 5 and cache.stats["evictions"] == 1 and "live" not in cache.slots
+    assert cache.idle_blocks == 3 and len(cache.slots["big"].blocks) == 4 and accounted(cache)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    cache = pool(20, prefix_caching=False)
+    a = list(range(3, 60))
+    hold(cache, "a", a)
+    cache.release("a")
+    assert hold(cache, "b", a) == 0 and cache.idle_blocks == 0 and accounted(cache)
+
+
+# outputs with the cache on and off, on the engines
+
+
+def engines(tiny_pair, prefix_caching: bool, budget_mb: float = 64, max_len: int | None = None):
+    tok, t, d = tiny_pair
+    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=budget_mb, prefix_caching=prefix_caching,
+                                        max_model_len=max_len), model=t, tokenizer=tok)
+    return ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=d)
+
+
+def run(ver, dr, prompt: list[int], params: SamplingParams, k: int = 3, salt: str | None = None):
+    """One request to the end, released. -> (output ids, prompt tokens its first verify found cached)."""
+    s = Sequence(prompt, params, k, ver.tokenizer, ver.eos_ids, ver.max_len, cache_salt=salt)
+    hits = []
+    real = ver.verify
+
+    def verify(reqs):
+        out = real(reqs)
+        hits.extend(r.prefix_hit for r in out if not r.cache_miss)
+        return out
+
+    ver.verify = verify  # the engine's own verify, its results read on the way
+    try:
+        while not s.done:
+            step([s], dr if k else None, ver)
+    finally:
+        del ver.verify
+        ver.release(s.seq_id)
+        dr.release(s.seq_id)
+    return s.output_ids, hits[0]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True)
+
+
+def conversation(tok, n_turns=3):
+    system = tok(TINY_TEXT[:300])["input_ids"][:70]
+    return system, [tok(TINY_TEXT[300 + 40 * i:340 + 40 * i])["input_ids"][:9] for i in range(n_turns)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_multi_turn_outputs_are_the_same_with_the_cache_on_and_off(tiny_pair, params, k):
+    tok = tiny_pair[0]
+    on, off = engines(tiny_pair, True), engines(tiny_pair, False)
+    system, turns = conversation(tok)
+    history = list(system)
+    for i, turn in enumerate(turns):
+        history += turn
+        got, hit = run(*on, history, params, k)
+        want, none = run(*off, history, params, k)
+        assert got == want and none == 0
+        # the turn before held the history but its last token (never fed): its full blocks are hit, the
+        # partial one recomputed
+        assert hit == (0 if i == 0 else (len(history) - len(turn) - 1) // BS * BS)
+        history += got
+    # a prompt that leaves the conversation inside a block: the blocks before it
+    branch = system[:37] + [9, 9, 9]
+    assert run(*on, branch, params, k) == (run(*off, branch, params, k)[0], 32)
+
+
+def test_a_hit_after_eviction_gives_the_same_output(tiny_pair):
+    tok = tiny_pair[0]
+    probe, _ = engines(tiny_pair, True)
+    small = 5 * probe.cache.block_bytes / 2**20  # 4 blocks to hand out: one sequence of 64 tokens
+    on = engines(tiny_pair, True, small, max_len=64)
+    off = engines(tiny_pair, False)
+    p = conversation(tok, 1)[0][:40]
+    want = run(*off, p, SEEDED.model_copy(update={"max_tokens": 8}), 3)[0]
+    assert run(*on, p, SEEDED.model_copy(update={"max_tokens": 8}), 3) == (want, 0)
+    assert run(*on, p, SEEDED.model_copy(update={"max_tokens": 8}), 3) == (want, 32)  # cached
+    other = tok(TINY_TEXT[400:])["input_ids"][:60]
+    run(*on, other, GREEDY.model_copy(update={"max_tokens": 3}), 0)  # needs every block: p's are taken back
+    assert on[0].cache.stats["prefix_evictions"] == 2
+    assert run(*on, p, SEEDED.model_copy(update={"max_tokens": 8}), 3) == (want, 0)
+
+
+def test_requests_with_different_salts_share_nothing(tiny_pair):
+    tok = tiny_pair[0]
+    on, off = engines(tiny_pair, True), engines(tiny_pair, False)
+    p = conversation(tok)[0]
+    want = run(*off, p, GREEDY)[0]
+    assert run(*on, p, GREEDY, salt="a") == (want, 0)
+    assert run(*on, p, GREEDY, salt="b") == (want, 0)
+    assert run(*on, p, GREEDY) == (want, 0)
+    assert run(*on, p, GREEDY, salt="a") == (want, len(p) // BS * BS)
