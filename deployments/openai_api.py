@@ -59,7 +59,7 @@ UNSUPPORTED = {
     "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the model "
                              "writes; reasoning_effort and chat_template_kwargs reach the chat template",
     "priority": "no priority scheduling",
-    **dict.fromkeys(("cache_salt", "kv_transfer_params"), "no prefix cache shared across requests"),
+    "kv_transfer_params": "no disaggregated prefill: each verifier replica prefills its own requests",
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
 }
 
@@ -202,6 +202,10 @@ class _Common(BaseModel):
         False, description="splitspec extension: add the per-step time breakdown to the response's speculation block "
         "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
+    cache_salt: str | None = Field(
+        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt share "
+        "cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at most 128 "
+        "characters, none of @ / \\ or NUL.")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: the output is generated under the schema's grammar.")
     structured_outputs: StructuredOutputs | None = Field(
@@ -211,6 +215,18 @@ class _Common(BaseModel):
     @classmethod
     def _minus_one_disables(cls, v):
         return 0 if v == -1 else v
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _salt(cls, v):  # vLLM's rules (validate_cache_salt), its messages
+        if v is None:
+            return v
+        if not isinstance(v, str) or not v:
+            raise invalid("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
+        if len(v) > 128 or any(c in "@/\\\0" for c in v):
+            raise invalid("cache_salt", "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                          "'@', '/', '\\\\', or NUL.")
+        return v
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

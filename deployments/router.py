@@ -246,11 +246,11 @@ class Router:
         seq = Sequence(reply.prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=reply.logprobs)
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
-                    list(prediction), interval_s, constraint)
+                    list(prediction), interval_s, constraint, body.cache_salt)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
                           reply.predicted, phases=self._phases(reply, i),
                           meter=self.exporter.choice(len(reply.prompt_ids)),
-                          spec_metrics=self.config.per_request_spec_decode_metrics)
+                          spec_metrics=self.config.per_request_spec_decode_metrics, cached=reply.cached)
 
     @staticmethod
     def _phases(reply: Reply, i: int):

@@ -349,18 +349,20 @@ class VerifierServer(EngineServer):
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
                         k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None,
-                        constraint: Constraint | None = None):
+                        constraint: Constraint | None = None, cache_salt: str | None = None):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
         ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
-        the last at once. ``constraint``: a structured output's (``core.grammar``)."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint)
+        the last at once. ``constraint``: a structured output's (``core.grammar``); ``cache_salt``: the
+        tenant's, which the prefix cache is keyed by."""
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint,
+                            cache_salt)
         async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
                      max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = (),
-                     constraint: Constraint | None = None):
+                     constraint: Constraint | None = None, cache_salt: str | None = None):
         """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
         each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
         network (to the drafter pool, overlapped with verification by pre-drafting); verification
@@ -372,14 +374,14 @@ class VerifierServer(EngineServer):
         client's predicted output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
         if self.vllm_loop:
-            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids):
+            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, cache_salt):
                 yield item
             return
         eng = self.engine
         if constraint is not None:  # a structured output's, compiled off the engine's thread: it holds no batch
             await asyncio.to_thread(eng.masks.grammars.compile, constraint)
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
-                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint)
+                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint, cache_salt=cache_salt)
         policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
@@ -433,7 +435,7 @@ class VerifierServer(EngineServer):
             seq.forced_masks = SequenceMasks(self.engine.masks.grammars)
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
-                              logprobs: int | None, output_ids):
+                              logprobs: int | None, output_ids, cache_salt: str | None = None):
         """``speculate`` on vLLM's own loop: one engine request for the rest of the sequence; vLLM
         verifies, and drafts through splitspec's proposer in its worker (``verifier.vllm_proposer``),
         which calls the drafter pool directly. k is per request (at most the engine's
@@ -469,9 +471,10 @@ class VerifierServer(EngineServer):
         self._streams += 1
         t_prev = time.perf_counter()
         drafted = accepted = 0  # as reported so far
+        cached = {"tokens": 0}  # the prompt's tokens vLLM read from its prefix cache
         try:
             first = True
-            async for ids, lps, spec in eng.generate(tokens, sp, f"{seq_id}-{next(self._vllm_ids)}"):
+            async for ids, lps, spec in eng.generate(tokens, sp, f"{seq_id}-{next(self._vllm_ids)}", cache_salt, cached):
                 if not ids and spec is None:
                     continue
                 now = time.perf_counter()
@@ -481,9 +484,11 @@ class VerifierServer(EngineServer):
                 if spec is not None:
                     k_i = max(0, spec.num_draft_tokens - drafted)
                     a_i = max(0, sum(j * c for j, c in enumerate(spec.histogram)) - accepted)
+                c_i = cached["tokens"] if first else 0
                 drafted, accepted, first = drafted + k_i, accepted + a_i, False
                 yield ids, lps or [], StepInfo(k=k_i, accepted=a_i, step_s=now - t_prev, batch_size=eng.inflight,
-                                               done=spec is not None)  # (else the stream's end sends it at once)
+                                               done=spec is not None,  # (else the stream's end sends it at once)
+                                               cached_tokens=c_i)
                 t_prev = now
         finally:
             self._streams -= 1

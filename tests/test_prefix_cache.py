@@ -207,3 +207,37 @@ def test_requests_with_different_salts_share_nothing(tiny_pair):
     assert run(*on, p, GREEDY, salt="b") == (want, 0)
     assert run(*on, p, GREEDY) == (want, 0)
     assert run(*on, p, GREEDY, salt="a") == (want, len(p) // BS * BS)
+
+
+def test_a_new_request_goes_to_the_replica_holding_its_prefix_unless_its_queue_is_long():
+    from types import SimpleNamespace
+
+    from deployments.affinity import CacheAffinityRouter, prompt_blocks
+
+    def speculate(prompt, seq, salt=None):
+        return SimpleNamespace(args=[prompt, None, seq], kwargs={"cache_salt": salt},
+                               metadata=SimpleNamespace(call_method="speculate"))
+
+    router = object.__new__(CacheAffinityRouter)
+    router.initialize_state()
+    r0, r1 = SimpleNamespace(replica_id="r0"), SimpleNamespace(replica_id="r1")
+    system, other = list(range(3, 103)), list(range(200, 300))
+    router.on_request_routed(speculate(system + [1, 2], "a"), "r0", None)
+    router.on_request_routed(speculate(other + [1, 2], "b"), "r1", None)
+    router.on_request_routed(speculate(system + [5], "c", salt="t"), "r1", None)
+
+    def home(prompt, salt=None):
+        return router._prefix_home(prompt_blocks(speculate(prompt, "new", salt)), [r0, r1])
+
+    assert home(system + [7, 8, 9]) == "r0" and home(other + [7]) == "r1"
+    assert home(system[:40] + other) == "r0"  # two of its twelve blocks: more than 10%
+    assert home(system[:16] + other * 2) is None  # one block of thirteen: too little to prefer a replica
+    assert home(system, salt="t") == "r1" and home(system, salt="u") is None  # prefixes are salted
+    assert home(list(range(500, 600))) is None
+    router._replica_queue_len_cache = {"r0": 5, "r1": 1}  # (Serve's cache of probed queue lengths)
+    assert home(system) is None  # balanced against load
+    router._replica_queue_len_cache = {"r0": 4, "r1": 1}
+    assert home(system) == "r0"
+    router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
+    router.on_replica_actor_died("r0")  # its prefixes go with it, the others stay
+    assert home(system) is None and home(other) == "r1" and home(system, salt="t") == "r1"

@@ -338,15 +338,20 @@ class VllmVerifierEngine:
             logprobs=logprobs, detokenize=False, skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA, extra_args=extra)
 
-    async def generate(self, tokens: list[int], params, request_id: str):
+    async def generate(self, tokens: list[int], params, request_id: str, cache_salt: str | None = None,
+                       cached: dict | None = None):
         """Stream (new token ids, their logprobs or None, vLLM's speculation counts for the request or
-        None) from vLLM's loop for one request; the counts come with the last output."""
+        None) from vLLM's loop for one request; the counts come with the last output. ``cache_salt``: the
+        tenant's, for vLLM's prefix cache; ``cached["tokens"]``: the prompt tokens it read from that cache."""
         from vllm import TokensPrompt
 
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
+        prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": cache_salt} if cache_salt else {}))
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id):
+                if cached is not None and out.num_cached_tokens is not None:
+                    cached["tokens"] = out.num_cached_tokens
                 o = out.outputs[0]
                 lps = None
                 if params.logprobs is not None and o.logprobs is not None:
