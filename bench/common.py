@@ -363,7 +363,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
     """One streaming completion over SSE: arrival time and token count of every chunk."""
     t0 = time.perf_counter()
     chunks: list[tuple[float, int]] = []  # (seconds since send, tokens in the chunk)
-    spec, n_usage, ids = None, None, []
+    spec, n_usage, ids, cached = None, None, [], None
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=TIMING_HEADERS) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -377,6 +377,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
                 raise RuntimeError(data["error"].get("message"))
             if data.get("usage"):
                 n_usage = data["usage"]["completion_tokens"]
+                cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             spec = speculation(data) or spec
             for c in data.get("choices", []):
                 n = len(c.get("token_ids") or [])
@@ -385,7 +386,7 @@ async def stream_completion(client, url: str, body: dict) -> dict:
                     ids += c["token_ids"]
     total = time.perf_counter() - t0
     return {"chunks": chunks, "latency_s": total, "tokens": n_usage if n_usage is not None else sum(n for _, n in chunks),
-            "speculation": spec, "token_ids": ids}
+            "speculation": spec, "token_ids": ids, "cached_tokens": cached}
 
 
 def vllm_python() -> str | None:

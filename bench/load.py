@@ -13,6 +13,12 @@ modes alternate per concurrency level, so both see the same machine.
 machine one wave's throughput moves by several percent between runs of the same code, as much as
 the on/off difference being measured. Then a mode's figures pool its rounds, and the ratio is the
 median of the rounds' ratios, each measured minutes apart at most.
+
+``--multi-turn`` runs the conversations workload instead (``bench.workloads.conversations``: a shared
+system prompt, 8 chats of 5 turns, each turn sent with its whole history) with the prefix cache on (one
+``cache_salt`` for the run) and off (a fresh salt per request: nothing cached is shared), per N. At N = 1
+each turn that hit the cache is followed by its uncached suffix sent alone (a fresh salt), whose time to
+first token is what the hit's should come close to.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import asyncio
 import math
 import time
+import uuid
 
 from bench import workloads
 from bench.common import (
@@ -57,9 +64,12 @@ def parse(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--multi-turn", action="store_true", help="the conversations workload, prefix cache on and off")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.multi_turn and args.max_tokens > 24:  # 640 + 5 x (48 + 24) tokens and a step's drafts: 1,024
+        ap.error(f"--multi-turn: --max-tokens {args.max_tokens}: at most 24 (five turns fill the pair's context)")
     return args
 
 
@@ -136,6 +146,56 @@ async def _measure(url, prompts, args) -> list[dict]:
     return out
 
 
+async def _chats(client, url, system: list[int], convs: list, n: int, salt: str | None, args) -> tuple[list[dict], float]:
+    """n clients run the conversations, each turn with its history (``salt`` None: a fresh one per request)."""
+    results = []
+
+    async def one_client(c: int):
+        for conv in convs[c::n]:
+            history = list(system)
+            for j, ask in enumerate(conv):
+                history += ask
+                body = completion_body(history, args.max_tokens, args.temperature, 1000 + j, None, True)
+                r = await stream_completion(client, url, body | {"cache_salt": salt or uuid.uuid4().hex})
+                if r["cached_tokens"] and n == 1:  # the uncached suffix alone: its prefill without the history
+                    alone = completion_body(history[r["cached_tokens"]:], 1, args.temperature, 1, None, True)
+                    r["suffix_ttft_s"] = (await stream_completion(client, url, alone | {"cache_salt": uuid.uuid4().hex}))[
+                        "chunks"][0][0]
+                results.append(r)
+                history += r["token_ids"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client(c) for c in range(n)))
+    return results, time.perf_counter() - t0
+
+
+async def _measure_chats(url, args) -> list[dict]:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+
+    system, convs = workloads.conversations(AutoTokenizer.from_pretrained(TARGET))
+    out = []
+    async with httpx.AsyncClient(timeout=1800) as client:
+        await _chats(client, url, system, convs[:1], 1, None, args)  # warm-up
+        for n in args.concurrency:
+            row = {"concurrency": n}
+            for mode, salt in (("cache_off", None), ("cache_on", uuid.uuid4().hex)):
+                results, wall = await _chats(client, url, system, convs, n, salt, args)
+                s = row[mode] = _summary(n, results, wall)
+                ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
+                s["ttft_ms_p90"] = rnd(1000 * percentile(ttft, 90), 2)
+                s["cached_tokens_mean"] = rnd(sum(r["cached_tokens"] or 0 for r in results) / len(results), 1)
+                ratio = [r["chunks"][0][0] / r["suffix_ttft_s"] for r in results if r.get("suffix_ttft_s")]
+                if ratio:  # a hit's time to first token over its uncached suffix's alone
+                    s["hit_vs_suffix_ttft_p50"], s["hit_vs_suffix_ttft_p90"] = (rnd(percentile(ratio, q), 3) for q in (50, 90))
+                log(f"N={n} {mode}: TTFT p50 {s['ttft_ms_p50']} p90 {s['ttft_ms_p90']} ms, "
+                    f"{s['throughput_tok_s']} tok/s, cached {s['cached_tokens_mean']}, hit/suffix {s.get('hit_vs_suffix_ttft_p50')}")
+            out.append(row)
+    return out
+
+
 def run(args, url: str | None = None) -> dict:
     import contextlib
 
@@ -145,6 +205,15 @@ def run(args, url: str | None = None) -> dict:
 
     set_threads(args.threads)
     t0 = time.perf_counter()
+    if args.multi_turn:  # (a context of 1,024 tokens, the shipped pair's, and KV for a conversation per stream)
+        app = app_args(args.threads, "adaptive", args.default_k, streams=2 * max(args.concurrency) + 2, dtype=args.dtype)
+        app["verifier"]["max_model_len"] = app["drafter"]["max_model_len"] = 1024
+        with contextlib.ExitStack() as stack:
+            url = url or stack.enter_context(serving({"load": app}, args.threads))["load"]
+            levels = asyncio.run(_measure_chats(url, args))
+        return {"scenario": "load-multi-turn", "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                                                          "temperature": args.temperature, "threads": args.threads},
+                "environment": environment(args.threads), "levels": levels, "duration_s": round(time.perf_counter() - t0, 1)}
     wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
                              args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
     per_workload = {}
@@ -169,7 +238,7 @@ def run(args, url: str | None = None) -> dict:
 def main(argv=None):
     args = parse(argv)
     data = run(args)
-    path = write_json(args.out, "load", data)
+    path = write_json(args.out, "load-multi-turn" if args.multi_turn else "load", data)
     log(f"wrote {path} ({data['duration_s']} s)")
 
 
