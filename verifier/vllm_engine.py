@@ -32,6 +32,7 @@ Two ways to get the distributions, both costing work proportional to the new tok
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import os
 import time
@@ -43,6 +44,9 @@ import torch
 from core.models import eos_token_ids, pin_process, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
+
+# the cache_salt of the verify call a task serves (each call of a batch runs in a task of its own)
+_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cache_salt", default=None)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import VerifierConfig
@@ -220,6 +224,7 @@ class VllmVerifierEngine:
 
     async def _verify_one(self, r: VerifyRequest) -> VerifyResult:
         t_call = time.perf_counter()
+        _SALT.set(r.cache_salt)  # its engine requests read vLLM's prefix cache under the tenant's salt
         room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
         if room < 0:
             return VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
@@ -260,9 +265,9 @@ class VllmVerifierEngine:
     async def _run(self, seq_id: str, prompt: list[int], params):
         from vllm import TokensPrompt
 
-        out = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                           f"{seq_id}-{next(self._ids)}"):
+        out, salt = None, _SALT.get()
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {})),
+                                           params, f"{seq_id}-{next(self._ids)}"):
             pass
         self.stats["engine_requests"] += 1
         self.stats["prompt_tokens"] += len(prompt)
