@@ -126,6 +126,8 @@ class DraftModelConfig(_EngineConfig):
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
         "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is "
         "evicted when full."))
+    prefix_caching: bool = Field(True, description=(
+        "Share the draft model's full KV blocks across requests, as the verifier's (docs/serving.md, Prefix caching)."))
 
 
 class NgramConfig(_Config):

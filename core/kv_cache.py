@@ -250,9 +250,9 @@ class PagedKVCache:
             blocks.append(b)
         hit = len(blocks) * bs
         self.stats["prefix_queries"] += len(tokens)
-        self.stats["prefix_hits"] += hit
         if hit <= len(slot.tokens):
             return 0
+        self.stats["prefix_hits"] += hit
         for b in blocks:  # (before the slot's own go: a block in both is held throughout)
             self._refs[b] += 1
             self._idle.pop(b, None)
@@ -261,13 +261,15 @@ class PagedKVCache:
         slot.blocks, slot.hashes, slot.tokens = blocks, hashes, list(tokens[:hit])
         return hit
 
-    def commit(self, slot: Slot) -> None:
-        """Share the slot's full blocks with later requests (its tokens are final: verified, never cut below
-        them without a claim). A block whose tokens another block already holds stays the slot's own."""
+    def commit(self, slot: Slot, final: int | None = None) -> None:
+        """Share the full blocks of the slot's first ``final`` tokens (default: all) with later requests: tokens
+        that will not be cut (verified), or a cut below them comes with a claim and costs the block a
+        recompute. A block whose tokens another block already holds stays the slot's own."""
         if not self.prefix_caching:
             return
-        bs, full = self.block_size, len(slot.tokens) // self.block_size
-        del slot.hashes[full:]
+        bs = self.block_size
+        del slot.hashes[len(slot.tokens) // bs:]
+        full = min(len(slot.tokens), len(slot.tokens) if final is None else final) // bs
         state = slot.hashes[-1] if slot.hashes else salt_root(slot.salt)
         for i in range(len(slot.hashes), full):
             state = block_link(state, slot.tokens[i * bs:(i + 1) * bs])

@@ -151,6 +151,10 @@ class DraftRequest(CacheAddressed):
     # a structured output's constraint (core.grammar): by hash (``Constraint.ref``), whole on a full
     # call; a replica that has not compiled it answers cache_miss. Drafts are drawn under its masks
     grammar: Constraint | None = None
+    cache_salt: str | None = None  # the tenant's: only prefixes cached under the same salt are shared
+    # the context's first tokens the verifier has kept: a pre-draft's guesses after them may be rolled back,
+    # so blocks shared across requests are made of these only
+    verified: int = 0
 
 
 @dataclass

@@ -145,7 +145,8 @@ class Sequence:
         ctx = self.tokens if context is None else context
         self.drafter_asked = True
         kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional,
-                  alternatives=alternatives, branches=list(branches))
+                  alternatives=alternatives, branches=list(branches), cache_salt=self.cache_salt,
+                  verified=len(ctx) if context is None else common_prefix_len(self.tokens, ctx))
         if self.capture and self.aux is not None and not provisional:
             kw.update(aux=self.aux, aux_start=self.aux_start)
             self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()

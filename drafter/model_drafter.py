@@ -119,10 +119,12 @@ class ModelDrafter:
     def _claim(self, r: DraftRequest, pinned: set[str], out: dict):
         """(the sequence's slot, the tokens to feed it), or None after answering a cache miss."""
         try:
-            slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+            slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned, r.cache_salt)
         except CacheMiss:
             out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
             return None
+        # (a draft model's K/V is the tokens' alone: the blocks it holds are right for any request they begin)
+        self.cache.commit(slot, r.verified)
         return slot, (r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens))
 
     @screened

@@ -127,7 +127,7 @@ def engines(tiny_pair, prefix_caching: bool, budget_mb: float = 64, max_len: int
     tok, t, d = tiny_pair
     ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=budget_mb, prefix_caching=prefix_caching,
                                         max_model_len=max_len), model=t, tokenizer=tok)
-    return ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=d)
+    return ver, ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64, prefix_caching=prefix_caching), model=d)
 
 
 def run(ver, dr, prompt: list[int], params: SamplingParams, k: int = 3, salt: str | None = None):
@@ -180,6 +180,9 @@ def test_multi_turn_outputs_are_the_same_with_the_cache_on_and_off(tiny_pair, pa
     # a prompt that leaves the conversation inside a block: the blocks before it
     branch = system[:37] + [9, 9, 9]
     assert run(*on, branch, params, k) == (run(*off, branch, params, k)[0], 32)
+    if k:  # the draft model's blocks were shared too, with no more recomputes than without
+        assert on[1].cache.stats["prefix_hits"] > 0 and off[1].cache.stats["prefix_hits"] == 0
+        assert on[1].cache.stats["misses"] == off[1].cache.stats["misses"]
 
 
 def test_a_hit_after_eviction_gives_the_same_output(tiny_pair):
