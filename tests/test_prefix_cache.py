@@ -244,3 +244,20 @@ def test_a_new_request_goes_to_the_replica_holding_its_prefix_unless_its_queue_i
     router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
     router.on_replica_actor_died("r0")  # its prefixes go with it, the others stay
     assert home(system) is None and home(other) == "r1" and home(system, salt="t") == "r1"
+
+
+def test_prefix_cache_metrics_count_prompt_tokens_and_hits_once_per_choice():
+    from core.protocol import StepInfo
+    from deployments.vllm_metrics import Exporter
+
+    x = Exporter("m", 2)  # no hub: the router keeps its own totals
+    first, second = x.choice(40), x.choice(45)
+    first.step(StepInfo(k=0, accepted=0), 1, 0.0)
+    second.step(StepInfo(k=0, accepted=0, cached_tokens=32), 1, 0.0)
+    second.step(StepInfo(k=2, accepted=1, cached_tokens=16), 2, 0.01)  # (a resend's hit: not the prompt's)
+    first.end()
+    second.end()
+    text = x.local.exposition().decode()
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache")}
+    assert got['vllm:prefix_cache_queries_total{engine="0",model_name="m"}'] == 85
+    assert got['vllm:prefix_cache_hits_total{engine="0",model_name="m"}'] == 32
