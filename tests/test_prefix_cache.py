@@ -261,3 +261,21 @@ def test_prefix_cache_metrics_count_prompt_tokens_and_hits_once_per_choice():
     got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache")}
     assert got['vllm:prefix_cache_queries_total{engine="0",model_name="m"}'] == 85
     assert got['vllm:prefix_cache_hits_total{engine="0",model_name="m"}'] == 32
+
+
+def test_the_multi_turn_workload_shares_a_system_prompt_and_fits_the_pairs_context():
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET
+    from bench.load import parse
+    from bench.workloads import conversations
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    system, convs = conversations(tok)
+    assert len(system) == 640 and len(convs) == 8 and all(len(c) == 5 for c in convs)
+    turns = [t for c in convs for t in c]
+    assert len({tuple(t) for t in turns}) == 40 and all(0 < len(t) <= 48 for t in turns)  # HumanEval tasks, no repeat
+    assert len(system) + 5 * (48 + 24) + 8 + 1 <= 1024
+    assert conversations(tok) == (system, convs)  # the same tasks every run
+    with pytest.raises(SystemExit):
+        parse(["--multi-turn", "--max-tokens", "64"])
