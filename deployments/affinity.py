@@ -7,8 +7,8 @@ prefers it; if that replica is gone or its queue is full, it falls back to the p
 two choices (two random replicas, Serve probes both and takes the shorter queue), and the new replica recomputes the sequence from the full token ids
 (a cache miss, never a wrong answer). So affinity never defeats load balancing.
 
-A request's first call (``speculate`` on the verifier pool) has no home yet: it goes to the replica most
-likely to hold its prompt's prefix in its prefix cache, the one the longest run of the prompt's blocks
+A request's first call (``speculate`` on the verifier pool, a full draft request on the drafter pool) has
+no home yet: it goes to the replica most likely to hold its prompt's prefix in its prefix cache, the one the longest run of the prompt's blocks
 (chained hashes, salted by ``cache_salt``, as the replicas key their caches) was last routed to, unless
 that replica's queue is ``IMBALANCE`` calls longer than the shortest (Ray Serve LLM's prefix-aware
 router does the same with a prefix tree of text). A replica's death forgets only its prefixes.
@@ -52,12 +52,16 @@ MIN_MATCH = 0.1  # ... or when it holds less than this share of the prompt (Ray 
 
 
 def prompt_blocks(pending_request) -> list[bytes]:
-    """A ``speculate`` call's prompt as the chained hashes of its full blocks ([]: another call)."""
-    if _method(pending_request) != "speculate":
-        return []
+    """The tokens a call sends whole, as the chained hashes of their full blocks: a ``speculate`` call's
+    prompt (verifier pool), a full draft request's context (drafter pool); [] for any other call."""
     args = getattr(pending_request, "args", None) or ()
-    tokens = args[0] if args and isinstance(args[0], list) else []
-    salt = (getattr(pending_request, "kwargs", None) or {}).get("cache_salt")
+    first = args[0][0] if args and isinstance(args[0], list) and args[0] else None
+    if _method(pending_request) == "speculate" and args:
+        tokens, salt = args[0], (getattr(pending_request, "kwargs", None) or {}).get("cache_salt")
+    elif getattr(first, "full", False) and isinstance(getattr(first, "new_tokens", None), list):
+        tokens, salt = first.new_tokens, getattr(first, "cache_salt", None)
+    else:
+        return []
     state, out = salt_root(salt), []
     for i in range(len(tokens) // PREFIX_BLOCK):
         state = block_link(state, tokens[i * PREFIX_BLOCK:(i + 1) * PREFIX_BLOCK])

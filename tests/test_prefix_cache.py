@@ -279,3 +279,21 @@ def test_the_multi_turn_workload_shares_a_system_prompt_and_fits_the_pairs_conte
     assert conversations(tok) == (system, convs)  # the same tasks every run
     with pytest.raises(SystemExit):
         parse(["--multi-turn", "--max-tokens", "64"])
+
+
+def test_a_drafter_pools_full_call_is_routed_by_its_context():
+    from types import SimpleNamespace
+
+    from deployments.affinity import CacheAffinityRouter, prompt_blocks
+
+    def propose(tokens, seq, full=True, salt=None):
+        r = SimpleNamespace(seq_id=seq, new_tokens=tokens, full=full, cache_salt=salt)
+        return SimpleNamespace(args=[[r]], kwargs={}, metadata=SimpleNamespace(call_method="propose_bound"))
+
+    router = object.__new__(CacheAffinityRouter)
+    router.initialize_state()
+    context = list(range(3, 70))
+    router.on_request_routed(propose(context, "a"), "d1", None)
+    assert router._prefix_home(prompt_blocks(propose(context + [1], "b")), []) == "d1"
+    assert prompt_blocks(propose(context, "c", full=False)) == []  # a step: its sequence's home decides
+    assert router._prefix_home(prompt_blocks(propose(context, "d", salt="t")), []) is None
