@@ -90,6 +90,9 @@ class Slot:
     salt: str | None = None
     hashes: list[bytes] = field(default_factory=list)
     prefix_hit: int = 0
+    # a verifier's: the states captured for a head at positions kept_from.., kept beside the blocks they fill
+    kept: torch.Tensor | None = None
+    kept_from: int = 0
     # the rows of every block in the table, kept while the table is unchanged: a batched pass asks for
     # every row's rows, and a pre-draft tree's passes for the same slot's rows m (k + 1) times a pass
     _rows: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False, compare=False)
@@ -172,6 +175,8 @@ class PagedKVCache:
         self._hash_of: dict[int, bytes] = {}  # and back: a block here is cached (shared, never written)
         self._refs: dict[int, int] = {}  # a cached block -> the slots whose tables hold it
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no slot holds, least recently used first
+        # a cached block -> (the layers, the states entering them at its positions [block_size, D]), for a head
+        self._states: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self.slots
@@ -199,14 +204,14 @@ class PagedKVCache:
         return list(slot.tokens) if slot else []
 
     def claim(self, seq_id: str, start: int, prefix: str | None, full_tokens: list[int] | None,
-              pinned: set[str], salt: str | None = None, share: bool = True) -> Slot:
+              pinned: set[str], salt: str | None = None, share: bool = True, layers: tuple[int, ...] = ()) -> Slot:
         """Find or make the entry for seq_id, rolled back to hold exactly the tokens before `start`.
 
         With ``full_tokens`` (the caller resent everything, start 0), the longest common
         prefix with what the entry holds is kept, or the longest run of blocks cached under ``salt``
         that the tokens begin with when that is longer (``share``; ``Slot.prefix_hit`` says how many
-        tokens it gave); otherwise it must hold at least ``start`` tokens hashing to ``prefix``, or
-        CacheMiss is raised.
+        tokens it gave; with ``layers``, only blocks whose states at those layers are kept, ``states_of``);
+        otherwise it must hold at least ``start`` tokens hashing to ``prefix``, or CacheMiss is raised.
         """
         slot = self.slots.get(seq_id)
         if full_tokens is not None:
@@ -216,7 +221,7 @@ class PagedKVCache:
                 slot.salt, slot.hashes = salt, []
             # keep at least one token to feed, so the forward pass has a position to predict from
             slot.cut(self._writable(slot, min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1)))
-            slot.prefix_hit = self._share(slot, full_tokens) if self.prefix_caching and share else 0
+            slot.prefix_hit = self._share(slot, full_tokens, layers) if self.prefix_caching and share else 0
         else:
             if (slot is None or len(slot.tokens) < start or prefix_hash(slot.tokens, start, slot.chain) != prefix
                     or self._writable(slot, start) != start):  # (ends inside a cached block: resent, recomputed)
@@ -237,14 +242,14 @@ class PagedKVCache:
             return i * self.block_size
         return n
 
-    def _share(self, slot: Slot, tokens: list[int]) -> int:
+    def _share(self, slot: Slot, tokens: list[int], layers: tuple[int, ...] = ()) -> int:
         """Start the slot from the cached blocks its tokens begin with (leaving at least one token to feed),
         when they hold more than the slot does. -> the tokens they hold (0: none taken)."""
         bs, state, hashes, blocks = self.block_size, salt_root(slot.salt), [], []
         for i in range((len(tokens) - 1) // bs):
             state = block_link(state, tokens[i * bs:(i + 1) * bs])
             b = self._block_of.get(state)
-            if b is None:
+            if b is None or (layers and self._states.get(b, ((),))[0] != layers):
                 break
             hashes.append(state)
             blocks.append(b)
@@ -259,12 +264,18 @@ class PagedKVCache:
         self._drop(slot.blocks)
         slot.cut(0)
         slot.blocks, slot.hashes, slot.tokens = blocks, hashes, list(tokens[:hit])
+        slot.kept = None
         return hit
 
-    def commit(self, slot: Slot, final: int | None = None) -> None:
+    def states_of(self, blocks: list[int]) -> torch.Tensor:
+        """The states kept beside cached blocks (``commit`` with ``layers``), their positions in order: [n, D]."""
+        return torch.cat([self._states[b][1] for b in blocks])
+
+    def commit(self, slot: Slot, final: int | None = None, layers: tuple[int, ...] = ()) -> None:
         """Share the full blocks of the slot's first ``final`` tokens (default: all) with later requests: tokens
         that will not be cut (verified), or a cut below them comes with a claim and costs the block a
-        recompute. A block whose tokens another block already holds stays the slot's own."""
+        recompute. A block whose tokens another block already holds stays the slot's own. With ``layers``,
+        the states ``Slot.kept`` holds at a block's positions are kept beside it (a head's, for a later hit)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
@@ -277,6 +288,15 @@ class PagedKVCache:
             b = slot.blocks[i]
             if b not in self._hash_of and state not in self._block_of:
                 self._block_of[state], self._hash_of[b], self._refs[b] = b, state, 1
+            if layers and self._states.get(self._block_of.get(state), ((),))[0] != layers:
+                self._keep_states(slot, i, self._block_of[state], layers)
+        if slot.kept is not None and slot.kept_from < full * bs:  # (rows of full blocks are no longer needed)
+            slot.kept, slot.kept_from = slot.kept[full * bs - slot.kept_from:], max(slot.kept_from, full * bs)
+
+    def _keep_states(self, slot: Slot, i: int, b: int, layers: tuple[int, ...]) -> None:
+        a, n = i * self.block_size - slot.kept_from, self.block_size
+        if slot.kept is not None and 0 <= a and a + n <= slot.kept.shape[0]:
+            self._states[b] = layers, slot.kept[a:a + n].clone()
 
     def reserve(self, seq_id: str, n_tokens: int, pinned: set[str]) -> None:
         """Give seq_id blocks for n_tokens positions, evicting least recently used sequences outside
@@ -341,6 +361,7 @@ class PagedKVCache:
     def _uncache(self, b: int) -> None:
         """Take back a cached block no slot holds (least recently used): later requests recompute its tokens."""
         del self._idle[b], self._refs[b], self._block_of[self._hash_of.pop(b)]
+        self._states.pop(b, None)
         self.stats["prefix_evictions"] += 1
         self._give_back([b])
 

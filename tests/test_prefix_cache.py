@@ -297,3 +297,42 @@ def test_a_drafter_pools_full_call_is_routed_by_its_context():
     assert router._prefix_home(prompt_blocks(propose(context + [1], "b")), []) == "d1"
     assert prompt_blocks(propose(context, "c", full=False)) == []  # a step: its sequence's home decides
     assert router._prefix_home(prompt_blocks(propose(context, "d", salt="t")), []) is None
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_head_drafts_from_a_hit_with_the_states_kept_beside_the_blocks(params):
+    """The shipped target and its EAGLE-3 head, served by the loop in process: a conversation's turns hit the
+    verifier's cache, the head gets the cached prefix's states from beside the blocks, and every turn's output
+    is the one with the cache off."""
+    import asyncio
+
+    from bench.common import EAGLE3, TARGET
+    from configs import Eagle3Config
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from drafter.eagle3_drafter import Eagle3Drafter
+
+    def pair(on: bool):
+        ver = VerifierEngine(VerifierConfig(model=TARGET, dtype="float32", cache_budget_mb=64, max_model_len=512,
+                                            prefix_caching=on, num_threads=1))
+        return ver, Eagle3Drafter(Eagle3Config(model=EAGLE3, dtype="float32", cache_budget_mb=8, max_model_len=512,
+                                               verifier_model=TARGET, num_threads=1))
+
+    (on, dr_on), (off, dr_off) = pair(True), pair(False)
+    tok = on.tokenizer
+    history = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 3)["input_ids"][:70]
+    for turn in range(3):
+        history = history + tok(f"\n# turn {turn}: now the same for n = {turn}\n")["input_ids"]
+        outs = []
+        for ver, dr in ((on, dr_on), (off, dr_off)):
+            s = Sequence(history, params.model_copy(update={"max_tokens": 12}), 4, ver.tokenizer, ver.eos_ids,
+                         ver.max_len, seq_id=f"t{turn}-{id(ver)}")
+            asyncio.run(speculate_local(s, dr, ver, FixedK(4)))
+            outs.append(s)
+        assert outs[0].output_ids == outs[1].output_ids
+        assert outs[0].stats.as_dict()["num_draft_tokens"] > 0  # the head drafted
+        # ... from the states it was given: none recomputed, no more drafter misses than with the cache off
+        assert outs[0].cache_misses == outs[1].cache_misses and outs[0].cache_misses["states"] == 0
+        history += outs[0].output_ids
+    assert on.cache.stats["prefix_hits"] >= 2 * 64 and off.cache.stats["prefix_hits"] == 0
+    assert on.cache._states  # the states of cached blocks, kept for the head
