@@ -177,6 +177,9 @@ class PagedKVCache:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no slot holds, least recently used first
         # a cached block -> (the layers, the states entering them at its positions [block_size, D]), for a head
         self._states: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        # ... whose bytes come out of the same budget: free blocks set aside while the states need them
+        self._ballast: list[int] = []
+        self._state_bytes = 0
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self.slots
@@ -294,9 +297,34 @@ class PagedKVCache:
             slot.kept, slot.kept_from = slot.kept[full * bs - slot.kept_from:], max(slot.kept_from, full * bs)
 
     def _keep_states(self, slot: Slot, i: int, b: int, layers: tuple[int, ...]) -> None:
+        """Keep the states of block i of the slot beside cached block b, if the slot holds them and the budget
+        has room: a free block (or the least recently used idle one) is set aside for each block's worth of
+        states' bytes."""
         a, n = i * self.block_size - slot.kept_from, self.block_size
-        if slot.kept is not None and 0 <= a and a + n <= slot.kept.shape[0]:
-            self._states[b] = layers, slot.kept[a:a + n].clone()
+        if slot.kept is None or a < 0 or a + n > slot.kept.shape[0]:
+            return
+        self._drop_states(b)
+        states = slot.kept[a:a + n].clone()
+        self._state_bytes += states.nbytes
+        while self._state_bytes > len(self._ballast) * self.block_bytes:
+            if not self._free and (not self._idle or next(iter(self._idle)) == b):
+                self._state_bytes -= states.nbytes  # no room: the block is shared without its states
+                self._give_ballast()
+                return
+            if not self._free:
+                self._uncache(next(iter(self._idle)))
+                continue
+            self._ballast.append(self._take_free())
+        self._states[b] = layers, states
+
+    def _drop_states(self, b: int) -> None:
+        if b in self._states:
+            self._state_bytes -= self._states.pop(b)[1].nbytes
+            self._give_ballast()
+
+    def _give_ballast(self) -> None:
+        while self._ballast and self._state_bytes <= (len(self._ballast) - 1) * self.block_bytes:
+            self._give_back([self._ballast.pop()])
 
     def reserve(self, seq_id: str, n_tokens: int, pinned: set[str]) -> None:
         """Give seq_id blocks for n_tokens positions, evicting least recently used sequences outside
@@ -321,11 +349,16 @@ class PagedKVCache:
             if nxt in self._free:  # stay contiguous: read as a view at batch 1
                 self._free.remove(nxt)
             else:
-                nxt = heapq.heappop(self._heap)
-                while nxt not in self._free:
-                    nxt = heapq.heappop(self._heap)
-                self._free.remove(nxt)
+                nxt = self._take_free()
             slot.blocks.append(nxt)
+
+    def _take_free(self) -> int:
+        """The smallest free block, out of the free set."""
+        nxt = heapq.heappop(self._heap)
+        while nxt not in self._free:
+            nxt = heapq.heappop(self._heap)
+        self._free.remove(nxt)
+        return nxt
 
     def release(self, seq_id: str) -> bool:
         slot = self.slots.pop(seq_id, None)
@@ -361,7 +394,7 @@ class PagedKVCache:
     def _uncache(self, b: int) -> None:
         """Take back a cached block no slot holds (least recently used): later requests recompute its tokens."""
         del self._idle[b], self._refs[b], self._block_of[self._hash_of.pop(b)]
-        self._states.pop(b, None)
+        self._drop_states(b)
         self.stats["prefix_evictions"] += 1
         self._give_back([b])
 

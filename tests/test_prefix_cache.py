@@ -38,7 +38,7 @@ def accounted(cache: PagedKVCache) -> bool:
     """Every block but block 0 is free, cached and idle, or in a table; a block in two tables is cached."""
     held = [b for s in cache.slots.values() for b in s.blocks]
     shared = {b for b in held if held.count(b) > 1}
-    return (cache.free_blocks + cache.idle_blocks + len(set(held)) == cache.num_blocks - 1
+    return (cache.free_blocks + cache.idle_blocks + len(set(held)) + len(cache._ballast) == cache.num_blocks - 1
             and all(cache.refs(b) == held.count(b) for b in shared))
 
 
@@ -110,6 +110,43 @@ def test_idle_blocks_go_first_least_recently_used_tail_first_within_the_budget()
     hold(cache, "big", list(range(400, 464)))
     assert cache.stats["prefix_evictions"] == 5 and cache.stats["evictions"] == 1 and "live" not in cache.slots
     assert cache.idle_blocks == 3 and len(cache.slots["big"].blocks) == 4 and accounted(cache)
+
+
+def test_a_heads_states_beside_cached_blocks_come_out_of_the_budget():
+    cache = pool(9)  # 8 blocks to hand out
+    D = cache.token_bytes // 4 // 2  # float32 states of half a block's bytes per block
+
+    def hold_with_states(seq, tokens):
+        slot = cache.claim(seq, 0, None, tokens, {seq}, layers=(1, 2))
+        hit = slot.prefix_hit
+        cache.reserve(seq, len(tokens), {seq})
+        slot.tokens.extend(tokens[len(slot.tokens):])
+        slot.kept, slot.kept_from = torch.arange(len(tokens) * D, dtype=torch.float32).view(-1, D), 0
+        cache.commit(slot, layers=(1, 2))
+        return hit
+
+    def fill(seq, n):  # blocks of a sequence's own, not shared
+        cache.claim(seq, 0, None, list(range(900, 900 + n)), {seq}, share=False)
+        cache.reserve(seq, n, {seq})
+
+    a = list(range(3, 67))  # four full blocks: two blocks' worth of states
+    hold_with_states("a", a)
+    assert len(cache._ballast) == 2 and cache.free_blocks == 2 and accounted(cache)
+    assert torch.equal(cache.states_of(cache.slots["a"].blocks[:4]), torch.arange(64 * D, dtype=torch.float32).view(-1, D))
+    assert hold_with_states("b", a) == 48  # a hit with states for the same layers
+    assert cache.claim("c", 0, None, a, set(), layers=(7,)).prefix_hit == 0  # not for other layers
+    for seq in ("a", "b", "c"):
+        cache.release(seq)
+    fill("f1", 64)
+    fill("f2", 48)  # the pool: idle blocks taken back, and the blocks their states had set aside with them
+    assert cache.idle_blocks == 0 and not cache._states and not cache._ballast and cache.free_blocks == 1
+    assert accounted(cache)
+    # no room for states: the block is shared without them
+    full = list(range(300, 316))
+    hold_with_states("full", full)
+    assert not cache._states and not cache._ballast and accounted(cache)
+    assert cache.claim("d", 0, None, full + [1], set(), layers=(1, 2)).prefix_hit == 0
+    assert cache.claim("e", 0, None, full + [1], set()).prefix_hit == 16
 
 
 def test_without_prefix_caching_nothing_is_shared():
