@@ -158,7 +158,7 @@ async def _chats(client, url, system: list[int], convs: list, n: int, salt: str 
                 body = completion_body(history, args.max_tokens, args.temperature, 1000 + j, None, True)
                 r = await stream_completion(client, url, body | {"cache_salt": salt or uuid.uuid4().hex})
                 if r["cached_tokens"] and n == 1:  # the uncached suffix alone: its prefill without the history
-                    alone = completion_body(history[r["cached_tokens"]:], 1, args.temperature, 1, None, True)
+                    alone = completion_body(history[r["cached_tokens"]:], args.max_tokens, args.temperature, 1, None, True)
                     r["suffix_ttft_s"] = (await stream_completion(client, url, alone | {"cache_salt": uuid.uuid4().hex}))[
                         "chunks"][0][0]
                 results.append(r)
