@@ -23,7 +23,7 @@ def test_cached_tokens_salts_and_metrics_over_http(serve_app):
 
     base, tok, *_ = serve_app
     client = OpenAI(base_url=f"{base}/v1", api_key="none")
-    prompt = "\n".join(PROMPTS[:6])
+    prompt = "\n".join(PROMPTS[:6] * 2)
     n = len(tok(prompt)["input_ids"])
     assert n > 40
     salt, other, chat = (uuid.uuid4().hex for _ in range(3))  # fresh: nothing served before is cached under them
