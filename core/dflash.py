@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.eagle3 import (
+    DraftVocabulary,
     HeadShape,
     UnsupportedHead,
     _rope_parameters,
@@ -248,7 +249,7 @@ class ParallelLayer(nn.Module):
         return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x)), residual
 
 
-class ParallelHead(nn.Module):
+class ParallelHead(DraftVocabulary, nn.Module):
     """A DFlash or DSpark head under the Speculators weight names (``layers.i.*``, ``fc``, ``hidden_norm``,
     ``norm``, ``lm_head``; DSpark: ``markov_head.markov_w1`` [V, r], ``markov_head.markov_w2`` [Vd, r],
     ``confidence_head.proj``)."""
@@ -274,7 +275,6 @@ class ParallelHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab_size, dtype=torch.bool))
         self.inv_freq, self.rope_scale = rope_frequencies(s)  # float32 whatever the head's dtype
-        self._targets = None
 
     # ------------------------------------------------------------------ pieces
     def rope(self, positions: torch.Tensor):
@@ -352,20 +352,6 @@ class ParallelHead(nn.Module):
         """DSpark: the head's estimate [..] that the draft from ``row`` [.., H] after token ``prev`` is accepted."""
         x = torch.cat([row, self.markov_embed(prev)], dim=-1) if self.spec.confidence_with_markov else row
         return torch.sigmoid(self.confidence_head.proj(x.float()).squeeze(-1))
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf outside the draft
-        vocabulary (q is exact over the target's vocabulary: zero there)."""
-        if self.spec.draft_vocab_size == self.spec.vocab_size:
-            return draft_logits
-        if self._targets is None or self._targets.device != draft_logits.device:
-            self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.spec.vocab_size), float("-inf"))
-        out[..., self._targets] = draft_logits
-        return out
 
     # ------------------------------------------------------------------ reference drafting
     @torch.no_grad()
