@@ -349,12 +349,12 @@ def _served_args(name: str, tiny_model_dirs, tmp_path, tiny_pair) -> tuple[dict,
     engine = {"dtype": "float32", "cache_budget_mb": 64, "num_threads": 1}
     verifier, drafter = {"model": str(target_dir), **engine}, {"method": name, "num_speculative_tokens": 4}
     if name == "eagle3":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         from tests.test_eagle3 import HEAD, TARGET
+        from verifier.engine import VerifierEngine
 
         verifier["model"], drafter = str(TARGET), {**drafter, "model": str(HEAD), **engine}
-        tok, target = AutoTokenizer.from_pretrained(TARGET), AutoModelForCausalLM.from_pretrained(TARGET)
+        ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=16, num_threads=1))
+        tok, target = ver.tokenizer, ver.model  # (the target as the app runs it: float32)
     elif method(name).head:
         from core.dflash import save_head
         from tests.test_dflash import bigram_target, copying_head
@@ -420,3 +420,40 @@ def test_the_worked_example_of_adding_a_drafter_passes_the_contract(tiny_pair, m
     check_greedy(w, "bigram")
     check_misses(w)
     check_pre_drafts(w, "bigram")
+
+
+# ------------------------------------------------------------ the heads' vocabulary
+def _heads_with_a_draft_vocabulary():
+    """(EAGLE-3 head, DSpark head), each drafting over 16 of the target's 40 tokens."""
+    from tests.test_dflash import random_head as parallel_head
+    from tests.test_dflash import tiny_spec as parallel_spec
+    from tests.test_eagle3 import random_head, tiny_spec
+
+    return random_head(tiny_spec(draft_vocab=16, vocab=40), seed=1), parallel_head(parallel_spec("dspark", 40, 16), seed=2)
+
+
+@pytest.mark.parametrize("which", ["eagle3", "dspark"])
+def test_target_logits_follow_the_draft_vocabulary_as_loaded(which):
+    """Draft id i is target id i + d2t[i], -inf elsewhere; a vocabulary loaded into d2t after the first call (a
+    checkpoint loaded into a built head, weights swapped) or after ``fuse`` is the one used."""
+    from core.eagle3 import draft_vocabulary
+
+    head = dict(zip(["eagle3", "dspark"], _heads_with_a_draft_vocabulary()))[which]
+    x = torch.randn(3, 16)
+
+    def expected():
+        out = torch.full((3, 40), float("-inf"))
+        for i in range(16):
+            out[:, i + int(head.d2t[i])] = x[:, i]
+        return out
+
+    assert torch.equal(head.target_logits(x), expected())
+    for seed in (7, 8):
+        d2t, t2d = draft_vocabulary(torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(seed)), 16)
+        with torch.no_grad():
+            head.d2t.copy_(d2t)
+            head.t2d.copy_(t2d)
+        assert torch.equal(head.target_logits(x), expected())
+        if hasattr(head, "fuse"):
+            head.fuse(64)  # the serving tables
+    assert torch.equal(head.target_logits(x[0]), expected()[0])  # any leading shape
