@@ -400,14 +400,16 @@ def test_served_greedy_equals_the_target(serve_app, tiny_model_dirs, tiny_pair, 
     args, tok, target = _served_args(name, tiny_model_dirs, tmp_path, tiny_pair)
     # the shared app serves the draft model: the others get an app of their own beside it
     served = contextlib.nullcontext(serve_app[0]) if name == "draft_model" else side_app(serve_app, f"contract-{name}", args)
+    drafted = 0
     with served as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
-        for text in ["def add(a, b):", "class Point:"]:
+        for text in ["def add(a, b):", "class Point:", "for i in range(10):"]:
             out = client.completions.create(model="tiny", prompt=text, max_tokens=24, temperature=0,
                                             extra_body={"ignore_eos": True, "return_token_ids": True})
             choice = out.choices[0].model_dump()
             assert choice["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 24), (name, text)
-            assert choice["speculation"]["num_draft_tokens"] > 0, choice["speculation"]
+            drafted += choice["speculation"]["num_draft_tokens"]
+    assert drafted > 0  # the drafter pool answered
 
 
 # ------------------------------------------------------------ the worked example of docs/adding-a-drafter.md
