@@ -368,8 +368,8 @@ def test_a_head_drafts_from_a_hit_with_the_states_kept_beside_the_blocks(params)
             outs.append(s)
         assert outs[0].output_ids == outs[1].output_ids
         assert outs[0].stats.as_dict()["num_draft_tokens"] > 0  # the head drafted
-        # ... from the states it was given: none recomputed, no more drafter misses than with the cache off
-        assert outs[0].cache_misses == outs[1].cache_misses and outs[0].cache_misses["states"] == 0
+        # ... from the states it was given: none recomputed (a drafter miss's count depends on pre-drafts' timing)
+        assert outs[0].cache_misses["states"] == outs[1].cache_misses["states"] == 0
         history += outs[0].output_ids
     assert on.cache.stats["prefix_hits"] >= 2 * 64 and off.cache.stats["prefix_hits"] == 0
     assert on.cache._states  # the states of cached blocks, kept for the head
