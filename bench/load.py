@@ -22,41 +22,21 @@ import asyncio
 import math
 import time
 
-from bench import workloads
-from bench.common import (
-    BENCH_DTYPE,
-    DEFAULT_K,
-    DEFAULT_OUT,
-    app_args,
-    completion_body,
-    environment,
-    log,
-    median,
-    percentile,
-    rnd,
-    serving,
-    set_threads,
-    stream_completion,
-    write_json,
-)
-from bench.latency import ints, max_prompt_tokens
+from bench.client import Scenario, add_arguments, completion_body, ints, serving, stream_completion
+from bench.common import log, median, percentile, rnd, write_json
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description="Throughput and latency under concurrent streaming load.")
+    ap = argparse.ArgumentParser(prog="python -m bench.load",
+                                 description="Throughput and latency under concurrent streaming load.")
+    add_arguments(ap, prompts=16, max_tokens=128)  # (the prompts cycled through by the clients)
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=8,
                     help="requests per (concurrency, mode) at least; each client sends ceil(this / N)")
-    workloads.add_arguments(ap, prompts=16, help_prompts="prompts per workload, cycled through by the clients")
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1, help="on/off pairs per concurrency level (ratio: their median)")
-    ap.add_argument("--default-k", type=int, default=DEFAULT_K)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
@@ -139,38 +119,26 @@ async def _measure(url, prompts, args) -> list[dict]:
 def run(args, url: str | None = None) -> dict:
     import contextlib
 
-    from transformers import AutoTokenizer
-
-    from bench.common import TARGET
-
-    set_threads(args.threads)
-    t0 = time.perf_counter()
-    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
-                             args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
+    sc, t0 = Scenario.from_args(args), time.perf_counter()
+    wls = sc.load()
     per_workload = {}
     with contextlib.ExitStack() as stack:
         if url is None:
-            url = stack.enter_context(serving(
-                {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency), dtype=args.dtype)},
-                args.threads))["load"]
+            url = stack.enter_context(serving({"load": sc.app("adaptive", streams=max(args.concurrency))}, args.threads))["load"]
         for wl in wls:
             log(f"workload {wl.name}: {len(wl.prompts)} prompts")
             per_workload[wl.name] = {"workload": wl.describe(), "levels": asyncio.run(_measure(url, wl.prompts, args))}
-    return {"scenario": "load",
-            "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
-                       "prompts": args.prompts, "workloads": [wl.name for wl in wls], "workload_seed": args.workload_seed,
-                       "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
-                       "threads": args.threads, "dtype": args.dtype, "verifier_replicas": 1, "drafter_replicas": 1},
-            # ``levels``: the first workload's (the report's and bench.cost's); ``workloads``: each one's
-            "environment": environment(args.threads), "levels": per_workload[wls[0].name]["levels"],
-            "workloads": per_workload, "duration_s": round(time.perf_counter() - t0, 1)}
+    config = {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
+              "temperature": args.temperature, "verifier_replicas": 1, "drafter_replicas": 1}
+    # ``levels``: the first workload's (the report's plot); ``workloads``: each one's
+    return sc.record("load", wls, t0, config=config, levels=per_workload[wls[0].name]["levels"], workloads=per_workload)
 
 
 def main(argv=None):
     args = parse(argv)
     data = run(args)
-    path = write_json(args.out, "load", data)
-    log(f"wrote {path} ({data['duration_s']} s)")
+    log(f"wrote {write_json(args.out, 'load', data)} ({data['duration_s']} s)")
+    return data
 
 
 if __name__ == "__main__":
