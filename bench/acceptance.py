@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from bench import workloads
+from bench.client import floats, ints
 from bench.common import (
     BENCH_DTYPE,
     DEFAULT_OUT,
@@ -60,7 +61,6 @@ from bench.common import (
     set_threads,
     write_json,
 )
-from bench.latency import floats, ints
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")
 
@@ -259,7 +259,7 @@ def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[st
 def measure_server(args, wls) -> list[dict]:
     import httpx
 
-    from bench.common import complete, completion_body
+    from bench.client import complete, completion_body
 
     out = []
     with httpx.Client(timeout=600) as client:
@@ -267,9 +267,8 @@ def measure_server(args, wls) -> list[dict]:
             for t in args.temperatures:
                 recs, steps_by_k = [], {}
                 for i, (_, ids) in enumerate(wl.prompts):
-                    _, _, spec, _ = complete(client, args.url, completion_body(ids, args.max_tokens, t, args.seed + i,
-                                                                               args.k_max))
-                    spec = spec or {}
+                    body = completion_body(ids, args.max_tokens, t, args.seed + i, args.k_max)
+                    spec = complete(client, args.url, body)["speculation"] or {}
                     recs += records_from_counts(spec, args.k_max)
                     for k, n in (spec.get("steps_by_k") or {}).items():
                         steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n
