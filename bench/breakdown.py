@@ -1,24 +1,14 @@
-"""Where the time of a speculative step goes, per k (served, streaming, one stream).
+"""Where the time of a speculative step goes, per k (served, streaming, one stream): ``python -m bench.latency
+breakdown`` (``breakdown.json``).
 
-``python -m bench.latency breakdown [options]`` (``breakdown.json``): each response's ``speculation`` stats
-give, per speculative step on the router's critical
-path: the drafter's engine time when drafting was on the path (0 when the pipelined
-pre-draft hit), the verifier's batched forward pass, the rest of the step until the
-verify answer arrived (RPC, queueing, (de)serialisation, the verifier's accept/reject),
-and the time between steps spent applying the result, detokenising and streaming it.
-Medians over requests, per workload (``--workload``: HumanEval and the held-out prompts by default,
-or a JSONL file; ``workloads`` -> name -> ``per_config``; the top-level ``per_config`` is the first
-workload's); ``bench.report`` draws them as stacked bars. Per config it also keeps the drafter's
-engine time on the path (``draft_engine_ms``: the rest of ``draft_ms`` is the channel's round trip
-and the drafts' transfer) and the share of steps a pre-draft hid (``pre_draft_hidden_share``: hits
-over steps), which ``bench.plan check`` reads as the served drafter's terms.
-
-The same run serves each drafter head at fixed k over a small range (``--head-ks``, 2-4): the
-EAGLE-3 head (``models/tiny-code-eagle3``) and every ``--head DIR`` (any head directory the
-drafter pool loads: its method from its ``speculators_config``, or ``--head DIR=METHOD``), on the
-first workload; ``heads``: per drafter and k, ms/token and drafting on the critical path per step,
-and each drafter's best k (the draft model's from the k sweep above).
+From each response's ``speculation`` timings, per step on the router's critical path: drafting (0 when the
+pre-draft hit; ``draft_engine_ms`` its drafter-engine part, the rest the channel), the verify forward, the rest of
+the step until the verify answer arrived (RPC, queueing, accept/reject), and applying, detokenising and streaming
+between steps; medians over requests, per workload, and the share of steps a pre-draft hid (``bench.plan check``
+reads these as the served drafter's terms). The same run serves each drafter head at fixed k (``--head-ks``): the
+EAGLE-3 head and every ``--head DIR``, on the first workload, each at its best k.
 """
+
 from __future__ import annotations
 
 import argparse

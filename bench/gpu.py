@@ -1,28 +1,17 @@
-"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights.
+"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights
+(docs/benchmarks.md, The GPU kit).
 
-It needs torch and transformers only (a bare GPU machine: no Ray, pydantic or vLLM, and
-nothing to download). So this imports the engine level only (``core``,
-``verifier``, ``drafter``; their configs are plain dataclass stand-ins here), builds
-random-weight models from the shape configs in ``bench/shapes/`` (a Llama-3.1-8B-shaped
-verifier and a Llama-3.2-1B-shaped drafter, bf16), and drafts with an **oracle**: it replays the
-verifier's own greedy continuation, computed first by plain decoding, each token replaced by a
-wrong one with probability 1 - a. The drafter model still runs its k forward passes per step
-(their cost is real); only its tokens are replaced. So the acceptance is set, and what is
-measured is the system: the loop, the engines, the paged cache, the forward.
+It needs torch and transformers only (no Ray, pydantic or vLLM, nothing to download): it imports the engine
+level, builds random-weight models from ``bench/shapes/`` (Llama-3.1-8B and 3.2-1B shapes, bf16) and drafts with
+an oracle, the verifier's own greedy continuation with each token replaced by a wrong one with probability
+1 - a, while the drafter model still runs its k passes. Per forward implementation, a and k: ms/token against
+plain decoding, the zero-overhead bound and the ratio to it, a step's verify, draft and rest; and what
+``bench.plan check --gpu-json`` needs (``planner_check``). The forward is eager (no compiled or CUDA-graph path).
 
-For each forward implementation (``compact``, ``transformers``), acceptance a and k it reports:
-- ms/token of plain decoding (k = 0) and of the in-process speculative loop;
-- the zero-overhead bound: (k drafter forwards + one (k+1)-token verification forward, both as
-  measured in the run) / E[tokens per step] at the measured acceptance (Leviathan et al.);
-- the ratio measured / bound, and the step breakdown (verify, draft, the rest per step).
-
-    python -m bench.gpu                # 8B/1B shapes, bf16, about 2-4 minutes on one H200
-    python -m bench.gpu --quick        # one (a, k), fewer tokens
+    python -m bench.gpu                # 8B/1B shapes, bf16
     python -m bench.gpu --shapes tiny --device cpu --quick   # what the test suite runs
-
-No compiled or CUDA-graph path exists yet (the forward is eager): the table says so rather
-than leaving the column out.
 """
+
 
 from __future__ import annotations
 

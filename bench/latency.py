@@ -1,27 +1,16 @@
 """Single-stream latency: every system on the same prompts, interleaved run by run (``python -m bench.latency``,
 ``latency.json``); ``python -m bench.latency breakdown`` is where a served step's time goes (``bench.breakdown``).
 
-Systems (all on models/tiny-code-target + models/tiny-code-drafter, float32, the same
-number of torch threads per engine):
-- splitspec served over HTTP: speculation off (``num_speculative_tokens: 0``, the
-  verifier's no-round-trip fast path), the default policy (adaptive, k <= 4), and a fixed-k
-  sweep;
-- the in-process reference loop (``core.loop``: the same engines, no RPC), plain
-  and the same k sweep; its per-call engine timings give the zero-overhead bound;
-- transformers ``generate``: plain and assisted generation (``assistant_model=``);
-- vLLM (``bench.vllm``'s ``VllmPeer``, in a subprocess): plain and in-engine draft-model speculation.
-
-For each (repeat, prompt) every system runs once, in an order rotated per repeat; ms/token
-is wall time / generated tokens (prefill included: time to the last token), and ratios are
-taken within each (repeat, prompt) before the median, so machine noise hits both sides.
-
-The zero-overhead bound at k: expected tokens per step from the measured per-token
-acceptance a (Leviathan et al.: (1 - a^(k+1)) / (1 - a)) divided by the measured cost of
-one step with no overhead (the drafter's k forward passes + one (k+1)-token verification
-forward, both timed inside the reference loop's engines) in units of one plain 1-token
-target forward (the reference loop's k = 0 decode steps). The textbook variant assumes the
-verification costs one plain step: E / (1 + k c), c = drafter cost per token / plain step.
+Systems, all on the shipped pair, one dtype and one torch thread per engine: splitspec served over HTTP
+(speculation off, the default policy, fixed k); the in-process reference loop (``core.loop``: the same engines, no
+RPC), whose per-call engine timings give the zero-overhead bound; transformers ``generate`` (plain and assisted);
+vLLM (``bench.vllm.VllmPeer``). Each (repeat, prompt) runs every system once, in an order rotated per repeat;
+ratios are taken within a (repeat, prompt) before the median. The bound at k: E(k) = (1 - a^(k+1)) / (1 - a)
+tokens per step at the measured per-token acceptance a, over one step's cost with no overhead (k drafter passes
+and one (k + 1)-token verification, timed in the engines) in plain one-token forwards; the textbook variant
+assumes the verification costs one plain forward (docs/benchmarks.md, Method).
 """
+
 
 from __future__ import annotations
 

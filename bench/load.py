@@ -1,19 +1,11 @@
-"""Load: N concurrent streaming clients (httpx, SSE), speculation on (default policy) versus
-off (``num_speculative_tokens: 0``), for each N in a concurrency sweep.
-
-Each client sends its requests back to back (a closed loop); prompts cycle through each
-workload's (``--workload``, bench.workloads). Reported per (N, mode): output tokens/s over the whole run (first send to
-last token), time to first token, inter-token latency (the gap between consecutive
-streamed chunks, as vLLM's benchmark measures it; a speculative chunk carries several
-tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99. The two
-modes alternate per concurrency level, so both see the same machine.
-
-``--rounds R`` runs each level's two modes R times, alternating which goes first. Why: one
-64-stream level is a single wave of requests (tens of seconds on a small CPU), and on a shared
-machine one wave's throughput moves by several percent between runs of the same code, as much as
-the on/off difference being measured. Then a mode's figures pool its rounds, and the ratio is the
-median of the rounds' ratios, each measured minutes apart at most.
+"""Load: N concurrent streaming clients (closed loop, prompts cycled), speculation on (the default policy) against
+off (``num_speculative_tokens: 0``), per N: output tokens/s, time to first token, inter-token latency (the gap
+between streamed chunks, as vLLM's benchmark measures it) and time per output token, p50 and p99. The two modes
+alternate per level; ``--rounds R`` runs each level's pair R times (a 64-stream level is one wave, and a shared
+machine's throughput moves by several percent between waves): a mode's figures pool its rounds, the on/off ratio
+is the median of the rounds'.
 """
+
 
 from __future__ import annotations
 

@@ -1,39 +1,16 @@
 """Will speculation pay for my traffic, and on which GPUs? A planner, and its check against measurement.
 
-``python -m bench.plan`` (``make bench-plan``) projects, for a verifier and a drafter of given shapes
-(``bench/shapes/*.json``: Hugging Face configs), a measured acceptance curve (``bench.acceptance``'s
-JSON), a GPU catalogue (``bench/gpus.yaml``) and a traffic description (``--concurrency`` streams, or
-``--rate`` requests/s; ``--prompt-tokens``, ``--output-tokens``), every deployment shape:
-
-- ``plain`` on a GPU: no speculation;
-- ``colocated`` on a GPU: the drafter inside each verifier replica (``drafter_placement: verifier``);
-- ``split``: a verifier pool on one GPU type and a drafter pool on another (or the same) type.
-
-The machine model is a roofline per forward: time = max(bytes / bandwidth, FLOPs / peak) + a fixed
-overhead per forward, where bytes are the weights read once per pass plus the batch's KV cache and FLOPs
-2 x parameters x new tokens plus attention; a step adds a fixed per-step overhead (and, for a drafter
-pool, a round trip). A speculative step verifies k + 1 tokens per sequence and drafts k; the drafter
-pool pre-drafts the next block while the verifier verifies, so its drafting is on the critical path
-only when the block is not accepted whole (the share of steps that accept all k drafts comes from
-the acceptance JSON). Tokens per step at each k come from the measured curve (``tokens_per_step_by_k``).
-
-For each shape the planner searches k (1-8; 0 for plain) and the batch per verifier replica (powers of
-two, as memory allows), and keeps the cheapest that meets the latency target (``--tpot-ms``: time per
-output token): step time, tokens/s per replica, latency per request, the replicas of each pool and
-$ per million output tokens. It recommends the cheapest shape that meets the target, writes a table
-(``plan.md``), ``plan.json``, a plot and a serve config (``plan_serve.yaml``) for it.
-
-Every GPU projection is **unvalidated**: no GPU has measured the shapes yet. ``python -m bench.plan
-check`` checks the method where it can be checked, on this CPU: the same step (a verify pass of k + 1
-tokens, the drafting a pre-draft did not hide, the drafter channel, the step's own overhead, over the
-measured tokens per step) with its terms from probes taken in the same run apart from the requests it is
-checked against (the engines' own passes in process, ``bench.gpu.engine_terms``; the served drafter's
-terms from ``bench.breakdown``'s requests), the roofline alone beside it; the shipped pair's projected
-ms/token for plain decoding, each k and the best k, against what ``bench.latency`` measured served in the
-same run, per workload. ``check --gpu-json`` sets the GPU kit's measurements (``bench.gpu``'s
-``planner_check``) beside the catalogue's projection; ``--gpu-json`` on a plan uses the kit's measured
-bandwidth, matmul rate and acceptance for the GPU it ran on.
+``python -m bench.plan`` projects every deployment shape (``plain``, the drafter ``colocated`` in the verifier
+replica, a ``split`` verifier pool and drafter pool on GPU types of their own) from the models' shapes, the
+acceptance curve ``bench.acceptance`` measured, the GPU catalogue (``bench/gpus.yaml``) and the traffic: a roofline
+per forward, a step that verifies k + 1 tokens and drafts k (pre-drafted during verification in a pool), the
+cheapest (k, batch) per shape that meets ``--tpot-ms``; ``plan.json``, ``plan.md``, ``plan.png``,
+``plan_serve.yaml``. Every GPU projection is unvalidated. ``check`` sets the same step, its terms from probes
+(``bench.gpu.engine_terms`` in process, the served drafter's from ``bench.latency breakdown``), beside what
+``bench.latency`` measured served on this CPU; ``check --gpu-json`` beside the GPU kit's measurements.
+Method: docs/benchmarks.md (The planner); why the terms are probed: docs/decisions/0030-planner-machine-model.md.
 """
+
 
 from __future__ import annotations
 
