@@ -334,21 +334,14 @@ async def _served_runs(url: str, prompts, args, http_peers: dict[str, str]) -> d
 
 
 def served_main(argv=None):
-    """``served``: ``backend: vllm`` served against vLLM's own decoding.
+    """``served``: ``backend: vllm`` served against vLLM's own decoding, greedy, one thread per engine.
 
-    Systems, greedy, one thread per engine:
-    - ``vllm_plain`` and ``vllm_draft_model`` (k): vLLM alone, in its own process (``VllmPeer``,
-      no HTTP: its best case), one engine at a time;
-    - ``vllm_http_plain`` and ``vllm_http_draft_model`` (k): vLLM's own OpenAI server
-      (``VllmServer``), measured through the same HTTP client as splitspec and interleaved with
-      it, its engine's thread on the served verifier's core;
-    - ``served_spec`` (k) and ``served_off`` (k = 0, the same app and vLLM engine): splitspec over
-      HTTP with ``configs/serve_vllm.yaml``'s verifier (backend vllm, vLLM's loop) and the shipped
-      draft model on the drafter pool, the verifier and drafter replicas on cores of their own;
-      interleaved by prompt.
-    Per (prompt, repeat) the ratio to ``vllm_draft_model`` and the speed-up over ``vllm_plain``,
-    then medians. ``--streams`` adds throughput at those concurrencies, speculation against off on
-    the served app (the same vLLM engine and client)."""
+    ``vllm_plain``, ``vllm_draft_model`` (k): vLLM alone in its own process (``VllmPeer``, no HTTP: its best case);
+    ``vllm_http_plain``, ``vllm_http_draft_model``: vLLM's own OpenAI server (``VllmServer``) through the same HTTP
+    client as splitspec, interleaved with it; ``served_spec`` (k) and ``served_off``: splitspec with
+    ``configs/serve_vllm.yaml``'s verifier (vLLM's loop) and the shipped draft model on the drafter pool.
+    Per (prompt, repeat) the ratio to ``vllm_draft_model`` and the speed-up over ``vllm_plain``, then medians;
+    ``--streams``: throughput at those concurrencies, speculation against off on the served app."""
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(prog="python -m bench.vllm served", description=served_main.__doc__.split("\n")[0])
