@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.costs import PositionAcceptance, StepCosts
+from core.costs import PositionAcceptance, StepCosts, monotone
 
 __all__ = ["AdaptiveK", "Breaker", "FixedK", "PositionAcceptance", "StepCosts"]
 
@@ -51,6 +51,7 @@ class AdaptiveK:
     c_verify: float = 0.12  # prior: extra verify cost per extra token, relative to a plain step (until measured)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
     plain_decay: float = 0.97  # ... per plain step
+    replica_plain_decay: float = 0.998  # the replica's acceptance, per plain step of any sequence there
     step_weight: float = 0.2  # weight of the newest step in the engine model's estimates
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
     min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
@@ -75,13 +76,22 @@ class AdaptiveK:
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _prev_k: int | None = None  # the k of the previous observed step
+    _start_s: float = 0.0  # drafting the prompt's prefill step waited for (charged to the first cold step)
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
     def acceptance(self) -> float:
         """Per-token acceptance: accepted / tested draft positions (a position is tested when
         all before it were accepted), smoothed towards the prior with two pseudo-observations."""
-        return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
+        return (self.accepted_w + 2 * self.base_prior) / (self.tested_w + 2)
+
+    @property
+    def base_prior(self) -> float:
+        """What a request assumes before its own evidence: the acceptance the replica's sequences measured at
+        its temperature where they tested enough, else ``prior``. Why: served at T = 0.8 the replica measured
+        0.35-0.45 while each new request started from 0.6 and tried speculation on it
+        (docs/decisions/0056-cold-tries.md)."""
+        return self.costs.prior(self.prior, self.min_steps)
 
     def __post_init__(self):
         if self.positions is None:
@@ -192,6 +202,12 @@ class AdaptiveK:
             return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
+        if plain and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
+            # skipped: by what this request and the replica measured, a try would not pay for its cold step; asked
+            # again after as many plain steps (the evidence ages meanwhile), the replica waiting where none pays
+            self.plain_run = 1
+            self._replica_wait(best_spec, batch_size)
+            return 0
         if plain:  # measure speculation again: conditions may have changed
             self.plain_run, self.current, self._rechecking = 0, best_spec, True
             return self._try(best_spec)
@@ -203,7 +219,9 @@ class AdaptiveK:
         if best == 0 and cur != 0 or self._rechecking:
             self._verdict(best, batch_size, k)
         if cur is None and best > 0:  # a request's first k: judged on a run of steps, not on its first
-            return self._try(best)
+            if self.costs.recheck_in == 0 and self._try_pays(best, batch_size):
+                return self._try(best)
+            best = self.current = 0  # plain from the start, rechecking as a plain stretch does
         if best == 0:
             self.plain_run = 1
             return 0
@@ -217,6 +235,25 @@ class AdaptiveK:
             if 1 <= best + step <= self.bound:
                 return self._try(best + step)
         return best
+
+    def _try_pays(self, k: int, batch_size: int) -> bool:
+        """A try of k from plain decoding (a request's first, a recheck) is expected to beat plain steps with its
+        cold step charged: ``run`` steps' tokens over their steady costs plus ``StepCosts.cold_extra_s``; True
+        while no cold step is measured (a try measures one). Why: docs/decisions/0056-cold-tries.md."""
+        cache: dict[int, float] = {}
+
+        def steady(m: int) -> float:
+            if m not in cache:
+                ks = range(max(m, self.bound) + 1)
+                cache.update(zip(ks, self.costs_all(ks, batch_size)))
+            return cache[m]
+
+        extra = self.costs.cold_extra_s(batch_size, steady)
+        if extra is None or steady(0) <= 0:
+            return True
+        tokens = self.tokens_all()
+        load = 1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1)
+        return self.run * tokens[k] / (self.run * steady(k) + extra) / load > (1 + self.plain_margin) / steady(0)
 
     def _sparse_k(self, batch_size: int) -> int | None:
         """A k of a coarse grid (1, 2, 4, 8, the bound) the replica has not measured a try of at this batch
@@ -253,27 +290,33 @@ class AdaptiveK:
             self._rechecking = False
             self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
-        need = 0.0
-        plain, spec = self.costs_all([0, tried], batch_size) if self._rechecking and tried > 0 else (0.0, 0.0)
-        # the replica's wait only where speculating loses at any acceptance (a step costs more than the k + 1
-        # plain steps its tokens could save): that is the drafter's and the hardware's, shared by every
-        # sequence here; a recheck that failed on its text's acceptance is the request's alone
-        if plain > 0 and spec > (tried + 1) * plain:
-            loss = self.run * (spec - self.tokens_all()[tried] * plain)
-            need = loss / (self.recheck_budget * plain)
+        if self._rechecking:
+            self._replica_wait(tried, batch_size)
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
         self._recheck = min(self.max_recheck_steps, wait)
-        self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
+
+    def _replica_wait(self, tried: int, batch_size: int) -> None:
+        """A recheck at ``tried`` failed (or was skipped): the replica's wait, only where speculating loses at any
+        acceptance (a step costs more than the k + 1 plain steps its tokens could save): that is the drafter's
+        and the hardware's, shared by every sequence here; a recheck that failed on its text's acceptance is the
+        request's alone."""
+        plain, spec = self.costs_all([0, tried], batch_size) if tried > 0 else (0.0, 0.0)
+        if plain > 0 and spec > (tried + 1) * plain:
+            loss = self.run * (spec - self.tokens_all()[tried] * plain)
+            need = loss / (self.recheck_budget * plain)
+            self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
 
     def observe(self, k: int, num_accepted: int, draft_s: float | None = None, verify_s: float = 0.0,
-                step_s: float = 0.0, batch_size: int = 1):
+                step_s: float = 0.0, batch_size: int = 1, start_s: float = 0.0):
         """One step: k drafts, num_accepted accepted; drafting on the critical path and the verify
         forward pass (engine seconds), the step's wall seconds where the loop runs, and the
         verifier's batch size in that step (no times: only its acceptance counts, as for a prompt's
-        prefill). The engine model's inputs are running means over their first 1 / ``step_weight``
-        steps, then exponentially weighted (from zero, drafting read cheap for a dozen steps)."""
+        prefill, whose drafting on the critical path is ``start_s``). The engine model's inputs are running
+        means over their first 1 / ``step_weight`` steps, then exponentially weighted (from zero, drafting
+        read cheap for a dozen steps)."""
         costs = self.costs
+        self._start_s += start_s
         if verify_s > 0:
             costs.plain_steps += 1
             w = max(self.step_weight, 1 / costs.plain_steps)
@@ -288,15 +331,21 @@ class AdaptiveK:
         if wall > 0 and self._prev_k == k:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
+        elif wall > 0 and k > 0 and not self._prev_k:  # cold: a sequence's first speculative step, or one after plain
+            costs.observe_cold(batch_size, k, wall + self._start_s)
+            self._start_s = 0.0
         # nor is the step after one without times (the prompt's prefill): it is a sequence's first decoding
         # step, cold (the drafter catches up on the prompt: served, 6.9-12.3 ms against 4.7-7.6 steady)
         self._prev_k = k if wall > 0 else None
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
-            # speculation tried again after a plain stretch must be judged on what it meets then
+            # speculation tried again after a plain stretch must be judged on what it meets then; the replica's
+            # too, more slowly (half in about 350 of its sequences' plain steps): where its acceptance keeps new
+            # requests plain, none would measure it again, and its prior returns to ``prior``
             self.accepted_w *= self.plain_decay
             self.tested_w *= self.plain_decay
             self.positions.age(self.plain_decay)
+            self.costs.acceptance.age(self.replica_plain_decay)
             return
         self.steps += 1
         self.accepted_w = self.decay * self.accepted_w + num_accepted
@@ -307,22 +356,6 @@ class AdaptiveK:
         n, t = self._tokens.get(k, (0.0, 0.0))
         self._tokens[k] = (n + 1, t + num_accepted + 1)
         self.costs.acceptance.observe(k, num_accepted)
-
-
-def monotone(costs: list[float], weights: list[float]) -> list[float]:
-    """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
-    pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
-    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
-    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
-    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
-    blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
-    for c, w in zip(costs[1:], weights[1:]):
-        blocks.append([c, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            c2, w2, n2 = blocks.pop()
-            c1, w1, n1 = blocks[-1]
-            blocks[-1] = [(c1 * w1 + c2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return costs[:1] + [c for c, _, n in blocks for _ in range(n)]
 
 
 @dataclass
