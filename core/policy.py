@@ -77,6 +77,8 @@ class AdaptiveK:
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _prev_k: int | None = None  # the k of the previous observed step
     _start_s: float = 0.0  # drafting the prompt's prefill step waited for (charged to the first cold step)
+    horizon: int | None = None  # tokens the request may emit (max_tokens; None: unknown)
+    _emitted: int = 0
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
@@ -87,10 +89,8 @@ class AdaptiveK:
 
     @property
     def base_prior(self) -> float:
-        """What a request assumes before its own evidence: the acceptance the replica's sequences measured at
-        its temperature where they tested enough, else ``prior``. Why: served at T = 0.8 the replica measured
-        0.35-0.45 while each new request started from 0.6 and tried speculation on it
-        (docs/decisions/0056-cold-tries.md)."""
+        """Before its own evidence, a request assumes what the replica's sequences measured at its temperature,
+        shrunk towards ``prior`` (``StepCosts.prior``). Why: docs/decisions/0056-cold-tries.md."""
         return self.costs.prior(self.prior, self.min_steps)
 
     def __post_init__(self):
@@ -98,7 +98,7 @@ class AdaptiveK:
             self.positions = PositionAcceptance(self.decay)
         self._recheck = self.recheck_steps
 
-    def expected_tokens(self, bound: int) -> list[float]:
+    def expected_tokens(self, bound: int, optimism: float | None = None) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
         chance the first j drafts are all accepted, S(j) the product of this request's measured
         acceptance of draft j given the ones before. On predictable text acceptance comes in runs,
@@ -111,11 +111,11 @@ class AdaptiveK:
         (docs/decisions/0027-one-policy.md)."""
         a = min(max(self.acceptance, 1e-3), 0.999)
         shared = self.costs.acceptance
-        out, surv, c = [1.0], 1.0, a
+        out, surv, c, opt = [1.0], 1.0, a, self.optimism if optimism is None else optimism
         for j in range(bound):
             prior = max(c, shared.rate(j, c)) if j < len(shared.tested) and shared.tested[j] > 1 else c
             c = self.positions.rate(j, prior)  # (the next untested position's prior, without optimism)
-            surv *= min(max(self.positions.rate(j, prior, optimism=self.optimism), 1e-3), 0.999)
+            surv *= min(max(self.positions.rate(j, prior, optimism=opt), 1e-3), 0.999)
             out.append(out[-1] + surv)
         return out
 
@@ -147,13 +147,13 @@ class AdaptiveK:
         full = monotone(out, weights)
         return [full[k] for k in wanted]
 
-    def tokens_all(self) -> list[float]:
+    def tokens_all(self, optimism: float | None = None) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: where this request has steps at k, their
         mean tokens shrunk towards the per-position model (``expected_tokens``) with ``costs.shrink``
         pseudo-steps. Why: on text that repeats, what k emits depends on where its blocks end, which no
         per-position rate predicts (one held-out prompt: k = 3 emits 2.65 tokens a step, k = 4 3.85; the
         model put k = 4 at 2.8, and the policy kept k = 3: docs/decisions/0027-one-policy.md)."""
-        out = self.expected_tokens(self.bound)
+        out = self.expected_tokens(self.bound, optimism)
         for k, (n, total) in self._tokens.items():
             if 0 < k <= self.bound and n > 0:
                 out[k] = (total + self.costs.shrink * out[k]) / (n + self.costs.shrink)
@@ -203,9 +203,7 @@ class AdaptiveK:
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         if plain and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
-            # skipped: by what this request and the replica measured, a try would not pay for its cold step; asked
-            # again after as many plain steps (the evidence ages meanwhile), the replica waiting where none pays
-            self.plain_run = 1
+            self.plain_run = 1  # skipped; asked again after as many plain steps (the evidence ages meanwhile)
             self._replica_wait(best_spec, batch_size)
             return 0
         if plain:  # measure speculation again: conditions may have changed
@@ -238,8 +236,8 @@ class AdaptiveK:
 
     def _try_pays(self, k: int, batch_size: int) -> bool:
         """A try of k from plain decoding (a request's first, a recheck) is expected to beat plain steps with its
-        cold step charged: ``run`` steps' tokens over their steady costs plus ``StepCosts.cold_extra_s``; True
-        while no cold step is measured (a try measures one). Why: docs/decisions/0056-cold-tries.md."""
+        cold step (``StepCosts.cold_extra_s``) charged to the tokens it may speculate: those left (``horizon``),
+        else the try's own; True while no cold step is measured. Why: docs/decisions/0056-cold-tries.md."""
         cache: dict[int, float] = {}
 
         def steady(m: int) -> float:
@@ -251,9 +249,11 @@ class AdaptiveK:
         extra = self.costs.cold_extra_s(batch_size, steady)
         if extra is None or steady(0) <= 0:
             return True
-        tokens = self.tokens_all()
-        load = 1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1)
-        return self.run * tokens[k] / (self.run * steady(k) + extra) / load > (1 + self.plain_margin) / steady(0)
+        t = self.tokens_all(optimism=0.0)[k]  # (what the replica measured, no optimism: it decides whether to draft)
+        cost = steady(k) * (1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1))
+        # over the tokens left (a try that pays goes on), at least the try's own
+        n = self.run * t if self.horizon is None else max(self.run * t, self.horizon - self._emitted)
+        return n * cost / t + extra < n * steady(0) / (1 + self.plain_margin)
 
     def _sparse_k(self, batch_size: int) -> int | None:
         """A k of a coarse grid (1, 2, 4, 8, the bound) the replica has not measured a try of at this batch
@@ -298,9 +298,8 @@ class AdaptiveK:
 
     def _replica_wait(self, tried: int, batch_size: int) -> None:
         """A recheck at ``tried`` failed (or was skipped): the replica's wait, only where speculating loses at any
-        acceptance (a step costs more than the k + 1 plain steps its tokens could save): that is the drafter's
-        and the hardware's, shared by every sequence here; a recheck that failed on its text's acceptance is the
-        request's alone."""
+        acceptance (a step costs more than the k + 1 plain steps it could save: the drafter's and the hardware's
+        fault, shared by every sequence here); a recheck failed on its text's acceptance is the request's alone."""
         plain, spec = self.costs_all([0, tried], batch_size) if tried > 0 else (0.0, 0.0)
         if plain > 0 and spec > (tried + 1) * plain:
             loss = self.run * (spec - self.tokens_all()[tried] * plain)
@@ -317,6 +316,7 @@ class AdaptiveK:
         read cheap for a dozen steps)."""
         costs = self.costs
         self._start_s += start_s
+        self._emitted += num_accepted + 1
         if verify_s > 0:
             costs.plain_steps += 1
             w = max(self.step_weight, 1 / costs.plain_steps)
@@ -326,16 +326,16 @@ class AdaptiveK:
             w = max(self.step_weight, 1 / costs.draft_steps)
             costs.draft_per_token_s += w * (draft_s / k - costs.draft_per_token_s)
         wall = step_s if step_s > 0 else verify_s + (draft_s or 0.0)
-        # steady state only: a step right after a change of k pays for it (a pre-draft made for the
-        # old k misses), which would make every k tried once look slower than the one in use
+        # steady state only: a step right after a change of k pays for it (a pre-draft made for the old k misses),
+        # which would make every k tried once look slower than the one in use; nor the sequence's first decoding
+        # step (after the prefill, which has no times), nor one after plain steps: cold, the drafter catches up
+        # (served, 6.9-12.3 ms against 4.7-7.6 steady): measured apart, what a try from plain decoding pays
         if wall > 0 and self._prev_k == k:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
-        elif wall > 0 and k > 0 and not self._prev_k:  # cold: a sequence's first speculative step, or one after plain
+        elif wall > 0 and k > 0 and not self._prev_k:
             costs.observe_cold(batch_size, k, wall + self._start_s)
             self._start_s = 0.0
-        # nor is the step after one without times (the prompt's prefill): it is a sequence's first decoding
-        # step, cold (the drafter catches up on the prompt: served, 6.9-12.3 ms against 4.7-7.6 steady)
         self._prev_k = k if wall > 0 else None
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and

@@ -380,7 +380,8 @@ class VerifierServer(EngineServer):
             await asyncio.to_thread(eng.masks.grammars.compile, constraint)
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
                        seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint)
-        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
+        policy = FixedK(k) if k_policy != "adaptive" else ReplicaGatedK(AdaptiveK(
+            k, costs=self.costs_for(params, constraint is not None), horizon=params.max_tokens - len(output_ids)), self)
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:

@@ -535,22 +535,23 @@ def test_a_sequences_first_decoding_step_is_not_read_as_a_steady_step():
     assert [s for _, s in p.costs.cold[1]] == [pytest.approx(0.018), 0.011] and len(p.costs.row(1)[2]) == 1
 
 
-def _serve_sampled(costs, cold_extra_s: float, requests: int, seed: int = 0) -> list[list[int]]:
-    """Requests of 128 steps on one replica's tables: each draft accepted with chance 0.45 (sampled text), a
+def _serve_sampled(costs, cold_extra_s: float, requests: int, seed: int = 0, accept: float = 0.45,
+                   horizon: int | None = None) -> list[list[int]]:
+    """Requests of 128 steps on one replica's tables: each draft accepted with chance ``accept`` (sampled text), a
     plain step 4 ms, a steady one at k 5 + 1.2 k ms, a cold one (a sequence's first speculative step, or the
     first after plain steps) ``cold_extra_s`` more. Each request's ks, its prompt's prefill first."""
     import random
 
     rng, out = random.Random(seed), []
     for _ in range(requests):
-        p = AdaptiveK(4, costs=costs)
+        p = AdaptiveK(4, costs=costs, horizon=horizon)
         ks = [p.next_k()]
-        p.observe(ks[0], next((j for j in range(ks[0]) if rng.random() >= 0.45), ks[0]))  # the prefill
+        p.observe(ks[0], next((j for j in range(ks[0]) if rng.random() >= accept), ks[0]))  # the prefill
         for _ in range(127):
             k = p.next_k()
             cold = k > 0 and ks[-1] == 0 or len(ks) == 1
             wall = 0.004 if k == 0 else 0.005 + 0.0012 * k + (cold_extra_s if cold else 0.0)
-            p.observe(k, next((j for j in range(k) if rng.random() >= 0.45), k), 0.0005 * k, 0.004, wall)
+            p.observe(k, next((j for j in range(k) if rng.random() >= accept), k), 0.0005 * k, 0.004, wall)
             ks.append(k)
         out.append(ks)
     return out
@@ -574,19 +575,23 @@ def test_a_new_request_starts_from_the_acceptance_the_replica_measured():
 def test_a_try_from_plain_decoding_pays_for_its_cold_step():
     """The step tables hold steady steps only; a try from plain decoding (a request's first, a recheck) also
     pays a cold step (the drafter catches up on the prompt or the tokens decoded plain; the pre-draft is gone),
-    which the replica measures apart (``StepCosts.cold``) and charges to the try. Where cold steps cost 11 ms
-    more, on sampled text that pays a little at a steady k (0.45 a draft), the replica's later requests decode
-    plain from their first step and make no try in 128 steps; where cold steps cost what steady ones do, they
-    try speculation as before."""
+    which the replica measures apart (``StepCosts.cold``) and charges to the try, over the tokens the request
+    may still speculate on. On sampled text where a steady k pays a little (0.7 a draft), with cold steps 11 ms
+    dearer, the replica's later requests of a few tokens decode plain from their first step and make no try in
+    128 steps, while long ones try; where cold steps cost what steady ones do, every request tries. Where
+    no steady k pays on what the replica measured (0.45 a draft), not even a long request tries."""
     from core.policy import StepCosts
 
-    dear, cheap = StepCosts(), StepCosts()
-    _serve_sampled(dear, 0.011, 3)
-    _serve_sampled(cheap, 0.0, 3)
+    dear, cheap, hard = StepCosts(), StepCosts(), StepCosts()
+    _serve_sampled(dear, 0.011, 3, accept=0.7)
+    _serve_sampled(cheap, 0.0, 3, accept=0.7)
+    _serve_sampled(hard, 0.0, 3)
     assert dear.cold_extra_s(1, lambda k: 0.005 + 0.0012 * k) == pytest.approx(0.011, abs=0.002)
-    later = _serve_sampled(dear, 0.011, 4, seed=1)
+    later = _serve_sampled(dear, 0.011, 4, seed=1, accept=0.7, horizon=4)
     assert all(sum(k > 0 for k in ks) == 0 for ks in later), [sum(k > 0 for k in ks) for ks in later]
-    assert all(ks[0] > 0 for ks in _serve_sampled(cheap, 0.0, 4, seed=1))
+    assert all(ks[0] > 0 for ks in _serve_sampled(dear, 0.011, 4, seed=1, accept=0.7, horizon=2000))
+    assert all(ks[0] > 0 for ks in _serve_sampled(cheap, 0.0, 4, seed=1, accept=0.7, horizon=4))
+    assert all(ks[0] == 0 for ks in _serve_sampled(hard, 0.0, 4, seed=1, horizon=2000))
 
 
 def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
