@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+# plain steps (any sequence's on a replica) after which its cold steps' cost is measured again (see cold_extra_s)
+COLD_STALE = 1024
+
 
 @dataclass
 class PositionAcceptance:
@@ -63,6 +66,7 @@ class StepCosts:
     # steps (the drafter catches up on the tokens decoded meanwhile, the pre-draft made before them is gone),
     # with the drafting its prompt's prefill step waited for; ``cold_extra_s`` reads what they cost beyond steady
     cold: dict[int, deque] = field(default_factory=dict)
+    plain_since_cold: int = 0  # plain steps (any sequence's) since the last cold step
     # every sequence's acceptance per draft position: a request's prior for each position (taking
     # its last tested position's rate for the ones it has not tested traps a request at a low k)
     acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
@@ -86,17 +90,20 @@ class StepCosts:
 
     def observe_cold(self, batch_size: int, k: int, step_s: float):
         self.cold.setdefault(self.bucket(batch_size), deque(maxlen=self.per_k)).append((k, step_s))
+        self.plain_since_cold = 0
 
     def cold_extra_s(self, batch_size: int, steady) -> float | None:
-        """What a cold speculative step costs beyond a steady step at its k (``steady(k)``, seconds), the mean
-        over the recent ones at (or nearest) this batch size; None: none measured. Why: the tables hold
-        steady steps only, so a try's first step, its drafter catching up, was invisible to the policy; served
-        at T = 0.8, requests that tried speculation and left it ran at 0.74-0.89x of plain decoding, their few
-        speculative steps 13-20 ms each against 6-10 steady (docs/decisions/0056-cold-tries.md)."""
+        """What a cold speculative step costs beyond a steady step at its k (``steady(k)``, seconds), the median
+        of the recent ones at (or nearest) this batch size; None while fewer than three are measured, or after
+        ``COLD_STALE`` plain steps without one (no try would measure it again). Why: the tables hold steady
+        steps only, so a try's first step, its drafter catching up, was invisible to the policy; served at
+        T = 0.8, requests that tried speculation and left it ran at 0.74-0.89x of plain decoding, their few
+        speculative steps 13-20 ms each against 6-10 steady. The median: a fresh replica's first calls cost
+        tens of times a step (docs/decisions/0056-cold-tries.md)."""
         entries = self._near(self.cold, batch_size)
-        if not entries:
+        if not entries or len(entries) < 3 or self.plain_since_cold > COLD_STALE:
             return None
-        return sum(max(0.0, s - steady(k)) for k, s in entries) / len(entries)
+        return sorted(max(0.0, s - steady(k)) for k, s in entries)[len(entries) // 2]
 
     def prior(self, default: float, weight: float) -> float:
         """The per-token acceptance (accepted over tested draft positions) every sequence here measured, shrunk

@@ -340,12 +340,12 @@ class AdaptiveK:
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
             # speculation tried again after a plain stretch must be judged on what it meets then; the replica's
-            # too, more slowly (half in about 350 of its sequences' plain steps): where its acceptance keeps new
-            # requests plain, none would measure it again, and its prior returns to ``prior``
+            # too, more slowly (half in 350 of its sequences' plain steps): its prior returns to ``prior``
             self.accepted_w *= self.plain_decay
             self.tested_w *= self.plain_decay
             self.positions.age(self.plain_decay)
             self.costs.acceptance.age(self.replica_plain_decay)
+            self.costs.plain_since_cold += 1  # (see StepCosts.cold_extra_s)
             return
         self.steps += 1
         self.accepted_w = self.decay * self.accepted_w + num_accepted
