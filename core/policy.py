@@ -202,7 +202,9 @@ class AdaptiveK:
             return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
-        if plain and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
+        # a request plain from its start tries on the replica's evidence; one that speculated rechecks as it waits
+        # (its text may have turned predictable again: served greedy, rechecks found it often)
+        if plain and self.steps == 0 and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
             self.plain_run = 1  # skipped; asked again after as many plain steps (the evidence ages meanwhile)
             self._replica_wait(best_spec, batch_size)
             return 0
