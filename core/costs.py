@@ -67,6 +67,7 @@ class StepCosts:
     # with the drafting its prompt's prefill step waited for; ``cold_extra_s`` reads what they cost beyond steady
     cold: dict[int, deque] = field(default_factory=dict)
     plain_since_cold: int = 0  # plain steps (any sequence's) since the last cold step
+    rechecks: tuple[float, float] = (0.0, 0.0)  # rechecks that resumed speculation, rechecks (decayed)
     # every sequence's acceptance per draft position: a request's prior for each position (taking
     # its last tested position's rate for the ones it has not tested traps a request at a low k)
     acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
@@ -104,6 +105,22 @@ class StepCosts:
         if not entries or len(entries) < 3 or self.plain_since_cold > COLD_STALE:
             return None
         return sorted(max(0.0, s - steady(k)) for k, s in entries)[len(entries) // 2]
+
+    def recheck_won(self, won: bool):
+        n, w = self.rechecks
+        self.rechecks = (0.9 * n + won, 0.9 * w + 1)
+
+    def rechecks_win(self) -> bool:
+        """Whether a sequence that left speculation should recheck it: while fewer than 4 rechecks are measured
+        here, or a quarter or more of them resumed speculation. A recheck skipped ages the evidence, so one in
+        several comes anyway. Why: served at T = 0.8, a request whose text defeated the drafter rechecked 3
+        times in 128 tokens, each a cold step and two more, and none resumed; greedy, rechecks often find
+        predictable text again (docs/decisions/0056-cold-tries.md)."""
+        won, tried = self.rechecks
+        if tried < 4 or won >= 0.25 * tried:
+            return True
+        self.rechecks = (0.9 * won, 0.9 * tried)
+        return False
 
     def prior(self, default: float, weight: float) -> float:
         """The per-token acceptance (accepted over tested draft positions) every sequence here measured, shrunk

@@ -203,10 +203,13 @@ class AdaptiveK:
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         # a request plain from its start tries on the replica's evidence; one that speculated rechecks as it waits
-        # (its text may have turned predictable again: served greedy, rechecks found it often)
+        # (its text may turn predictable again: greedy, rechecks often find it), while rechecks here win
         if plain and self.steps == 0 and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
             self.plain_run = 1  # skipped; asked again after as many plain steps (the evidence ages meanwhile)
             self._replica_wait(best_spec, batch_size)
+            return 0
+        if plain and self.steps > 0 and not self.costs.rechecks_win():
+            self._recheck = min(self.max_recheck_steps, 2 * self._recheck)  # skipped, as if failed
             return 0
         if plain:  # measure speculation again: conditions may have changed
             self.plain_run, self.current, self._rechecking = 0, best_spec, True
@@ -288,6 +291,8 @@ class AdaptiveK:
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
         16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
+        if self._rechecking:
+            self.costs.recheck_won(best > 0)
         if best > 0:
             self._rechecking = False
             self._recheck, self.costs.recheck_in = self.recheck_steps, 0
