@@ -94,7 +94,7 @@ class StepCosts:
         self.plain_since_cold = 0
 
     def cold_extra_s(self, batch_size: int, steady) -> float | None:
-        """What a cold speculative step costs beyond a steady step at its k (``steady(k)``, seconds), the median
+        """What a cold speculative step costs beyond a steady step at its k (``steady[k]``, seconds), the median
         of the recent ones at (or nearest) this batch size; None while fewer than three are measured, or after
         ``COLD_STALE`` plain steps without one (no try would measure it again). Why: the tables hold steady
         steps only, so a try's first step, its drafter catching up, was invisible to the policy; served at
@@ -104,7 +104,8 @@ class StepCosts:
         entries = self._near(self.cold, batch_size)
         if not entries or len(entries) < 3 or self.plain_since_cold > COLD_STALE:
             return None
-        return sorted(max(0.0, s - steady(k)) for k, s in entries)[len(entries) // 2]
+        extra = sorted(max(0.0, s - steady[k]) for k, s in entries if k < len(steady))  # (a request's k, at most)
+        return extra[len(extra) // 2] if len(extra) >= 3 else None
 
     def recheck_won(self, won: bool):
         n, w = self.rechecks

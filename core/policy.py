@@ -28,11 +28,12 @@ extra verified token is throughput taken from other requests, so speculation is 
 
 k = 0 is one of the choices, and one it returns from: a plain stretch lasts until the best
 speculative k is tried again, twice as long after each failed recheck and long enough that what
-speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``). Every
-``explore_every`` steps a neighbour of the best k is tried; a k is tried for ``run`` steps and
-measured on steady-state steps only (the step after a change pays for it: its pre-draft misses).
-Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md,
-docs/decisions/0032-policy-cold-start.md, docs/decisions/0033-costs-per-temperature.md.
+speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``), while the replica's
+rechecks win (``StepCosts.rechecks_win``). A try from plain decoding by a request plain from its
+start must pay for its cold step, measured apart (``_try_pays``). Every ``explore_every`` steps a
+neighbour of the best k is tried; a k is tried for ``run`` steps and measured on steady-state steps
+only (the step after a change pays for it: its pre-draft misses). Why: docs/decisions/0006-default-policy.md,
+0027-one-policy.md, 0032-policy-cold-start.md, 0033-costs-per-temperature.md, 0056-cold-tries.md.
 """
 
 from __future__ import annotations
@@ -83,8 +84,7 @@ class AdaptiveK:
 
     @property
     def acceptance(self) -> float:
-        """Per-token acceptance: accepted / tested draft positions (a position is tested when
-        all before it were accepted), smoothed towards the prior with two pseudo-observations."""
+        """Per-token acceptance: accepted / tested draft positions, shrunk towards ``base_prior`` (2 pseudo-tests)."""
         return (self.accepted_w + 2 * self.base_prior) / (self.tested_w + 2)
 
     @property
@@ -243,22 +243,15 @@ class AdaptiveK:
         """A try of k from plain decoding (a request's first, a recheck) is expected to beat plain steps with its
         cold step (``StepCosts.cold_extra_s``) charged to the tokens it may speculate: those left (``horizon``),
         else the try's own; True while no cold step is measured. Why: docs/decisions/0056-cold-tries.md."""
-        cache: dict[int, float] = {}
-
-        def steady(m: int) -> float:
-            if m not in cache:
-                ks = range(max(m, self.bound) + 1)
-                cache.update(zip(ks, self.costs_all(ks, batch_size)))
-            return cache[m]
-
+        steady = self.costs_all(range(self.bound + 1), batch_size)
         extra = self.costs.cold_extra_s(batch_size, steady)
-        if extra is None or steady(0) <= 0:
+        if extra is None or steady[0] <= 0:
             return True
         t = self.tokens_all(optimism=0.0)[k]  # (what the replica measured, no optimism: it decides whether to draft)
-        cost = steady(k) * (1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1))
+        cost = steady[k] * (1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1))
         # over the tokens left (a try that pays goes on), at least the try's own
         n = self.run * t if self.horizon is None else max(self.run * t, self.horizon - self._emitted)
-        return n * cost / t + extra < n * steady(0) / (1 + self.plain_margin)
+        return n * cost / t + extra < n * steady[0] / (1 + self.plain_margin)
 
     def _sparse_k(self, batch_size: int) -> int | None:
         """A k of a coarse grid (1, 2, 4, 8, the bound) the replica has not measured a try of at this batch
