@@ -639,3 +639,25 @@ def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
     asyncio.run(constrained())
     assert server.costs_for(greedy, True) is not g and server.costs_for(greedy, True).acceptance.tested
     assert g.acceptance.tested == tested and g.measured(1) == measured
+
+
+def test_rechecks_stop_while_the_replicas_rechecks_fail():
+    """Where a text defeats the drafter at a temperature it stays so (sampled: noise, not a change of text), and
+    each recheck costs a cold step and a run: a request that left speculation skips its rechecks while fewer
+    than a quarter of the replica's recent ones resumed speculation, and rechecks as before where they win.
+    A skip ages the evidence, so a recheck still comes now and then."""
+    from core.policy import StepCosts
+
+    def rechecks(costs):
+        p, ks = AdaptiveK(4, costs=costs), []
+        for i in range(600):  # predictable for 30 steps, then text the drafter never guesses
+            k = p.next_k()
+            ks.append(k)
+            p.observe(k, k if i < 30 else 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.009 if k else 0.005)
+        return sum(1 for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0)
+
+    assert rechecks(StepCosts(rechecks=(6.0, 8.0))) >= 4 and rechecks(StepCosts()) >= 4
+    assert rechecks(StepCosts(rechecks=(0.0, 8.0))) == 0
+    asked = [StepCosts(rechecks=(0.0, 8.0))] * 12
+    won = [costs.rechecks_win() for costs in asked]  # (one replica's, asked at 12 recheck points)
+    assert not won[0] and any(won), won  # skipped rechecks age the evidence until one goes ahead
