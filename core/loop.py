@@ -163,12 +163,14 @@ def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
     """Every step, plain ones too: the policy compares what each k costs here, end to end. Not a step drafted
     from the client's prediction, which says nothing about the drafter; of the prompt's prefill only its
     acceptance: its times say nothing about a decoding step; of a block the grammar forced, only the
-    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter)."""
-    times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
+    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter). The
+    prefill's drafting on the critical path (the drafter's prompt) is a cost of the first speculative step."""
+    times = {"start_s": info.draft_s or 0.0} if prefill else dict(
+        draft_s=info.draft_s, verify_s=res.forward_s, step_s=info.step_s, batch_size=res.batch_size)
     if info.forced and res.num_drafts > info.forced:
-        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
+        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), **times)
     elif not info.predicted and not info.forced:
-        policy.observe(res.num_drafts, res.num_accepted, *times)
+        policy.observe(res.num_drafts, res.num_accepted, **times)
 
 
 # a plain stretch the policy holds at least this long captures no states for a head: capturing them costs

@@ -385,7 +385,7 @@ class VerifierServer(EngineServer):
             await asyncio.to_thread(eng.masks.grammars.compile, constraint)
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
                        seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint, cache_salt=cache_salt)
-        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
+        policy = self._policy(k, k_policy, params, constraint is not None, params.max_tokens - len(output_ids))
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
@@ -423,6 +423,13 @@ class VerifierServer(EngineServer):
             # call; one resumed here may have drafted on the replica it left)
             await self._release_drafts(seq_id, k > 0 and (seq.drafter_asked or bool(output_ids)))
             await self.release([seq_id])
+
+    def _policy(self, k: int, k_policy: str, params: SamplingParams, constrained: bool, left: int):
+        """A request's k policy: ``fixed``, or the adaptive one on this replica's tables for its temperature, under
+        the replica's gate, knowing the ``left`` tokens it may emit (a try's cold step is paid over them)."""
+        if k_policy != "adaptive":
+            return FixedK(k)
+        return ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constrained), horizon=left), self)
 
     async def _release_drafts(self, seq_id: str, drafted: bool) -> None:
         """Free a finished sequence's drafter cache, if it may hold one."""
