@@ -1,0 +1,251 @@
+"""P-EAGLE heads against vLLM 0.32: the draft logits of one parallel-drafting pass equal vLLM's.
+
+vLLM's parallel drafting does not run on a CPU (``_copy_and_expand_eagle_inputs`` is a Triton kernel, the
+proposer needs an engine), so ``vllm_block`` re-creates it from vLLM's source on fixed random weights, with
+vLLM's own pieces where they run outside an engine: the config as vLLM reads it (``SpeculatorsConfig`` and its
+``peagle`` updater, or the EAGLE config's attributes; the placeholder token by
+``get_parallel_drafting_token_id``), its ``RMSNorm`` (the fused residual add) and ``get_rope``, and
+``llama_eagle3``'s forward: ``combine_hidden_states`` (also over ``mask_hidden``, once, as
+``load_model`` does), the expanded inputs (the shifted tokens, the bonus token, k - 1 placeholders with the
+placeholder state, positions start..), the first layer's cat(embeds, hidden) with
+``norm_before_residual``'s two orders, causal attention, the final norm and ``compute_logits``' d2t
+scatter at the bonus and placeholder rows."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.eagle3 import UnsupportedHead, draft_vocabulary
+from core.peagle import PEagleHead, PEagleSpec, check_head, load_head
+
+VOCAB, TARGET_HIDDEN, K = 256, 48, 5
+PROMPT = [3, 17, 101, 44, 250, 9, 77, 77, 12, 198, 5, 63, 140]  # x_0..x_{n+1}
+
+
+def layer(hidden=64, layers=1, model_type="llama", **extra):
+    return {"model_type": model_type, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_attention_heads": hidden // 32, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": layers,
+            "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 256, "hidden_act": "silu",
+            "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **extra}
+
+
+def speculators(lay: dict, draft_vocab: int, **extra) -> dict:
+    return {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
+            "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
+                                   "verifier": {"name_or_path": "verifier", "architectures": ["LlamaForCausalLM"]}},
+            "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **lay}, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": TARGET_HIDDEN, "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+            "mask_token_id": VOCAB - 1, **extra}
+
+
+def eagle(lay: dict, draft_vocab: int, **extra) -> dict:
+    """vLLM's own EAGLE-3 layout, as the AWS gpt-oss P-EAGLE heads ship (served with parallel_drafting: true)."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], **lay, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": TARGET_HIDDEN, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}, **extra}
+
+
+LLAMA3 = {"rope_parameters": None, "rope_theta": 500000.0,  # the old keys, as the published EAGLE-layout heads write them
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8}}
+VARIANTS = {
+    # Speculators' peagle: one layer, norm_before_residual absent (false for peagle, unlike eagle3), a draft vocabulary
+    "speculators": speculators(layer(), draft_vocab=128),
+    # the same with two layers and norm_before_residual true
+    "speculators_two_layers": speculators(layer(layers=2), draft_vocab=VOCAB, norm_before_residual=True),
+    # the AWS style: vLLM's EAGLE layout, several layers, llama3 rope, the placeholder as ptd_token_id, norm_before_fc
+    "eagle_layout": eagle(layer(layers=3, **LLAMA3), draft_vocab=128, ptd_token_id=VOCAB - 2,
+                          eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "norm_before_fc": True}),
+}
+
+
+def random_state(spec: PEagleSpec, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in PEagleHead(spec).state_dict().items():
+        if name in ("d2t", "t2d"):
+            continue
+        if "norm" in name:
+            w = 1 + 0.2 * torch.randn(p.shape, generator=g)
+        else:
+            w = torch.randn(p.shape, generator=g) * (0.5 if "embed" in name or "mask_hidden" in name else p.shape[-1] ** -0.5)
+        state[name] = w.bfloat16().float()
+    state["mask_hidden"] = state["mask_hidden"].reshape(-1)  # as published: one row, vLLM views it [1, -1]
+    if spec.draft_vocab_size != spec.vocab_size:
+        state["d2t"], state["t2d"] = draft_vocabulary(torch.randint(0, 1000, (VOCAB,), generator=g), spec.draft_vocab_size)
+    return state
+
+
+def write(tmp, name: str, seed: int = 0):
+    from safetensors.torch import save_file
+
+    cfg = VARIANTS[name]
+    path = tmp / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = random_state(PEagleSpec.from_config(cfg, 8), seed)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path, cfg, state
+
+
+def vllm_config_reading(cfg: dict):
+    """(the draft's hf_config, the placeholder token) as vLLM 0.32 builds them from the config."""
+    from transformers import LlamaConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    if "speculators_model_type" in cfg:
+        hf = SpeculatorsConfig(**SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg))))
+    else:
+        # AutoConfig by model_type (llama): the rope keys normalised into rope_parameters as vLLM sees them
+        hf = LlamaConfig(**{k: v for k, v in json.loads(json.dumps(cfg)).items() if k != "rope_parameters"})
+    return hf, get_parallel_drafting_token_id(hf)
+
+
+def vllm_block(cfg: dict, state: dict, aux: torch.Tensor, tokens: list[int], k: int) -> torch.Tensor:
+    """vLLM's one parallel-drafting pass for one request (module docstring): target-vocabulary logits [k, V]."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    hf, pard = vllm_config_reading(cfg)
+    L, H, D = hf.num_hidden_layers, hf.hidden_size, hf.head_dim
+    nh, nkv, eps = hf.num_attention_heads, hf.num_key_value_heads, hf.rms_norm_eps
+    eagle_cfg = getattr(hf, "eagle_config", None) or {}
+    norm_before_fc = bool(eagle_cfg.get("norm_before_fc", getattr(hf, "norm_before_fc", False)))
+    with set_current_vllm_config(VllmConfig()):
+        def norm(name, n):
+            m = RMSNorm(n, eps=eps)
+            m.weight.data.copy_(state[name])
+            return m
+
+        def combine(x):  # Eagle3LlamaForCausalLM.combine_hidden_states
+            if norm_before_fc:
+                x = norm("input_norm.weight", x.shape[-1]).forward_native(x)
+            return F.linear(x, state["fc.weight"])
+
+        rope = get_rope(D, max_position=hf.max_position_embeddings, is_neox_style=True,
+                        rope_parameters=hf.rope_parameters)
+        n1 = len(tokens) - 1
+        # _copy_and_expand_eagle_inputs (shift_input_ids): x_1..x_n, the bonus x_{n+1}, k - 1 placeholders
+        ids = torch.tensor(tokens[1:] + [pard] * (k - 1))
+        T = ids.shape[0]
+        pos = torch.arange(T)
+        hidden = torch.cat([combine(aux), combine(state["mask_hidden"].view(1, -1)).expand(k - 1, -1)])
+        embeds = F.embedding(ids, state["embed_tokens.weight"])
+        residual = None
+        for i in range(L):
+            p = f"layers.{i}."
+            if i == 0:
+                e = norm(p + "input_layernorm.weight", H).forward_native(embeds)
+                hn = norm(p + "hidden_norm.weight", H)
+                if getattr(hf, "norm_before_residual", False):
+                    hidden = hn.forward_native(hidden)
+                    residual = hidden
+                else:
+                    residual, hidden = hidden, hn.forward_native(hidden)
+                x = torch.cat([e, hidden], dim=-1)
+            else:
+                x, residual = norm(p + "input_layernorm.weight", H).forward_native(hidden, residual)
+            q = F.linear(x, state[p + "self_attn.q_proj.weight"])
+            kk = F.linear(x, state[p + "self_attn.k_proj.weight"])
+            v = F.linear(x, state[p + "self_attn.v_proj.weight"])
+            q, kk = rope.forward_native(pos, q.clone(), kk.clone())
+            qh = q.view(T, nh, D).transpose(0, 1)
+            Kh = kk.view(T, nkv, D).repeat_interleave(nh // nkv, dim=1).transpose(0, 1)
+            Vh = v.view(T, nkv, D).repeat_interleave(nh // nkv, dim=1).transpose(0, 1)
+            scores = (qh @ Kh.transpose(1, 2)) * D ** -0.5
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            o = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ Vh
+            h = F.linear(o.transpose(0, 1).reshape(T, nh * D), state[p + "self_attn.o_proj.weight"])
+            h, residual = norm(p + "post_attention_layernorm.weight", H).forward_native(h, residual)
+            gate, up = F.linear(h, torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])).chunk(2, -1)
+            hidden = F.linear(F.silu(gate) * up, state[p + "mlp.down_proj.weight"])
+        out = norm("norm.weight", H).forward_native(hidden, residual)[0]
+    rows = out[n1 - 1:]  # token_indices_to_sample: the bonus slot and the placeholders
+    logits = F.linear(rows, state["lm_head.weight"])
+    if "d2t" not in state:
+        return logits
+    full = logits.new_full((k, VOCAB), float("-inf"))
+    full[:, torch.arange(logits.shape[1]) + state["d2t"]] = logits
+    return full
+
+
+@pytest.fixture(scope="module")
+def vllm_available():
+    pytest.importorskip("vllm")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_block_logits_equal_vllms(name, tmp_path, vllm_available):
+    """One pass of k = 5 drafts: the head's logits at every block position equal vLLM's forward (1e-4)."""
+    path, cfg, state = write(tmp_path, name, seed=7)
+    head = load_head(path)
+    g = torch.Generator().manual_seed(11)
+    aux = (torch.randn(len(PROMPT) - 1, 3 * TARGET_HIDDEN, generator=g) * 2).bfloat16().float()
+    drafts, logits = head.draft(PROMPT, aux, K, return_logits=True)
+    ref = vllm_block(cfg, state, aux, PROMPT, K)
+    ours = head.target_logits(logits)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-4, atol=1e-4)
+    assert drafts == [int(r.argmax()) for r in ref]
+
+
+def test_layouts_read_as_vllm_reads_them(tmp_path):
+    """The flags vLLM's readers give: peagle's norm_before_residual false when absent (eagle3's is true), the
+    placeholder from mask_token_id or the EAGLE layout's ptd_token_id, the trained k."""
+    spec = PEagleSpec.from_config(VARIANTS["speculators"], 8)
+    assert (spec.norm_before_residual, spec.mask_token_id, spec.layout, spec.speculative_tokens) == (False, VOCAB - 1,
+                                                                                                     "speculators", K)
+    spec = PEagleSpec.from_config(VARIANTS["eagle_layout"], 8)
+    assert (spec.norm_before_residual, spec.norm_before_fc, spec.mask_token_id, spec.layout, spec.num_layers) == (
+        False, True, VOCAB - 2, "eagle", 3)
+    assert spec.rope_parameters["rope_type"] == "llama3"
+
+
+def test_positions_do_not_depend_on_earlier_drafts(tmp_path):
+    """The block's rows read placeholders, never drafted tokens: q_i is the same whatever was drafted before i
+    (the drafter samples each position independently), and longer blocks keep the shorter ones' rows."""
+    path, _, _ = write(tmp_path, "speculators", seed=3)
+    head = load_head(path)
+    aux = torch.randn(len(PROMPT) - 1, 3 * TARGET_HIDDEN, generator=torch.Generator().manual_seed(1))
+    _, five = head.draft(PROMPT, aux, 5, return_logits=True)
+    _, three = head.draft(PROMPT, aux, 3, return_logits=True)
+    torch.testing.assert_close(five[:3], three, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"mask_token_id": None}, "mask_token_id"),
+    ({"mask_token_id": VOCAB}, "mask_token_id"),
+    ({"fc_norm": True}, "fc_norm"),
+    ({"speculators_model_type": "eagle3"}, "speculators_model_type"),
+    ({"transformer_layer_config": {**VARIANTS["speculators"]["transformer_layer_config"], "attention_bias": True}},
+     "attention_bias"),
+])
+def test_refusals_name_the_field(change, field):
+    with pytest.raises(UnsupportedHead, match=field):
+        PEagleSpec.from_config({**VARIANTS["speculators"], **change}, 8)
+
+
+def test_eagle_layout_refusals_name_the_field():
+    with pytest.raises(UnsupportedHead, match="architectures"):
+        PEagleSpec.from_config({**VARIANTS["eagle_layout"], "architectures": ["MedusaModel"]}, 8)
+    cfg = {k: v for k, v in VARIANTS["eagle_layout"].items() if k != "ptd_token_id"}
+    with pytest.raises(UnsupportedHead, match="mask_token_id"):
+        PEagleSpec.from_config(cfg, 8)
+
+
+def test_a_head_without_mask_hidden_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _, _ = write(tmp_path, "speculators")
+    state = load_file(str(path / "model.safetensors"))
+    state.pop("mask_hidden")
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(UnsupportedHead, match="mask_hidden"):
+        load_head(path)
+    with pytest.raises(UnsupportedHead, match="mask_hidden"):
+        check_head(path, None)
