@@ -1,0 +1,60 @@
+"""Tiny targets with MTP layers, built from transformers' config classes: the target's checkpoint written by
+transformers, then its MTP layer added as the published checkpoints lay it out (``model.layers.{N}.*``).
+
+transformers builds no MTP layer, so the target is built with N + 1 layers: layer N (its attention and
+mixture of experts, in the family's own modules) becomes the MTP layer's decoder block, and ``enorm``, ``hnorm``,
+``eh_proj`` and ``shared_head`` are added beside it; config.json then says N layers and one MTP layer. The
+N + 1-layer model is returned too: its layer N is the block the reference runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers as T
+
+VOCAB = 256
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False,
+          "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+       "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+
+
+def family_config(family: str, layers: int):
+    if family == "glm4_moe":
+        return T.Glm4MoeConfig(**COMMON, **MOE, head_dim=16, num_hidden_layers=layers)
+    if family == "deepseek_v3":
+        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers, q_lora_rank=32, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    raise ValueError(family)
+
+
+def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked: float = 20.0):
+    """(the checkpoint directory, the N + 1-layer model whose layer N is the MTP block, its extra weights)."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    model = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])(
+        family_config(family, layers + 1)).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peaked)  # greedy picks far from ties
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape))
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(seed + 1)
+    H, base = COMMON["hidden_size"], f"model.layers.{layers}."
+    extra = {base + "enorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+             base + "hnorm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+             base + "eh_proj.weight": torch.randn(H, 2 * H, generator=g) * (2 * H) ** -0.5,
+             base + "shared_head.norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
+             base + "shared_head.head.weight": model.lm_head.weight.detach().clone()}
+    state = load_file(str(path / "model.safetensors"))
+    state.update(extra)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path, model, extra
