@@ -118,8 +118,10 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _verifier_named(self):
-        if self.verifier.model is None and self.drafter.method not in ("eagle3", "dflash", "dspark"):
-            raise ValueError("verifier.model is required (only a head's config (eagle3, dflash, dspark) can name the verifier)")
+        # a head's config (one with verifier_model: eagle3, dflash, dspark) may name its verifier; no other can
+        if self.verifier.model is None and "verifier_model" not in type(self.drafter).model_fields:
+            raise ValueError(f"verifier.model is required (a {self.drafter.method} drafter cannot name the verifier; "
+                             "only a head's config can)")
         return self
 
     @model_validator(mode="after")

@@ -93,7 +93,8 @@ def _max_len(drafter, verifier) -> int:
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
-                    alternatives: int = 1, narrow=None, predicted: PredictedOutput | None = None):
+                    alternatives: int = 1, narrow=None, predicted: PredictedOutput | None = None,
+                    pre_draft: str | None = None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -102,14 +103,15 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     Each step: k from the ``policy`` (0 while the ``breaker`` is open), drafts from the
     ``Proposer`` (``core.proposers``: the ``predicted`` output, the pre-draft, the drafter), the
-    next block's pre-draft started (``pipeline``: a tree of ``alternatives`` per outcome, or an
-    EAGLE-3 head's chain), the verify, the accepted tokens emitted. A drafter that reads the
+    next block's pre-draft started (``pipeline``, as the drafter's method declares, ``pre_draft``: "tree",
+    a tree of ``alternatives`` per outcome, or "chain", the head's own chain; None: a chain for a drafter
+    that reads the target's states, else a tree), the verify, the accepted tokens emitted. A drafter that reads the
     target's states (``seq.capture``) gets them with each draft request; the first step is plain
     (it computes the prompt's states); ``recompute_aux(tokens) -> states`` recomputes them after a
     drafter miss. ``narrow``: see ``TreeAhead``.
     """
     call = DrafterCall(seq, propose, breaker, draft_timeout_s, recompute_aux)
-    ahead = (ChainAhead(call) if seq.capture else TreeAhead(call, alternatives, narrow)) if pipeline else None
+    ahead = _ahead(call, pre_draft or ("chain" if seq.capture else "tree"), alternatives, narrow) if pipeline else None
     source = Proposer(seq, call, ahead, predicted, clock)
     source.plan()
     (k, degraded), prefill = _plan(seq, policy, breaker, 1), True
@@ -146,6 +148,14 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             yield new, seq.logprobs[n_lp:], info  # emit
     finally:
         source.close()
+
+
+def _ahead(call: DrafterCall, pre_draft: str, alternatives: int, narrow) -> TreeAhead:
+    """The pre-drafting a drafter's method declares (``drafter.registry``'s ``Method.pre_draft``)."""
+    kinds = {"tree": lambda: TreeAhead(call, alternatives, narrow), "chain": lambda: ChainAhead(call)}
+    if pre_draft not in kinds:
+        raise ValueError(f"pre_draft {pre_draft!r} is not one of {', '.join(kinds)}")
+    return kinds[pre_draft]()
 
 
 def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
@@ -220,7 +230,7 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
                                      Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,
                                      narrow=getattr(drafter, "narrow", None),  # (a dict entry the engine thread reads)
-                                     predicted=predicted):
+                                     predicted=predicted, pre_draft=getattr(drafter, "pre_draft", None)):
                 pass
         finally:
             verifier.release(seq.seq_id)

@@ -39,6 +39,7 @@ from deployments.openai_api import (
 from deployments.responses import Reply, collect
 from deployments.server import within
 from deployments.vllm_metrics import Exporter
+from drafter.registry import method
 
 __all__ = ["Admission", "Router"]
 
@@ -66,7 +67,7 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(vpath)
         self.max_len = context_limit(vpath, self.config.verifier.max_model_len)
         d = self.config.drafter
-        if d.method == "draft_model":
+        if method(d.method).lm:  # a draft model's context bounds the sequence's
             self.max_len = min(self.max_len, context_limit(d.model, d.max_model_len))
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=vpath)
         from transformers import AutoConfig

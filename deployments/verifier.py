@@ -24,6 +24,7 @@ from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.metrics import Tally
 from deployments.server import EngineServer, within
+from drafter.registry import method
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class VerifierOptions:
     drafter_timeout_s: float = 2.0
     drafter_transport: str = "direct"
     drafter_aux_layers: tuple[int, ...] = ()  # an EAGLE-3 drafter's: captured in verification
+    drafter_pre_draft: str | None = None  # its method's "tree" or "chain" (``drafter.registry``); None: by the states
     stream_interval_s: float = 0.0  # a stream's steps go to the router at most once per interval (``coalesced``)
     local_drafter: dict | None = None  # drafter_placement verifier: the drafter engine this replica runs itself
     verify_inline: bool = True
@@ -112,6 +114,7 @@ class VerifierOptions:
         return cls(max_batch=app.max_batch, max_queue=app.max_queue, stall_timeout_s=app.stall_timeout_s,
                    pipeline_drafts=app.pipeline_drafts, drafter_timeout_s=app.drafter_timeout_s,
                    drafter_transport=app.drafter_transport, drafter_aux_layers=tuple(aux_layers),
+                   drafter_pre_draft=method(app.drafter.method).pre_draft,
                    stream_interval_s=app.stream_interval_ms / 1000, verify_inline=app.verify_inline,
                    local_drafter=app.drafter.model_dump(mode="json") if app.drafter_placement == "verifier" else None)
 
@@ -405,7 +408,8 @@ class VerifierServer(EngineServer):
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=PRE_DRAFT_ALTERNATIVES, narrow=self._narrow,
-                                                  predicted=PredictedOutput(prediction) if prediction else None):
+                                                  predicted=PredictedOutput(prediction) if prediction else None,
+                                                  pre_draft=self.options.drafter_pre_draft):
                 if info.done:  # (its last verify: the next batch need not wait for it)
                     self.batcher.arrived([seq_id])
                 yield new, lps, info

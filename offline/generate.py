@@ -13,15 +13,14 @@ import json
 import time
 from pathlib import Path
 
-from configs import DraftModelConfig, Eagle3Config, NgramConfig, ParallelHeadConfig, SamplingParams, VerifierConfig
+from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
 from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
 from core.sequence import Sequence
 from drafter.build import build_drafter
+from drafter.registry import METHODS, heads, load
 from verifier.engine import VerifierEngine
-
-HEADS = {"eagle3": Eagle3Config, "dflash": ParallelHeadConfig, "dspark": ParallelHeadConfig}
 
 
 def drafter_config(ref: str, target: str, k: int, **engine):
@@ -32,11 +31,12 @@ def drafter_config(ref: str, target: str, k: int, **engine):
         return NgramConfig(num_speculative_tokens=k)
     path = Path(local_dir(ref, field="--drafter"))
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    method = cfg.get("speculators_model_type")
-    if method in HEADS:
-        return HEADS[method](method=method, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
-    if method is not None:
-        raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this runs {', '.join(HEADS)} heads")
+    name = cfg.get("speculators_model_type")
+    if name in heads():  # (``drafter.registry``: a head's config class, by the method its config.json names)
+        config = load(METHODS[name].config)
+        return config(method=name, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
+    if name is not None:
+        raise SystemExit(f"--drafter {ref}: speculators_model_type {name!r}; this runs {', '.join(heads())} heads")
     return DraftModelConfig(model=str(path), num_speculative_tokens=k, **engine)
 
 
