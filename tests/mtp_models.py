@@ -31,13 +31,17 @@ def family_config(family: str, layers: int):
     raise ValueError(family)
 
 
-def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked: float = 20.0):
-    """(the checkpoint directory, the N + 1-layer model whose layer N is the MTP block, its extra weights)."""
+def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked: float = 20.0, vocab: int = VOCAB,
+                 copying: bool = False):
+    """(the checkpoint directory, the N + 1-layer model whose layer N is the MTP block, its extra weights).
+    ``copying``: a target whose layers add nothing (a bigram model: its next token a function of the current one)
+    and an MTP layer that computes the same function of its token (``_copying``): every draft is the target's."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(seed)
-    model = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])(
-        family_config(family, layers + 1)).float().eval()
+    config = family_config(family, layers + 1)
+    config.vocab_size = vocab
+    model = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])(config).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(peaked)  # greedy picks far from ties
         for n, b in model.named_buffers():
@@ -51,6 +55,9 @@ def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked
              base + "eh_proj.weight": torch.randn(H, 2 * H, generator=g) * (2 * H) ** -0.5,
              base + "shared_head.norm.weight": 1 + 0.2 * torch.randn(H, generator=g),
              base + "shared_head.head.weight": model.lm_head.weight.detach().clone()}
+    if copying:
+        _copying(model, extra, base)
+        model.save_pretrained(path)
     state = load_file(str(path / "model.safetensors"))
     state.update(extra)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -58,3 +65,17 @@ def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked
     cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path, model, extra
+
+
+def _copying(model, extra: dict, base: str) -> None:
+    """Every decoder layer's output projections zeroed (attention, dense MLP, experts, shared experts), the MTP
+    layer's eh_proj passing enorm(embed(x)) through and its norms the target's: the MTP layer's logits for token x
+    are the target's, lm_head(norm(embed(x)))."""
+    H = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.zero_()
+        extra[base + "enorm.weight"] = torch.ones(H)
+        extra[base + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+        extra[base + "shared_head.norm.weight"] = model.model.norm.weight.detach().clone()

@@ -147,3 +147,99 @@ def test_refusals_name_the_field(change, field):
     MtpSpec.from_config(cfg)
     with pytest.raises(UnsupportedMtp, match=field):
         MtpSpec.from_config({**cfg, **change})
+
+
+# ------------------------------------------------------------ the drafter on the pool
+def _request(seq_id, tokens, aux, aux_start, k=4, start=None, sampling=None):
+    from configs import SamplingParams
+    from core.protocol import DraftRequest
+
+    sp = sampling or SamplingParams(temperature=0)
+    if start is None:
+        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux, aux_start=aux_start)
+    return DraftRequest.for_tokens(seq_id, list(tokens), start, k=k, sampling=sp, seed=1, aux=aux, aux_start=aux_start)
+
+
+def drafter(path, **kw):
+    from configs.models import MtpConfig
+    from drafter.mtp_drafter import MtpDrafter
+
+    return MtpDrafter(MtpConfig(model=str(path), dtype="float32", **kw), eos_ids=set())
+
+
+def target_states(path, tokens):
+    """The stream entering layer N at each position, as the verifier captures it."""
+    from transformers import AutoModelForCausalLM
+
+    from core.llama import capture_states
+
+    tgt = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    N = tgt.config.num_hidden_layers
+    with torch.no_grad(), capture_states(tgt, (N,)) as states:
+        tgt(input_ids=torch.tensor([tokens]))
+    return states[N][0]
+
+
+def test_drafter_equals_the_reference_whole_incremental_and_after_misses(target):
+    """The pool's drafter (rows kept per sequence, draft rows dropped at the next call) drafts what the reference
+    drafts: whole, incrementally with the loop's states, after misses, and two sequences in one call."""
+    from configs import SamplingParams
+    from core.protocol import DraftRequest
+
+    family, path, _, _ = target
+    head = load_head(path)
+    dr = drafter(path)
+    T = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    g = target_states(path, T)
+    ref = lambda n, k=4: head.draft(T[:n], g[: n - 1], k)  # noqa: E731 - drafts after T[:n]
+    (p,) = dr.propose([_request("a", T[:20], g[:19], 0)])
+    assert p.tokens == ref(20) and p.cached == 20 and not p.cache_miss
+    (p,) = dr.propose([_request("a", T[:24], g[19:23], 19, start=20)])  # the loop sends from cached - 1
+    assert p.tokens == ref(24) and p.cached == 24
+    (p,) = dr.propose([_request("a", T[:25], g[21:24], 21, start=22, k=6)])  # the tokens after 22 resent
+    assert p.tokens == ref(25, 6)
+    (p,) = dr.propose([_request("a", T[:28], g[26:27], 26, start=25)])  # states that do not reach the held rows
+    assert p.cache_miss
+    (p,) = dr.propose([_request("b", T[:28], g[:27], 0, start=20)])  # a prefix not held
+    assert p.cache_miss
+    (p,) = dr.propose([DraftRequest.for_tokens("c", T[:28], 25, k=4, sampling=SamplingParams(temperature=0), seed=1,
+                                               provisional=True)])  # a pre-draft: declined
+    assert p.cache_miss and not p.tokens
+    pc, pd = dr.propose([_request("c", T[:12], g[:11], 0), _request("d", T[:27], g[:26], 0, k=2)])
+    assert pc.tokens == ref(12) and pd.tokens == ref(27, 2)
+    assert dr.release("c") and dr.num_cached() == 1
+
+
+def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
+    """A GLM-4.5 target whose next token is a function of the current one, and its MTP layer computing the same
+    function (``tests.mtp_models``): through the loop with pre-drafting, greedy equals the target's generate and
+    every draft of the k-step chain is accepted."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from configs import SamplingParams, VerifierConfig
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from core.sequence import Sequence
+    from tests.helpers import tiny_tokenizer
+    from tests.mtp_models import write_target
+    from tests.test_processors import hf_greedy
+    from verifier.engine import VerifierEngine
+
+    tok = tiny_tokenizer()
+    path, _, _ = write_target("glm4_moe", tmp_path / "glm", vocab=len(tok), copying=True)
+    tgt = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    ver = VerifierEngine(VerifierConfig(model="glm", dtype="float32", cache_budget_mb=64), model=tgt, tokenizer=tok)
+    dr = drafter(path, cache_budget_mb=16)
+    accepted = drafted = 0
+    for i, text in enumerate(["def add(a, b):", "class Point:", "for i in range(10):"]):
+        ids = tok(text)["input_ids"]
+        seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), 4, tok, ver.eos_ids,
+                       ver.max_len, seq_id=f"m{i}")
+        asyncio.run(speculate_local(seq, dr, ver, FixedK(4)))
+        assert seq.output_ids == hf_greedy(tgt, ids, 24), text
+        accepted += seq.stats.num_accepted_tokens
+        drafted += seq.stats.num_draft_tokens
+        assert dr.num_cached() == 0
+    assert drafted > 0 and accepted / drafted > 0.95, (accepted, drafted)

@@ -249,3 +249,114 @@ def test_a_head_without_mask_hidden_is_refused(tmp_path):
         load_head(path)
     with pytest.raises(UnsupportedHead, match="mask_hidden"):
         check_head(path, None)
+
+
+# ------------------------------------------------------------ the drafter on the pool
+def _request(seq_id, tokens, aux, aux_start, k=4, start=None, sampling=None):
+    from configs import SamplingParams
+    from core.protocol import DraftRequest
+
+    sp = sampling or SamplingParams(temperature=0)
+    if start is None:
+        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux, aux_start=aux_start)
+    return DraftRequest.for_tokens(seq_id, list(tokens), start, k=k, sampling=sp, seed=1, aux=aux, aux_start=aux_start)
+
+
+def tiny_head(vocab=40, seed=0):
+    from tests.peagle_heads import from_eagle3_head
+    from tests.test_eagle3 import random_head, tiny_spec
+
+    return from_eagle3_head(random_head(tiny_spec(draft_vocab=30, vocab=vocab), seed=seed), mask_token_id=vocab - 1, seed=seed)
+
+
+def drafter(head, **kw):
+    from configs.models import PEagleConfig
+    from drafter.peagle_drafter import PEagleDrafter
+
+    return PEagleDrafter(PEagleConfig(model="x", dtype="float32", **kw), head=head, eos_ids=set())
+
+
+def test_drafter_equals_the_reference_whole_incremental_and_after_misses():
+    """The pool's drafter (paged rows, placeholders in the pass, provisional rows dropped) drafts what the reference
+    drafts: whole, incrementally with the loop's states, after misses, and batched with other lengths and k."""
+    from configs import SamplingParams
+    from core.eagle3 import aux_states
+    from core.protocol import DraftRequest
+    from tests.helpers import tiny_llama
+
+    target = tiny_llama(40, layers=4, hidden=24, seed=3, peak=3.0, eos_token_id=None)
+    head = tiny_head()
+    dr = drafter(head)
+    T = torch.randint(0, 39, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        aux = aux_states(target, torch.tensor([T]), head.spec.aux_layer_ids)[0][0]
+    ref = lambda n, k=4: head.draft(T[:n], aux[: n - 1], k)  # noqa: E731 - drafts after T[:n]
+    (p,) = dr.propose([_request("a", T[:20], aux[:19], 0)])
+    assert p.tokens == ref(20) and p.cached == 20 and not p.cache_miss
+    (p,) = dr.propose([_request("a", T[:24], aux[19:23], 19, start=20)])  # the loop sends from cached - 1
+    assert p.tokens == ref(24) and p.cached == 24
+    (p,) = dr.propose([_request("a", T[:25], aux[23:24], 23, start=24, k=7)])
+    assert p.tokens == ref(25, 7)
+    (p,) = dr.propose([_request("b", T[:28], aux[:27], 0, start=20)])  # a prefix not held
+    assert p.cache_miss
+    (p,) = dr.propose([DraftRequest.for_tokens("a", T[:28], 25, k=4, sampling=SamplingParams(temperature=0), seed=1,
+                                               provisional=True)])  # a pre-draft: declined
+    assert p.cache_miss and not p.tokens
+    (p,) = dr.propose([_request("a", T[:28], aux[:27], 0)])
+    assert p.tokens == ref(28) and dr.num_cached() == 1
+    pc, pd = dr.propose([_request("c", T[:12], aux[:11], 0), _request("d", T[:27], aux[:26], 0, k=2)])
+    assert pc.tokens == ref(12) and pd.tokens == ref(27, 2)
+    assert dr.stats["passes"] == 5  # one pass per call, whatever k
+
+
+def test_each_position_samples_its_own_q():
+    """Sampled: each draft is drawn from its own row's q (sent with it), the rows the reference's logits."""
+    from configs import SamplingParams
+    from core.eagle3 import aux_states
+    from core.sampling import processed_probs
+    from tests.helpers import tiny_llama
+
+    target = tiny_llama(40, layers=4, hidden=24, seed=3, peak=3.0, eos_token_id=None)
+    head = tiny_head()
+    T = torch.randint(0, 39, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        aux = aux_states(target, torch.tensor([T]), head.spec.aux_layer_ids)[0][0]
+    sp = SamplingParams(temperature=0.8, verification="rejection")
+    (p,) = drafter(head, draft_top_k=40).propose([_request("s", T, aux[:15], 0, k=4, sampling=sp)])
+    _, logits = head.draft(T, aux[:15], 4, return_logits=True)
+    for i, (ids, probs) in enumerate(zip(p.probs.ids, p.probs.probs)):
+        q = processed_probs(head.target_logits(logits[i]).unsqueeze(0), sp)[0]
+        assert p.tokens[i] in ids
+        torch.testing.assert_close(torch.tensor(probs), q[ids].float() / q[ids].sum(), rtol=1e-4, atol=1e-6)
+
+
+def test_greedy_with_the_shipped_heads_p_eagle_equals_the_target(tmp_path):
+    """The shipped EAGLE-3 head made a P-EAGLE head (``tests.peagle_heads``) through the loop with pre-drafting:
+    greedy output token for token the target's generate, its first block positions accepted."""
+    import asyncio
+
+    from configs import SamplingParams, VerifierConfig
+    from configs.models import PEagleConfig
+    from core.loop import speculate_local
+    from core.policy import FixedK
+    from core.sequence import Sequence
+    from drafter.peagle_drafter import PEagleDrafter
+    from tests.peagle_heads import from_eagle3_dir
+    from tests.test_eagle3 import HEAD, TARGET
+    from tests.test_eagle3_serving import CODE
+    from tests.test_processors import hf_greedy
+    from verifier.engine import VerifierEngine
+
+    ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=64, num_threads=1))
+    path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=ver.tokenizer.pad_token_id or 0)
+    dr = PEagleDrafter(PEagleConfig(model=str(path), dtype="float32", cache_budget_mb=16, verifier_model=str(TARGET)))
+    accepted = drafted = 0
+    for i, text in enumerate(CODE[:3]):
+        ids = ver.tokenizer(text)["input_ids"]
+        seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), 4, ver.tokenizer, ver.eos_ids,
+                       ver.max_len, seq_id=f"p{i}")
+        asyncio.run(speculate_local(seq, dr, ver, FixedK(4)))
+        assert seq.output_ids == hf_greedy(ver.model, ids, 32), text
+        accepted += seq.stats.num_accepted_tokens
+        drafted += seq.stats.num_draft_tokens
+    assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)

@@ -1,0 +1,212 @@
+"""MTP drafter: the target checkpoint's own multi-token-prediction layer on the drafter pool.
+
+The layer reads the target's last hidden state (``core.mtp``: the verifier captures the stream entering its layer
+N in the verification pass it runs anyway, the loop sends it with the next draft request, ``DraftRequest.aux``,
+and the head applies the target's final norm). Only the MTP layer, the embedding, the final norm and the head are
+loaded: a fraction of the target.
+
+Rows. A sequence holds its tokens x_0..x_m and the MTP layer's keys and values of the pairs (x_{t+1}, h_t) at
+positions t = 0..m-1 (``real`` = m rows, made from the target's states). A call feeds the rows its new states
+complete, draws d_1 from the last one, then feeds (d_i, the layer's own output) at positions m, m+1, ... as vLLM's
+proposer does, k passes in all; those draft rows are provisional and the next call drops them. A prefix the
+drafter does not hold, or states that do not reach back to its rows, is a cache miss: the loop resends the whole
+sequence with every state.
+
+q. Each draft is a sample of the layer's distribution given the context and the drafts before it (a chain, like a
+draft model's): its logits through the request's processors, and that q_i travels with it (``BatchedDrafter._draw``).
+
+Pre-drafts are declined (a cache miss): the guessed block's states do not exist yet. Sequences are run one after
+another within a call (each has its own rows; the family's attention takes one cache per call).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from core.models import DTYPES, resolve_kv_dtype
+from core.mtp import MtpHead, RowCache
+from core.mtp import load_head as load_mtp
+from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
+from drafter.base import HeadDrafter
+
+if TYPE_CHECKING:  # pydantic stays out of engine-level imports
+    from configs import AppConfig
+    from configs.models import MtpConfig
+    from core.mtp import MtpSpec
+
+
+class _Seq:
+    """One sequence: its tokens (prefix hashes in ``chain``) and the MTP layer's rows."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.chain: list[bytes] = [b""]
+        self.kv = RowCache()
+        self.real = 0  # rows made from the target's states (those after them are drafts')
+
+    def cut_tokens(self, n: int) -> None:
+        if n < len(self.tokens):
+            del self.tokens[n:]
+            cut_chain(self.chain, n)
+
+
+class _Cache:
+    """Sequences' rows, least recently used evicted beyond the budget."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.slots: OrderedDict[str, _Seq] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def release(self, seq_id: str) -> bool:
+        return self.slots.pop(seq_id, None) is not None
+
+    def fit(self, pinned: set[str]) -> None:
+        used = sum(s.kv.nbytes() for s in self.slots.values())
+        for seq_id in list(self.slots):
+            if used <= self.budget:
+                break
+            if seq_id not in pinned:
+                used -= self.slots.pop(seq_id).kv.nbytes()
+
+
+class Rows(NamedTuple):
+    """A sequence in a call: the rows it feeds first, then its draft steps."""
+
+    request: DraftRequest
+    slot: _Seq
+    ids: list[int]  # the tokens of the rows fed: x_{lo+1}..x_m
+    lo: int  # the first row fed (its position)
+    hidden: torch.Tensor  # the target's states h_lo..h_{m-1} [m - lo, H], before the final norm
+    k: int
+
+
+class MtpDrafter(HeadDrafter):
+    """Drafts with the target's first MTP layer, applied k times; sampling and q are ``BatchedDrafter``'s."""
+
+    def __init__(self, config: MtpConfig, head: MtpHead | None = None, eos_ids: set[int] | None = None):
+        name = self._init_head(config, head, lambda path, verifier=None: load_mtp(path), eos_ids)
+        self.kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
+        self.cache = _Cache(int(config.cache_budget_mb * 2**20))
+        self.stats = {"passes": 0, "drafts": 0}
+
+    def _admit(self, r: DraftRequest, pinned: set[str], out: dict) -> Rows | None:
+        if r.branches:
+            out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
+            return None
+        if r.provisional:  # no states for the guessed block: drafted once they exist
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            return None
+        slot, tokens = self._context(r)
+        if slot is None:
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            return None
+        m = len(tokens) - 1  # rows 0..m-1: pairs (x_{t+1}, h_t); x_m is the newest token, without a state
+        lo = min(slot.real, max(r.start - 1, 0) if not r.full else 0, max(m - 1, 0))  # rows still valid (one to redo at least)
+        if m > 0 and (r.aux is None or r.aux_start > lo or r.aux_start + r.aux.shape[0] < m):
+            self.cache.release(r.seq_id)  # the states for these rows did not come: resend with all of them
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            return None
+        slot.kv.cut(lo)
+        slot.real = lo
+        slot.cut_tokens(0) if r.full else slot.cut_tokens(r.start)
+        slot.tokens = tokens
+        self.cache.slots.move_to_end(r.seq_id)
+        k = max(0, min(r.k, self.max_len - len(tokens))) if m > 0 else 0
+        out[r.seq_id] = self._proposal(r, cached=len(tokens))
+        if m == 0:
+            return None
+        g = r.aux[lo - r.aux_start: m - r.aux_start].to(device=self.config.device, dtype=self.dtype)
+        return Rows(r, slot, tokens[lo + 1:], lo, g, k)
+
+    def _context(self, r: DraftRequest) -> tuple[_Seq | None, list[int]]:
+        """(the sequence's slot, its whole context), or (None, []) for a prefix this replica does not hold."""
+        slot = self.cache.slots.get(r.seq_id)
+        if r.full or slot is None:
+            if not r.full:
+                return None, []
+            slot = self.cache.slots[r.seq_id] = _Seq()
+            slot.tokens, slot.chain = [], [b""]
+            return slot, list(r.new_tokens)
+        if len(slot.tokens) < r.start or prefix_hash(slot.tokens, r.start, slot.chain) != r.prefix:
+            return None, []
+        return slot, slot.tokens[: r.start] + list(r.new_tokens)
+
+    def _draft(self, entries: list[Rows], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
+        active = [(e, None) for e in entries]  # (entry, its next draft row: (token, position, fed-back state))
+        while active:
+            rows = {e.request.seq_id: row for e, row in active}
+            run = self._first_rows if active[0][1] is None else (
+                lambda es: [self._draft_row(e, *rows[e.request.seq_id]) for e in es])
+            still = []
+            for e, (logits, fed) in self._batched([e for e, _ in active], run, out):
+                drafts = out[e.request.seq_id].tokens
+                if len(drafts) >= e.k:
+                    continue
+                token = self._next_draft(e.request, logits, e.slot.tokens + drafts, out)
+                if token is not None and len(drafts) < e.k:
+                    still.append((e, (token, len(e.slot.tokens) + len(drafts) - 2, fed)))
+            active = still
+        for e in entries:
+            self.stats["drafts"] += len(out[e.request.seq_id].tokens)
+        self.cache.fit(pinned)
+
+    def _first_rows(self, entries: list[Rows]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each sequence's new rows in turn -> (logits [1, V] of its last row, the state it feeds back [1, 1, H])."""
+        results = []
+        for e in entries:
+            dev, n = self.config.device, len(e.ids)
+            e.slot.kv.cut(e.lo)  # (rows a failed batched pass wrote are written again)
+            mask = torch.ones(n, e.lo + n, dtype=torch.bool, device=dev).tril(diagonal=e.lo)
+            logits, fed = self.head.step(torch.tensor([e.ids], device=dev),
+                                         torch.arange(e.lo, e.lo + n, device=dev).unsqueeze(0),
+                                         self.head.target_hidden(e.hidden).unsqueeze(0), e.slot.kv, mask)
+            e.slot.real = e.lo + n
+            results.append((self.head_logits(logits[0, -1:]), fed[:, -1:]))
+        self.stats["passes"] += 1
+        return results
+
+    def _draft_row(self, e: Rows, token: int, position: int, fed: torch.Tensor):
+        """The draft ``token`` at ``position`` with the layer's own output at the row before -> as ``_first_rows``."""
+        dev = self.config.device
+        e.slot.kv.cut(position)
+        mask = torch.ones(1, position + 1, dtype=torch.bool, device=dev)
+        logits, fed = self.head.step(torch.tensor([[token]], device=dev), torch.tensor([[position]], device=dev), fed,
+                                     e.slot.kv, mask)
+        self.stats["passes"] += 1
+        return self.head_logits(logits[0, -1:]), fed[:, -1:]
+
+    @staticmethod
+    def head_logits(logits: torch.Tensor) -> torch.Tensor:
+        return logits.float()  # the head's vocabulary is the target's
+
+
+def check(config: AppConfig) -> MtpSpec:
+    """The MTP layer must be the verifier's own (the same family, width, depth and vocabulary: the layer reads its last
+    hidden state) and the verifier must return the states: this package's engine."""
+    from transformers import AutoConfig
+
+    from core.mtp import UnsupportedMtp, check_model
+
+    d = config.drafter
+    try:
+        spec = check_model(d.model)
+    except UnsupportedMtp as e:
+        raise ValueError(f"mtp drafter {d.model!r}: {e}") from None
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"mtp drafter {d.model!r}: not a checkpoint with MTP layers: {e}") from None
+    if config.verifier.backend == "vllm":
+        raise ValueError("an mtp drafter on the pool needs the verifier's hidden states on every step: use verifier.backend "
+                         "transformers (vLLM runs MTP itself as speculative method mtp)")
+    target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
+    mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
+    theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)
+    if mine != theirs:
+        raise ValueError(f"drafter.model {d.model!r}: its MTP layer (model_type, hidden_size, num_hidden_layers, vocab_size) "
+                         f"{mine} is not for verifier.model {config.verifier.model!r} {theirs}")
+    return spec
