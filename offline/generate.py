@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from configs import DraftModelConfig, NgramConfig, SamplingParams, VerifierConfig
+from configs import DraftModelConfig, SamplingParams, VerifierConfig
 from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
@@ -24,11 +24,12 @@ from verifier.engine import VerifierEngine
 
 
 def drafter_config(ref: str, target: str, k: int, **engine):
-    """The drafter config ``ref`` names: ``ngram``; a Speculators head (its config's ``speculators_model_type``:
-    eagle3, dflash or dspark) for the verifier ``target``, as the app builder configures it; else a draft model.
-    ``engine``: engine fields (dtype, num_threads, cache_budget_mb, max_model_len) of a model drafter."""
-    if ref == "ngram":
-        return NgramConfig(num_speculative_tokens=k)
+    """The drafter config ``ref`` names: a method without a model by its name (``ngram``); a head (its config's
+    ``speculators_model_type``: eagle3, dflash or dspark) for the verifier ``target``, as the app builder
+    configures it; else a draft model. ``engine``: engine fields (dtype, num_threads, cache_budget_mb,
+    max_model_len) of a model drafter."""
+    if ref in METHODS and not METHODS[ref].model:
+        return load(METHODS[ref].config)(method=ref, num_speculative_tokens=k)
     path = Path(local_dir(ref, field="--drafter"))
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     name = cfg.get("speculators_model_type")
