@@ -79,3 +79,35 @@ def _copying(model, extra: dict, base: str) -> None:
         extra[base + "enorm.weight"] = torch.ones(H)
         extra[base + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
         extra[base + "shared_head.norm.weight"] = model.model.norm.weight.detach().clone()
+
+
+def contract_world(tok, path: Path | None = None):
+    """(tokenizer, target, verifier, drafter, texts, pre-drafts taken) for the drafter contract: a copying GLM-4.5
+    target and its MTP layer (``write_target(copying=True)``). Pre-drafts are declined."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from configs import VerifierConfig
+    from configs.models import MtpConfig
+    from drafter.mtp_drafter import MtpDrafter
+    from verifier.engine import VerifierEngine
+
+    path = path or Path(tempfile.mkdtemp(prefix="mtp-world-"))
+    write_target("glm4_moe", path, vocab=len(tok), copying=True)
+    target = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    ver = VerifierEngine(VerifierConfig(model="glm", dtype="float32", cache_budget_mb=64), model=target, tokenizer=tok)
+    dr = MtpDrafter(MtpConfig(model=str(path), dtype="float32", cache_budget_mb=16), eos_ids=set())
+    return tok, target, ver, dr, ["def add(a, b):", "class Point:", "for i in range(10):"], False
+
+
+def served_args(tok, tmp_path: Path, engine: dict) -> tuple[dict, dict, object, object]:
+    """(verifier args, drafter args, tokenizer, reference target) for an app serving a copying GLM-4.5 target with its
+    own MTP layer on the drafter pool (the drafter's model is the verifier's checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = write_target("glm4_moe", tmp_path / "glm-mtp", vocab=len(tok), copying=True)
+    tok.save_pretrained(path)
+    target = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    return ({"model": str(path), **engine}, {"method": "mtp", "num_speculative_tokens": 4, "model": str(path), **engine},
+            tok, target)

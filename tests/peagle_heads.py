@@ -45,3 +45,34 @@ def from_eagle3_head(head, mask_token_id: int, seed: int = 0) -> PEagleHead:
     state["mask_hidden"] = torch.randn(out.mask_hidden.shape, generator=torch.Generator().manual_seed(seed))
     out.load_state_dict(state)
     return out.eval()
+
+
+def contract_world():
+    """(tokenizer, target, verifier, drafter, texts, pre-drafts taken) for the drafter contract: the shipped target
+    and the P-EAGLE head made from its EAGLE-3 head (in memory). Pre-drafts are declined."""
+    from configs import VerifierConfig
+    from configs.models import PEagleConfig
+    from core.eagle3 import load_head
+    from drafter.peagle_drafter import PEagleDrafter
+    from tests.test_eagle3 import HEAD, TARGET
+    from tests.test_eagle3_serving import CODE
+    from verifier.engine import VerifierEngine
+
+    ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=64, num_threads=1))
+    head = from_eagle3_head(load_head(HEAD, verifier=TARGET), mask_token_id=ver.tokenizer.pad_token_id or 0)
+    dr = PEagleDrafter(PEagleConfig(model=str(HEAD), dtype="float32", cache_budget_mb=16, verifier_model=str(TARGET)),
+                       head=head)
+    return ver.tokenizer, ver.model, ver, dr, CODE[:3], False
+
+
+def served_args(tmp_path: Path, engine: dict) -> tuple[dict, dict, object, object]:
+    """(verifier args, drafter args, tokenizer, reference target) for an app serving the P-EAGLE head made from the
+    shipped EAGLE-3 head, written as a Speculators peagle checkpoint."""
+    from configs import VerifierConfig
+    from tests.test_eagle3 import HEAD, TARGET
+    from verifier.engine import VerifierEngine
+
+    ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=16, num_threads=1))
+    path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=ver.tokenizer.pad_token_id or 0)
+    return ({"model": str(TARGET), **engine}, {"method": "peagle", "num_speculative_tokens": 4, "model": str(path), **engine},
+            ver.tokenizer, ver.model)

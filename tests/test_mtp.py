@@ -243,3 +243,47 @@ def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
         drafted += seq.stats.num_draft_tokens
         assert dr.num_cached() == 0
     assert drafted > 0 and accepted / drafted > 0.95, (accepted, drafted)
+
+
+# ------------------------------------------------------------ the distribution
+def sampling_world(tmp_path=None):
+    """(a GLM-4.5 target of 8 tokens, its verifier, the drafter of its random MTP layer)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from configs import VerifierConfig
+    from tests.helpers import tiny_tokenizer
+    from tests.mtp_models import write_target
+    from tests.test_eagle3_serving import V
+    from verifier.engine import VerifierEngine
+
+    tmp_path = tmp_path or Path(tempfile.mkdtemp(prefix="mtp-sampling-"))
+    path, _, _ = write_target("glm4_moe", tmp_path / "glm8", vocab=V, peaked=3.0, seed=3)
+    target = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    ver = VerifierEngine(VerifierConfig(model="tiny", dtype="float32", cache_budget_mb=64), model=target,
+                         tokenizer=tiny_tokenizer())
+    return target, ver, drafter(path, cache_budget_mb=64)
+
+
+@pytest.mark.heavy  # 2000 sampled sequences through the loop, twice
+@pytest.mark.parametrize("control", [False, True], ids=["mtp", "mtp-wrong-q"])
+def test_sampled_output_at_t08_is_the_targets_distribution(control, tmp_path):
+    """At T = 0.8 the output is the target's exact distribution (chi-square); a control that reports a q other than
+    the one each draft was drawn from (uniform over the same support) fails it."""
+    from configs import SamplingParams
+    from core.loop import generate
+    from tests.test_dflash import _WrongQ
+    from tests.test_eagle3_serving import _exact
+    from tests.test_rejection import min_p_value_of
+
+    target, ver, dr = sampling_world(tmp_path)
+    n = 2000
+    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s, verification="rejection")
+              for s in range(n)]
+    prompt = [0, 3]
+    seqs = generate([prompt] * n, params, 3, _WrongQ(dr) if control else dr, ver)
+    assert sum(s.stats.num_draft_tokens for s in seqs) > n
+    p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
+    assert (p < 1e-3) if control else (p > 1e-3), p

@@ -360,3 +360,46 @@ def test_greedy_with_the_shipped_heads_p_eagle_equals_the_target(tmp_path):
         accepted += seq.stats.num_accepted_tokens
         drafted += seq.stats.num_draft_tokens
     assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
+
+
+# ------------------------------------------------------------ the distribution
+def sampling_world():
+    """(a target of 8 tokens, its verifier, a random P-EAGLE head's drafter whose q is 0 on three tokens)."""
+    from configs import VerifierConfig
+    from tests.helpers import tiny_llama, tiny_tokenizer
+    from tests.peagle_heads import from_eagle3_head
+    from tests.test_eagle3 import random_head, tiny_spec
+    from tests.test_eagle3_serving import V
+    from verifier.engine import VerifierEngine
+
+    target = tiny_llama(V, layers=2, hidden=24, seed=3, peak=3.0, eos_token_id=None)
+    ver = VerifierEngine(VerifierConfig(model="tiny", dtype="float32", cache_budget_mb=64), model=target,
+                         tokenizer=tiny_tokenizer())
+    spec = tiny_spec(draft_vocab=5, vocab=V)
+    spec.aux_layer_ids = [0, 1, 2]
+    head = random_head(spec, seed=4)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(torch.randn(V, spec.hidden_size, generator=torch.Generator().manual_seed(4)))
+    return target, ver, drafter(from_eagle3_head(head, mask_token_id=V - 1, seed=4), cache_budget_mb=64)
+
+
+@pytest.mark.heavy  # 2000 sampled sequences through the loop, twice
+@pytest.mark.parametrize("control", [False, True], ids=["peagle", "peagle-wrong-q"])
+def test_sampled_output_at_t08_is_the_targets_distribution(control):
+    """At T = 0.8 the output is the target's exact distribution (chi-square); a control that reports a q other than
+    the one each position was drawn from (uniform over the same support) fails it."""
+    from configs import SamplingParams
+    from core.loop import generate
+    from tests.test_dflash import _WrongQ
+    from tests.test_eagle3_serving import _exact
+    from tests.test_rejection import min_p_value_of
+
+    target, ver, dr = sampling_world()
+    n = 2000
+    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s, verification="rejection")
+              for s in range(n)]
+    prompt = [0, 3]
+    seqs = generate([prompt] * n, params, 3, _WrongQ(dr) if control else dr, ver)
+    assert sum(s.stats.num_draft_tokens for s in seqs) > n
+    p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
+    assert (p < 1e-3) if control else (p > 1e-3), p
