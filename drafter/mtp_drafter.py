@@ -38,6 +38,11 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from core.mtp import MtpSpec
 
 
+# families whose MTP layer runs here but whose target this package's verifier does not run yet
+VERIFIER_CANNOT_RUN = {"deepseek_v3": "its multi-head latent attention caches compressed latents, which the verifier's "
+                                      "paged cache does not hold (docs/mtp.md)"}
+
+
 class _Seq:
     """One sequence: its tokens (prefix hashes in ``chain``) and the MTP layer's rows."""
 
@@ -203,6 +208,9 @@ def check(config: AppConfig) -> MtpSpec:
     if config.verifier.backend == "vllm":
         raise ValueError("an mtp drafter on the pool needs the verifier's hidden states on every step: use verifier.backend "
                          "transformers (vLLM runs MTP itself as speculative method mtp)")
+    if spec.family in VERIFIER_CANNOT_RUN:
+        raise ValueError(f"verifier.model {config.verifier.model!r}: model_type {spec.family!r}: "
+                         f"{VERIFIER_CANNOT_RUN[spec.family]}")
     target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
     mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
     theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)
