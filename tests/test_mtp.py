@@ -287,3 +287,35 @@ def test_sampled_output_at_t08_is_the_targets_distribution(control, tmp_path):
     assert sum(s.stats.num_draft_tokens for s in seqs) > n
     p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
     assert (p < 1e-3) if control else (p > 1e-3), p
+
+
+def test_the_app_builder_reads_and_checks_the_layer(tmp_path):
+    """The app builder captures layer N for the MTP layer; a checkpoint that is not the verifier's, a DeepSeek-V3
+    verifier (its latent attention the verifier's cache does not hold) and the vllm backend are refused by name."""
+    from configs import AppConfig
+    from deployments.app import check_models, local_view, resolve_model_paths
+    from tests.helpers import tiny_tokenizer
+    from tests.mtp_models import write_target
+
+    tok = tiny_tokenizer()
+    glm, _, _ = write_target("glm4_moe", tmp_path / "glm", vocab=len(tok), copying=True)
+    other, _, _ = write_target("glm4_moe", tmp_path / "glm6", layers=6, vocab=len(tok))
+    ds, _, _ = write_target("deepseek_v3", tmp_path / "ds", vocab=len(tok))
+    for p in (glm, other, ds):
+        tok.save_pretrained(p)
+
+    def built(verifier, model, **kw):
+        args = {"verifier": {"model": str(verifier), **kw}, "drafter": {"method": "mtp", "model": str(model)}}
+        return local_view(resolve_model_paths(AppConfig.model_validate(args)))
+
+    assert check_models(built(glm, glm)) == (4,)
+    with pytest.raises(ValueError, match="is not for verifier.model"):
+        check_models(built(glm, other))
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3'"):
+        check_models(built(ds, ds))
+    with pytest.raises(ValueError, match="verifier.backend transformers"):
+        check_models(built(glm, glm, backend="vllm"))
+    cfg = json.loads((glm / "config.json").read_text())
+    (glm / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        check_models(built(glm, glm))

@@ -12,6 +12,7 @@ placeholder state, positions start..), the first layer's cat(embeds, hidden) wit
 scatter at the bonus and placeholder rows."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -403,3 +404,30 @@ def test_sampled_output_at_t08_is_the_targets_distribution(control):
     assert sum(s.stats.num_draft_tokens for s in seqs) > n
     p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
     assert (p < 1e-3) if control else (p > 1e-3), p
+
+
+def test_the_app_builder_reads_and_checks_the_head(tmp_path):
+    """The app builder resolves the verifier and k from the head's config and captures the layers it reads; a head
+    for another verifier and the vllm backend are refused, each naming what is wrong."""
+    from configs import AppConfig
+    from deployments.app import check_models, local_view, resolve_model_paths
+    from tests.peagle_heads import from_eagle3_dir
+    from tests.test_eagle3 import HEAD, TARGET
+
+    path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=0)
+
+    def built(verifier=None, **drafter):
+        args = {"verifier": {"model": verifier}, "drafter": {"method": "peagle", "model": str(path), **drafter}}
+        return resolve_model_paths(AppConfig.model_validate(args))
+
+    cfg = built()  # the verifier the head's speculators_config names, k its default proposal's
+    assert Path(cfg.verifier.model).resolve() == TARGET.resolve() and cfg.drafter.num_speculative_tokens == 4
+    assert check_models(local_view(cfg)) == tuple(json.loads((HEAD / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"])
+    vllm = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"backend": "vllm"})})
+    with pytest.raises(ValueError, match="verifier.backend transformers"):
+        check_models(local_view(vllm))
+    cfg_json = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg_json, "target_hidden_size": 999}))
+    with pytest.raises(ValueError, match="999"):
+        check_models(local_view(built(verifier=str(TARGET))))
