@@ -197,7 +197,8 @@ class PEagleConfig(_HeadConfig):
 
 class MtpConfig(_HeadConfig):
     """The target checkpoint's own multi-token-prediction layer on the drafter pool (docs/mtp.md): only that layer, the
-    embedding, the final norm and the head are read from the target's files."""
+    embedding, the final norm and the head are read from the target's files. (kv_cache_dtype is not used: the layer's
+    keys and values stay in the compute dtype.)"""
 
     method: Literal["mtp"] = Field("mtp", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(

@@ -25,7 +25,8 @@ Families: those transformers builds here and vLLM drafts with: ``glm4_moe`` (GLM
 ``deepseek_v3`` (DeepSeek-V3, R1). Refused at build time, naming the field: other ``model_type`` values (Qwen3-Next's
 and Qwen3.5's MTP layers sit among linear-attention layers; MiMo has no transformers class), a config without
 ``num_nextn_predict_layers``, quantized checkpoints (``quantization_config``), DeepSeek-V3.2's sparse
-attention (``index_topk``).
+attention (``index_topk``), Speculators' FastMTP heads (``speculators_model_type``: a format of their own, which
+vLLM 0.32 does not load).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class MtpSpec:
     def from_config(cls, cfg: dict) -> MtpSpec:
         """The spec of a target config.json with MTP layers. Raises ``UnsupportedMtp`` (one line naming the field and
         value) for a target this project cannot draft for with its own layers."""
+        if cfg.get("speculators_model_type"):
+            unsupported("speculators_model_type", cfg["speculators_model_type"], "Speculators' own MTP heads (FastMTP) are "
+                        "a separate format vLLM 0.32 does not load; the mtp drafter reads a target checkpoint's MTP layers")
         cfg = cfg.get("text_config") or cfg
         family = cfg.get("model_type")
         if family not in FAMILIES:

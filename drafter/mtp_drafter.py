@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from core.models import DTYPES, resolve_kv_dtype
 from core.mtp import MtpHead, RowCache
 from core.mtp import load_head as load_mtp
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
@@ -95,8 +94,8 @@ class MtpDrafter(HeadDrafter):
     """Drafts with the target's first MTP layer, applied k times; sampling and q are ``BatchedDrafter``'s."""
 
     def __init__(self, config: MtpConfig, head: MtpHead | None = None, eos_ids: set[int] | None = None):
-        name = self._init_head(config, head, lambda path, verifier=None: load_mtp(path), eos_ids)
-        self.kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
+        # (the layer's keys and values stay in the compute dtype: the family's attention reads them as it wrote them)
+        self._init_head(config, head, lambda path, verifier=None: load_mtp(path), eos_ids)
         self.cache = _Cache(int(config.cache_budget_mb * 2**20))
         self.stats = {"passes": 0, "drafts": 0}
 
@@ -119,7 +118,7 @@ class MtpDrafter(HeadDrafter):
             return None
         slot.kv.cut(lo)
         slot.real = lo
-        slot.cut_tokens(0) if r.full else slot.cut_tokens(r.start)
+        slot.cut_tokens(0 if r.full else r.start)
         slot.tokens = tokens
         self.cache.slots.move_to_end(r.seq_id)
         k = max(0, min(r.k, self.max_len - len(tokens))) if m > 0 else 0

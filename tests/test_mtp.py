@@ -140,6 +140,7 @@ def test_the_target_state_is_the_normed_last_layer(target):
     ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"index_topk": 2048}, "index_topk"),
+    ({"speculators_model_type": "fastmtp"}, "speculators_model_type"),
 ])
 def test_refusals_name_the_field(change, field):
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "num_nextn_predict_layers": 1, "hidden_size": 64,
