@@ -320,3 +320,28 @@ def test_the_app_builder_reads_and_checks_the_layer(tmp_path):
     (glm / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         check_models(built(glm, glm))
+
+
+@pytest.mark.long  # a served app, the MTP layer in each verifier replica
+def test_served_greedy_with_the_layer_in_the_verifier_replica_equals_the_target(serve_app, tmp_path):
+    """drafter_placement verifier: the verifier replica drafts with the checkpoint's MTP layer from its own captured
+    states; greedy over HTTP equals the target's generate, drafts accepted (the pool's case is the contract's)."""
+    import httpx
+
+    from tests.conftest import side_app
+    from tests.helpers import tiny_tokenizer
+    from tests.mtp_models import served_args
+    from tests.test_processors import hf_greedy
+
+    engine = {"dtype": "float32", "cache_budget_mb": 64, "num_threads": 1}
+    verifier, drafter_args, tok, target = served_args(tiny_tokenizer(), tmp_path, engine)
+    args = {"model_name": "tiny", "verifier": verifier, "drafter": drafter_args, "k_policy": "fixed",
+            "drafter_placement": "verifier"}
+    with side_app(serve_app, "mtp-colocated", args) as url:
+        body = {"model": "tiny", "temperature": 0, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+        for text in ["def add(a, b):", "class Point:"]:
+            r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": text}, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 24), text
+            assert choice["speculation"]["mean_acceptance_length"] > 3, choice["speculation"]

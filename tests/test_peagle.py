@@ -431,3 +431,27 @@ def test_the_app_builder_reads_and_checks_the_head(tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg_json, "target_hidden_size": 999}))
     with pytest.raises(ValueError, match="999"):
         check_models(local_view(built(verifier=str(TARGET))))
+
+
+@pytest.mark.long  # a served app, the head in each verifier replica
+def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(serve_app, tmp_path):
+    """drafter_placement verifier: the verifier replica drafts with the P-EAGLE head from its own captured states;
+    greedy over HTTP equals the target's generate, with drafts (the pool's case is the contract's)."""
+    import httpx
+
+    from tests.conftest import side_app
+    from tests.peagle_heads import served_args
+    from tests.test_processors import hf_greedy
+
+    engine = {"dtype": "float32", "cache_budget_mb": 64, "num_threads": 1}
+    verifier, drafter_args, tok, target = served_args(tmp_path, engine)
+    args = {"model_name": "tiny", "verifier": verifier, "drafter": drafter_args, "k_policy": "fixed",
+            "drafter_placement": "verifier"}
+    with side_app(serve_app, "peagle-colocated", args) as url:
+        body = {"model": "tiny", "temperature": 0, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+        for text in ["def add(a, b):", "class Point:"]:
+            r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": text}, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 24), text
+            assert choice["speculation"]["num_draft_tokens"] > 0, choice["speculation"]
