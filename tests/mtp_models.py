@@ -24,7 +24,8 @@ MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size":
 
 def family_config(family: str, layers: int):
     if family == "glm4_moe":
-        return T.Glm4MoeConfig(**COMMON, **MOE, head_dim=16, num_hidden_layers=layers)
+        # GLM-4.5's attention: q/k/v biases, half the head rotated (partial_rotary_factor 0.5, the class default)
+        return T.Glm4MoeConfig(**COMMON, **MOE, head_dim=16, num_hidden_layers=layers, attention_bias=True)
     if family == "deepseek_v3":
         return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers, q_lora_rank=32, kv_lora_rank=16,
                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
