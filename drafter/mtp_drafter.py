@@ -205,8 +205,9 @@ def check(config: AppConfig) -> MtpSpec:
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"mtp drafter {d.model!r}: not a checkpoint with MTP layers: {e}") from None
     if config.verifier.backend == "vllm":
-        raise ValueError("an mtp drafter on the pool needs the verifier's hidden states on every step: use verifier.backend "
-                         "transformers (vLLM runs MTP itself as speculative method mtp)")
+        raise ValueError("an mtp drafter needs the verifier's last hidden states on every step: use verifier.backend "
+                         "transformers (vLLM 0.32's GLM-4.5 and DeepSeek models capture no states for a drafter outside "
+                         "the engine; vLLM runs their MTP layers itself as speculative method mtp)")
     if spec.family in VERIFIER_CANNOT_RUN:
         raise ValueError(f"verifier.model {config.verifier.model!r}: model_type {spec.family!r}: "
                          f"{VERIFIER_CANNOT_RUN[spec.family]}")

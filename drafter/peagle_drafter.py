@@ -72,7 +72,8 @@ class PEagleDrafter(Eagle3Drafter):
 
 def check(config: AppConfig) -> PEagleSpec:
     """A P-EAGLE head must be one for this verifier (the EAGLE-3 head's checks: its width, vocabulary, layers and
-    recorded architecture) and the verifier must return its states: this package's engine."""
+    recorded architecture) and the verifier must return its states: this package's engine, or vLLM's loop with the
+    head on the drafter pool (the EAGLE-3 transport, ``verifier.vllm_proposer``)."""
     from pathlib import Path
 
     from core.peagle import check_head
@@ -83,9 +84,10 @@ def check(config: AppConfig) -> PEagleSpec:
         spec = check_head(path, config.verifier.model)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"peagle drafter {str(path)!r}: not a usable P-EAGLE head: {e}") from None
-    if config.verifier.backend == "vllm":
-        raise ValueError("a peagle drafter on the pool needs the verifier's hidden states on every step: use verifier.backend "
-                         "transformers (vLLM runs P-EAGLE itself as method eagle3 with parallel_drafting)")
+    if config.verifier.backend == "vllm" and (config.verifier.vllm_loop != "engine" or config.drafter_placement == "verifier"):
+        raise ValueError("a peagle drafter with verifier.backend vllm drafts on the drafter pool from the states vLLM's loop "
+                         "returns: use vllm_loop engine and drafter_placement pool (in vLLM's own engine the head would need "
+                         "parallel_drafting, which this app does not pass), or verifier.backend transformers")
     problems = head_problems(spec, path, config.verifier.model)
     if problems:
         raise ValueError(f"peagle drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))

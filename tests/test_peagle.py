@@ -407,8 +407,9 @@ def test_sampled_output_at_t08_is_the_targets_distribution(control):
 
 
 def test_the_app_builder_reads_and_checks_the_head(tmp_path):
-    """The app builder resolves the verifier and k from the head's config and captures the layers it reads; a head
-    for another verifier and the vllm backend are refused, each naming what is wrong."""
+    """The app builder resolves the verifier and k from the head's config and captures the layers it reads; the vllm
+    backend drafts on the pool from its loop's states; a head for another verifier, vLLM's per-step loop and vLLM's
+    own engine are refused, each naming what is wrong."""
     from configs import AppConfig
     from deployments.app import check_models, local_view, resolve_model_paths
     from tests.peagle_heads import from_eagle3_dir
@@ -425,8 +426,11 @@ def test_the_app_builder_reads_and_checks_the_head(tmp_path):
     assert check_models(local_view(cfg)) == tuple(json.loads((HEAD / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"])
     vllm = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"backend": "vllm"})})
-    with pytest.raises(ValueError, match="verifier.backend transformers"):
-        check_models(local_view(vllm))
+    assert check_models(local_view(vllm)) == check_models(local_view(cfg))  # vLLM's loop sends the states to the pool
+    for refused in (vllm.model_copy(update={"drafter_placement": "verifier"}),
+                    vllm.model_copy(update={"verifier": vllm.verifier.model_copy(update={"vllm_loop": "per_step"})})):
+        with pytest.raises(ValueError, match="vllm_loop engine and drafter_placement pool"):
+            check_models(local_view(refused))
     cfg_json = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg_json, "target_hidden_size": 999}))
     with pytest.raises(ValueError, match="999"):
@@ -455,3 +459,56 @@ def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(s
             choice = r.json()["choices"][0]
             assert choice["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 24), text
             assert choice["speculation"]["num_draft_tokens"] > 0, choice["speculation"]
+
+
+@pytest.mark.long  # starts a vLLM engine (tens of seconds on a small CPU)
+def test_with_vllms_loop_the_head_on_the_pool_gives_the_targets_greedy(tmp_path):
+    """backend vllm, vllm_loop engine: vLLM's runner computes the states, its proposer sends them to a drafter replica
+    running the P-EAGLE drafter (in process, over the direct channel); greedy equals the target's own generate and
+    drafts are accepted."""
+    import asyncio
+
+    pytest.importorskip("vllm")
+    from configs import SamplingParams, VerifierConfig
+    from core.peagle import check_head
+    from deployments.drafter import DrafterServer
+    from tests.peagle_heads import from_eagle3_dir
+    from tests.test_eagle3 import HEAD, TARGET
+    from tests.test_processors import hf_greedy
+    from tests.test_vllm_eagle3 import CODE, VERIFIER
+    from verifier.vllm_engine import VllmVerifierEngine
+
+    k, n = 4, 32
+    path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=0)
+    layers = tuple(check_head(path, TARGET).aux_layer_ids)
+
+    async def run():
+        dr = DrafterServer({"method": "peagle", "model": str(path), "dtype": "float32", "num_speculative_tokens": k,
+                            "cache_budget_mb": 16, "num_threads": 1, "verifier_model": str(TARGET)})
+        ep = await dr.endpoint()
+        eng = VllmVerifierEngine(VerifierConfig.model_validate(VERIFIER), speculative=True, aux_layers=layers)
+        try:
+            await eng.bind({"endpoints": [[ep.host, ep.port, ep.token.hex(), ep.replica]], "timeout_s": 30.0,
+                            "tree": 1, "speculate": "always"})
+            out = []
+            for i, text in enumerate(CODE[:2]):
+                ids = eng.tokenizer(text)["input_ids"]
+                sp = eng.sampling_params(SamplingParams(temperature=0, ignore_eos=True, verification="rejection"),
+                                         k, f"p{i}", 0, len(ids), n, None)
+                got, spec = [], None
+                async for new, _, s in eng.generate(ids, sp, f"p{i}"):
+                    got += new
+                    spec = s or spec
+                out.append((text, ids, got, spec))
+            return out, (await eng.proposer_status())[0]
+        finally:
+            eng.shutdown()
+
+    out, status = asyncio.run(run())
+    assert status["failures"] == 0 and status["aux_bytes"] > 0, status
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET).float().eval()
+    for text, ids, got, spec in out:
+        assert got == hf_greedy(target, ids, n), text
+    assert sum(sum(s.per_step_accepted) for *_, s in out if s is not None) > 0
