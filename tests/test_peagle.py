@@ -486,7 +486,8 @@ def test_with_vllms_loop_the_head_on_the_pool_gives_the_targets_greedy(tmp_path)
         dr = DrafterServer({"method": "peagle", "model": str(path), "dtype": "float32", "num_speculative_tokens": k,
                             "cache_budget_mb": 16, "num_threads": 1, "verifier_model": str(TARGET)})
         ep = await dr.endpoint()
-        eng = VllmVerifierEngine(VerifierConfig.model_validate(VERIFIER), speculative=True, aux_layers=layers)
+        eng = VllmVerifierEngine(VerifierConfig.model_validate(VERIFIER), speculative=True, aux_layers=layers,
+                                 per_step_metrics=True)
         try:
             await eng.bind({"endpoints": [[ep.host, ep.port, ep.token.hex(), ep.replica]], "timeout_s": 30.0,
                             "tree": 1, "speculate": "always"})
