@@ -180,16 +180,17 @@ class MtpHead(nn.Module):
         """The target's returned hidden states (after its final norm) from the captured stream entering layer N."""
         return self.target_norm(states.to(self.target_norm.weight.dtype))
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv: RowCache, mask: torch.Tensor):
-        """Rows (ids [1, n], positions [1, n], hidden [1, n, H]: the target's h_t or the layer's own feedback) after
-        the rows in ``kv`` (extended in place); mask [n, len(kv) + n] bool (True: attend). Returns (logits [1, n, V],
-        what the next step is fed [1, n, H])."""
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv, mask: torch.Tensor):
+        """Rows (ids [B, n], positions [B, n], hidden [B, n, H]: the target's h_t or the layer's own feedback) after
+        the rows in ``kv`` (a ``RowCache``, extended in place, or any ``past_key_values`` the family's attention
+        writes); mask [n, S + n] or [B, n, S + n] bool (True: attend), S the rows before. Returns (logits [B, n, V],
+        what the next step is fed [B, n, H])."""
         L = self.layer
         e = self.embed_tokens(ids)
         e = torch.where(positions.unsqueeze(-1) == 0, torch.zeros_like(e), e)  # vLLM: no embedding at position 0
         x = L.eh_proj(torch.cat([L.enorm(e), L.hnorm(hidden.to(e.dtype))], dim=-1))
         additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
-        out = L.mtp_block(x, attention_mask=additive.view(1, 1, *mask.shape), position_ids=positions,
+        out = L.mtp_block(x, attention_mask=additive.view(-1, 1, *mask.shape[-2:]), position_ids=positions,
                           past_key_values=kv, use_cache=True, position_embeddings=self.rotary(x, positions))
         normed = L.shared_head.norm(out)
         return L.shared_head.head(normed), (normed if self.spec.feeds_normed else out)

@@ -15,8 +15,8 @@ sequence with every state.
 q. Each draft is a sample of the layer's distribution given the context and the drafts before it (a chain, like a
 draft model's): its logits through the request's processors, and that q_i travels with it (``BatchedDrafter._draw``).
 
-Pre-drafts are declined (a cache miss): the guessed block's states do not exist yet. Sequences are run one after
-another within a call (each has its own rows; the family's attention takes one cache per call).
+Pre-drafts are declined (a cache miss): the guessed block's states do not exist yet. The sequences of a call share
+each pass: their held rows padded to the longest, their new rows on the right, one mask (``_Batch``).
 """
 
 from __future__ import annotations
@@ -77,6 +77,50 @@ class _Cache:
                 break
             if seq_id not in pinned:
                 used -= self.slots.pop(seq_id).kv.nbytes()
+
+
+class _Batch:
+    """The ``past_key_values`` of one batched pass: each sequence's held rows, padded on the right to the longest,
+    then the pass's new rows; ``commit`` appends each sequence's real new rows to its own cache."""
+
+    def __init__(self, caches: list[RowCache]):
+        self.caches, self.held = caches, [len(c) for c in caches]
+        self.new = None
+
+    def update(self, key_states, value_states, layer_idx=0, *args, **kwargs):
+        S = max(self.held)
+        self.new = (key_states, value_states)
+
+        def padded(t, which):  # held rows [1, h, S, D] (zeros past the sequence's own)
+            out = t.new_zeros(1, t.shape[1], S, t.shape[3])
+            held = getattr(self.caches[b], which)
+            if held is not None:
+                out[:, :, : held.shape[2]] = held
+            return out
+
+        past_k, past_v = [], []
+        for b in range(len(self.caches)):
+            past_k.append(padded(key_states, "k"))
+            past_v.append(padded(value_states, "v"))
+        return torch.cat([torch.cat(past_k), key_states], 2), torch.cat([torch.cat(past_v), value_states], 2)
+
+    def mask(self, counts: list[int], n: int, device) -> torch.Tensor:
+        """[B, n, S + n] bool: a sequence's held rows, then its new rows causally; a padding row sees itself."""
+        S = max(self.held)
+        m = torch.zeros(len(counts), n, S + n, dtype=torch.bool, device=device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        for b, (held, c) in enumerate(zip(self.held, counts)):
+            m[b, :, :held] = True
+            m[b, :, S:] = causal
+            m[b, :, S + c:] = False
+            m[b, c:, :] = False
+            m[b, torch.arange(c, n), S + torch.arange(c, n)] = True
+        return m
+
+    def commit(self, counts: list[int]) -> None:
+        k, v = self.new
+        for b, (cache, c) in enumerate(zip(self.caches, counts)):
+            cache.update(k[b: b + 1, :, :c], v[b: b + 1, :, :c])
 
 
 class Rows(NamedTuple):
@@ -145,8 +189,7 @@ class MtpDrafter(HeadDrafter):
         active = [(e, None) for e in entries]  # (entry, its next draft row: (token, position, fed-back state))
         while active:
             rows = {e.request.seq_id: row for e, row in active}
-            run = self._first_rows if active[0][1] is None else (
-                lambda es: [self._draft_row(e, *rows[e.request.seq_id]) for e in es])
+            run = self._first_rows if active[0][1] is None else (lambda es: self._draft_rows(es, rows))
             still = []
             for e, (logits, fed) in self._batched([e for e, _ in active], run, out):
                 drafts = out[e.request.seq_id].tokens
@@ -161,29 +204,41 @@ class MtpDrafter(HeadDrafter):
         self.cache.fit(pinned)
 
     def _first_rows(self, entries: list[Rows]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each sequence's new rows in turn -> (logits [1, V] of its last row, the state it feeds back [1, 1, H])."""
-        results = []
+        """One batched pass over each sequence's new rows -> per entry (logits [1, V] of its last row, the state it
+        feeds back [1, 1, H])."""
         for e in entries:
-            dev, n = self.config.device, len(e.ids)
             e.slot.kv.cut(e.lo)  # (rows a failed batched pass wrote are written again)
-            mask = torch.ones(n, e.lo + n, dtype=torch.bool, device=dev).tril(diagonal=e.lo)
-            logits, fed = self.head.step(torch.tensor([e.ids], device=dev),
-                                         torch.arange(e.lo, e.lo + n, device=dev).unsqueeze(0),
-                                         self.head.target_hidden(e.hidden).unsqueeze(0), e.slot.kv, mask)
-            e.slot.real = e.lo + n
-            results.append((self.head_logits(logits[0, -1:]), fed[:, -1:]))
-        self.stats["passes"] += 1
-        return results
+        hidden = [self.head.target_hidden(e.hidden) for e in entries]
+        out = self._batch_pass(entries, [e.ids for e in entries], [e.lo for e in entries], hidden)
+        for e in entries:
+            e.slot.real = e.lo + len(e.ids)  # rows made from the target's states
+        return out
 
-    def _draft_row(self, e: Rows, token: int, position: int, fed: torch.Tensor):
-        """The draft ``token`` at ``position`` with the layer's own output at the row before -> as ``_first_rows``."""
-        dev = self.config.device
-        e.slot.kv.cut(position)
-        mask = torch.ones(1, position + 1, dtype=torch.bool, device=dev)
-        logits, fed = self.head.step(torch.tensor([[token]], device=dev), torch.tensor([[position]], device=dev), fed,
-                                     e.slot.kv, mask)
+    def _draft_rows(self, entries: list[Rows], rows: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One batched pass over each sequence's newest draft (``rows``: seq_id -> (token, position, the layer's own
+        output at the row before [1, 1, H])) -> as ``_first_rows``."""
+        for e in entries:
+            e.slot.kv.cut(rows[e.request.seq_id][1])
+        return self._batch_pass(entries, [[rows[e.request.seq_id][0]] for e in entries],
+                                [rows[e.request.seq_id][1] for e in entries], [rows[e.request.seq_id][2][0] for e in entries])
+
+    def _batch_pass(self, entries: list[Rows], ids: list[list[int]], starts: list[int], hidden: list[torch.Tensor]):
+        """Rows ids[b] at positions starts[b].. after sequence b's held rows (its cache cut to starts[b]), one pass
+        (rows padded to the longest on the right, held rows to the longest) -> per entry (logits [1, V] of its last
+        row, fed back [1, 1, H])."""
+        dev, counts = self.config.device, [len(i) for i in ids]
+        B, n = len(entries), max(counts)
+        tok = torch.zeros(B, n, dtype=torch.long, device=dev)
+        h = torch.zeros(B, n, hidden[0].shape[-1], dtype=self.dtype, device=dev)
+        for b, (row, c) in enumerate(zip(ids, counts)):
+            tok[b, :c] = torch.tensor(row, device=dev)
+            h[b, :c] = hidden[b].to(self.dtype)
+        pos = torch.tensor(starts, device=dev).unsqueeze(1) + torch.arange(n, device=dev)
+        batch = _Batch([e.slot.kv for e in entries])
+        logits, fed = self.head.step(tok, pos, h, batch, batch.mask(counts, n, dev))
+        batch.commit(counts)
         self.stats["passes"] += 1
-        return self.head_logits(logits[0, -1:]), fed[:, -1:]
+        return [(self.head_logits(logits[b, c - 1: c]), fed[b: b + 1, c - 1: c]) for b, c in enumerate(counts)]
 
     @staticmethod
     def head_logits(logits: torch.Tensor) -> torch.Tensor:
