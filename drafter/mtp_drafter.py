@@ -15,7 +15,10 @@ sequence with every state.
 q. Each draft is a sample of the layer's distribution given the context and the drafts before it (a chain, like a
 draft model's): its logits through the request's processors, and that q_i travels with it (``BatchedDrafter._draw``).
 
-Pre-drafts are declined (a cache miss): the guessed block's states do not exist yet. The sequences of a call share
+Pre-drafts (block n + 1 drafted while block n is verified, its states not computed yet) continue the chain: the
+guessed block's tokens not yet fed are fed after the layer's last output, as its own drafts are, then k drafts
+(``_continuation``); a guess that does not extend the held chain is declined. The next ordinary call drops those
+rows and drafts from the target's states. The sequences of a call share
 each pass: their held rows padded to the longest, their new rows on the right, one mask (``_Batch``).
 """
 
@@ -50,6 +53,8 @@ class _Seq:
         self.chain: list[bytes] = [b""]
         self.kv = RowCache()
         self.real = 0  # rows made from the target's states (those after them are drafts')
+        self.fed: list[int] = []  # the tokens of the rows after ``real`` (drafts, or a pre-draft's guess)
+        self.tail: torch.Tensor | None = None  # the layer's own output at the last row [1, 1, H]
 
     def cut_tokens(self, n: int) -> None:
         if n < len(self.tokens):
@@ -130,8 +135,11 @@ class Rows(NamedTuple):
     slot: _Seq
     ids: list[int]  # the tokens of the rows fed: x_{lo+1}..x_m
     lo: int  # the first row fed (its position)
-    hidden: torch.Tensor  # the target's states h_lo..h_{m-1} [m - lo, H], before the final norm
+    hidden: torch.Tensor | None  # the target's states h_lo..h_{m-1} [m - lo, H], before the final norm
     k: int
+    guess: list[int] = []  # a pre-draft's guessed tokens after the context (drafts follow them)
+    forced: list[int] = []  # of those, the ones still to feed after the first row of the call
+    start: tuple | None = None  # a pre-draft's first row: (token, position, the layer's own output before it)
 
 
 class MtpDrafter(HeadDrafter):
@@ -147,9 +155,11 @@ class MtpDrafter(HeadDrafter):
         if r.branches:
             out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
             return None
-        if r.provisional:  # no states for the guessed block: drafted once they exist
-            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
-            return None
+        if r.provisional:  # the guessed block continues the chain from the layer's own outputs, as its drafts do
+            entry = self._continuation(r)
+            out[r.seq_id] = (Proposal(r.seq_id, [], cache_miss=True) if entry is None
+                             else self._proposal(r, cached=len(entry.slot.tokens)))
+            return entry
         slot, tokens = self._context(r)
         if slot is None:
             out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
@@ -161,7 +171,7 @@ class MtpDrafter(HeadDrafter):
             out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
             return None
         slot.kv.cut(lo)
-        slot.real = lo
+        slot.real, slot.fed, slot.tail = lo, [], None
         slot.cut_tokens(0 if r.full else r.start)
         slot.tokens = tokens
         self.cache.slots.move_to_end(r.seq_id)
@@ -185,23 +195,54 @@ class MtpDrafter(HeadDrafter):
             return None, []
         return slot, slot.tokens[: r.start] + list(r.new_tokens)
 
+    def _continuation(self, r: DraftRequest) -> Rows | None:
+        """A pre-draft's entry: the held context is a prefix of the request's, and the rows fed after it (drafts) are
+        the guess's first tokens; the rest of the guess is fed after the layer's last output, then k drafts. None:
+        nothing to continue from (the caller drafts once the states exist)."""
+        slot = self.cache.slots.get(r.seq_id)
+        if (slot is None or r.full or slot.tail is None or r.start != len(slot.tokens)
+                or prefix_hash(slot.tokens, r.start, slot.chain) != r.prefix):
+            return None
+        guess, j = list(r.new_tokens), len(slot.fed)
+        if guess[:j] != slot.fed or len(guess) <= j:
+            return None
+        self.cache.slots.move_to_end(r.seq_id)
+        k = max(0, min(r.k, self.max_len - len(slot.tokens) - len(guess)))
+        position = len(slot.tokens) - 1 + j  # the row of guess[j]: x_m's context row is at m - 1
+        return Rows(r, slot, [], position, None, k, guess, guess[j + 1:], (guess[j], position, slot.tail))
+
     def _draft(self, entries: list[Rows], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
-        active = [(e, None) for e in entries]  # (entry, its next draft row: (token, position, fed-back state))
+        active = [(e, e.start) for e in entries]  # (entry, its next row: (token, position, fed-back state), None: first)
         while active:
             rows = {e.request.seq_id: row for e, row in active}
-            run = self._first_rows if active[0][1] is None else (lambda es: self._draft_rows(es, rows))
             still = []
-            for e, (logits, fed) in self._batched([e for e, _ in active], run, out):
-                drafts = out[e.request.seq_id].tokens
-                if len(drafts) >= e.k:
-                    continue
-                token = self._next_draft(e.request, logits, e.slot.tokens + drafts, out)
-                if token is not None and len(drafts) < e.k:
-                    still.append((e, (token, len(e.slot.tokens) + len(drafts) - 2, fed)))
+            for runs in ([e for e, row in active if row is None], [e for e, row in active if row is not None]):
+                run = self._first_rows if runs and rows[runs[0].request.seq_id] is None else (
+                    lambda es: self._draft_rows(es, rows))
+                for e, (logits, fed) in self._batched(runs, run, out):
+                    row = self._after(e, rows[e.request.seq_id], logits, fed, out)
+                    if row is not None:
+                        still.append(row)
             active = still
         for e in entries:
             self.stats["drafts"] += len(out[e.request.seq_id].tokens)
         self.cache.fit(pinned)
+
+    def _after(self, e: Rows, row, logits: torch.Tensor, fed: torch.Tensor, out: dict):
+        """After a pass fed e's row ``row`` (None: its first rows): (e, its next row), or None when it is done."""
+        position = e.lo + len(e.ids) - 1 if row is None else row[1]  # the row just fed
+        if row is not None:
+            e.slot.fed.append(row[0])
+        e.slot.tail = fed
+        if e.forced:  # a pre-draft's guessed tokens, fed one by one after the layer's own output
+            return e._replace(forced=e.forced[1:]), (e.forced[0], position + 1, fed)
+        drafts = out[e.request.seq_id].tokens
+        if len(drafts) >= e.k:
+            return None
+        token = self._next_draft(e.request, logits, e.slot.tokens + e.guess + drafts, out)
+        if token is None or len(drafts) >= e.k:
+            return None
+        return e, (token, position + 1, fed)
 
     def _first_rows(self, entries: list[Rows]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One batched pass over each sequence's new rows -> per entry (logits [1, V] of its last row, the state it

@@ -84,7 +84,7 @@ def _copying(model, extra: dict, base: str) -> None:
 
 def contract_world(tok, path: Path | None = None):
     """(tokenizer, target, verifier, drafter, texts, pre-drafts taken) for the drafter contract: a copying GLM-4.5
-    target and its MTP layer (``write_target(copying=True)``). Pre-drafts are declined."""
+    target and its MTP layer (``write_target(copying=True)``), whose pre-drafts continue its chains and are taken."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -99,7 +99,7 @@ def contract_world(tok, path: Path | None = None):
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
     ver = VerifierEngine(VerifierConfig(model="glm", dtype="float32", cache_budget_mb=64), model=target, tokenizer=tok)
     dr = MtpDrafter(MtpConfig(model=str(path), dtype="float32", cache_budget_mb=16), eos_ids=set())
-    return tok, target, ver, dr, ["def add(a, b):", "class Point:", "for i in range(10):"], False
+    return tok, target, ver, dr, ["def add(a, b):", "class Point:", "for i in range(10):"], True
 
 
 def served_args(tok, tmp_path: Path, engine: dict) -> tuple[dict, dict, object, object]:

@@ -211,6 +211,33 @@ def test_drafter_equals_the_reference_whole_incremental_and_after_misses(target)
     assert dr.release("c") and dr.num_cached() == 1
 
 
+def test_a_pre_draft_continues_the_chain(target):
+    """A pre-draft (the block being verified guessed accepted, its states not computed) continues from the layer's
+    own rows: its drafts are the ones a longer chain drafts in one call; a guess that is not the chain is declined,
+    and the next ordinary call drafts from the target's states again."""
+    from configs import SamplingParams
+    from core.protocol import DraftRequest
+
+    family, path, _, _ = target
+    dr = drafter(path)
+    T = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    g = target_states(path, T)
+    (long,) = dr.propose([_request("z", T[:20], g[:19], 0, k=7)])
+    (p,) = dr.propose([_request("a", T[:20], g[:19], 0, k=4)])  # the loop asks k + 1: the last guesses the bonus
+    assert p.tokens == long.tokens[:4]
+
+    def pre(guess, k=3):
+        return DraftRequest.for_tokens("a", T[:20] + guess, 20, k=k, sampling=SamplingParams(temperature=0), seed=1,
+                                       provisional=True)
+
+    (q,) = dr.propose([pre(long.tokens[:4])])
+    assert q.tokens == long.tokens[4:7] and not q.cache_miss
+    (q,) = dr.propose([pre([(long.tokens[0] + 1) % VOCAB] + long.tokens[1:4])])  # another chain: declined
+    assert q.cache_miss and not q.tokens
+    (p,) = dr.propose([_request("a", T[:22], g[19:21], 19, start=20)])
+    assert p.tokens == load_head(path).draft(T[:22], g[:21], 4)
+
+
 def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
     """A GLM-4.5 target whose next token is a function of the current one, and its MTP layer computing the same
     function (``tests.mtp_models``): through the loop with pre-drafting, greedy equals the target's generate and
