@@ -91,7 +91,7 @@ def _peagle_world(tiny_pair, name: str) -> World:
 
 
 def _mtp_world(tiny_pair, name: str) -> World:
-    """A GLM-4.5 target and its own MTP layer, built to copy it (``tests.mtp_models``); pre-drafts declined."""
+    """A GLM-4.5 target and its own MTP layer, built to copy it (``tests.mtp_models``); its pre-drafts are taken."""
     from tests.mtp_models import contract_world
 
     return World(*contract_world(tiny_pair[0]))
