@@ -72,14 +72,13 @@ class PEagleSpec(Eagle3Spec):
         """The spec of a P-EAGLE config.json in either layout, read as vLLM 0.32 reads it. Raises
         ``UnsupportedHead`` (one line naming the field and value) for a config this project cannot run."""
         if cfg.get("speculators_model_type") is not None:
-            as_eagle3, mask, k, layout = _speculators(cfg), cfg.get("mask_token_id"), None, "speculators"
+            as_eagle3, mask, layout = _speculators(cfg), cfg.get("mask_token_id"), "speculators"
             k = default_proposal(cfg).get("speculative_tokens")
         else:
-            as_eagle3, mask, k, layout = _eagle_layout(cfg), _mask_token(cfg), None, "eagle"
-        vocab = as_eagle3["transformer_layer_config"].get("vocab_size")
-        if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < (vocab or 0):
-            unsupported("mask_token_id", mask, f"parallel drafting needs a placeholder token id below vocab_size {vocab}")
+            as_eagle3, mask, layout, k = _eagle_layout(cfg), _mask_token(cfg), "eagle", None
         base = Eagle3Spec.from_config(as_eagle3, target_num_layers)
+        if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < base.vocab_size:
+            unsupported("mask_token_id", mask, f"parallel drafting needs a placeholder token id below vocab_size {base.vocab_size}")
         return cls(**vars(base), mask_token_id=mask, layout=layout,
                    speculative_tokens=k if isinstance(k, int) and k >= 1 else None)
 
@@ -161,9 +160,7 @@ class PEagleHead(EagleHead):
 def _mask_shape(shapes: dict) -> None:
     """``mask_hidden`` as [1, width] whatever the checkpoint's own shape (vLLM views it [1, -1])."""
     if "mask_hidden" in shapes:
-        shape = shapes["mask_hidden"]
-        width = int(torch.Size(shape).numel())
-        shapes["mask_hidden"] = (1, width)
+        shapes["mask_hidden"] = (1, int(torch.Size(shapes["mask_hidden"]).numel()))
 
 
 def read_spec(path: Path, verifier) -> PEagleSpec:
