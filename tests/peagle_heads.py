@@ -72,7 +72,7 @@ def served_args(tmp_path: Path, engine: dict) -> tuple[dict, dict, object, objec
     from tests.test_eagle3 import HEAD, TARGET
     from verifier.engine import VerifierEngine
 
-    ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=16, num_threads=1))
+    ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=64, num_threads=1))
     path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=ver.tokenizer.pad_token_id or 0)
     return ({"model": str(TARGET), **engine}, {"method": "peagle", "num_speculative_tokens": 4, "model": str(path), **engine},
             ver.tokenizer, ver.model)
