@@ -182,7 +182,37 @@ class ParallelHeadConfig(_HeadConfig):
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
+class PEagleConfig(_HeadConfig):
+    """A P-EAGLE head (an EAGLE-3 head that drafts the whole block in one pass: vLLM's eagle3 with parallel_drafting) on
+    the drafter pool, reading the target's hidden states as an EAGLE-3 head does (docs/eagle3.md, P-EAGLE heads)."""
+
+    method: Literal["peagle"] = Field("peagle", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description=(
+        "A P-EAGLE head: a Speculators peagle config, or vLLM's EAGLE-3 layout with a mask token (ptd_token_id, pard_token or mask_token_id) "
+        "and mask_hidden in its weights, trained for the verifier's model: a local directory, or a Hub repo id `org/name[@revision]`."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the drafts of one pass (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method, else 4; "
+        "a head drafts best up to the k it was trained for."))
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the head's paged KV cache; the least recently used sequence is evicted when full."))
+
+
+class MtpConfig(_HeadConfig):
+    """The target checkpoint's own multi-token-prediction layer on the drafter pool (docs/mtp.md): only that layer, the
+    embedding, the final norm and the head are read from the target's files. (kv_cache_dtype is not used: the layer's
+    keys and values stay in the compute dtype.)"""
+
+    method: Literal["mtp"] = Field("mtp", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description=(
+        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe or deepseek_v3): normally verifier.model itself."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the MTP layer is applied k times, each draft fed back (0 turns speculation off). Default 4."))
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the MTP layer's keys and values; the least recently used sequence is evicted when full."))
+
+
+DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig, PEagleConfig, MtpConfig],
+                          Field(discriminator="method")]
 
 
 class CaptureConfig(_Config):

@@ -111,3 +111,7 @@ register(Method("dflash", "configs.models:ParallelHeadConfig", "drafter.dflash_d
                 pre_draft="chain", check="drafter.checks:check_parallel", max_k="core.dflash:block_drafts"))
 register(Method("dspark", "configs.models:ParallelHeadConfig", "drafter.dflash_drafter:ParallelDrafter", head=True,
                 pre_draft="chain", check="drafter.checks:check_parallel", max_k="core.dflash:block_drafts"))
+register(Method("peagle", "configs.models:PEagleConfig", "drafter.peagle_drafter:PEagleDrafter", head=True,
+                pre_draft="chain", check="drafter.peagle_drafter:check"))
+register(Method("mtp", "configs.models:MtpConfig", "drafter.mtp_drafter:MtpDrafter", head=True, pre_draft="chain",
+                check="drafter.mtp_drafter:check"))

@@ -101,8 +101,22 @@ def _parallel_world(tiny_pair, name: str) -> World:
     return World(tok, target, ver, dr, ["def add(a, b):", "class Point:", "for i in range(10):"], False)
 
 
+def _peagle_world(tiny_pair, name: str) -> World:
+    """The shipped target and a P-EAGLE head made from its EAGLE-3 head (``tests.peagle_heads``); pre-drafts declined."""
+    from tests.peagle_heads import contract_world
+
+    return World(*contract_world())
+
+
+def _mtp_world(tiny_pair, name: str) -> World:
+    """A GLM-4.5 target and its own MTP layer, built to copy it (``tests.mtp_models``); its pre-drafts are taken."""
+    from tests.mtp_models import contract_world
+
+    return World(*contract_world(tiny_pair[0]))
+
+
 WORLDS = {"draft_model": _draft_model_world, "ngram": _ngram_world, "eagle3": _eagle3_world, "dflash": _parallel_world,
-          "dspark": _parallel_world}
+          "dspark": _parallel_world, "peagle": _peagle_world, "mtp": _mtp_world}
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +335,14 @@ def _sampling_world(name: str):
         from tests.test_eagle3_serving import _tiny
 
         return _tiny()
+    if name == "peagle":  # (tests/test_peagle.py and tests/test_mtp.py add a wrong-q control)
+        from tests.test_peagle import sampling_world
+
+        return sampling_world()
+    if name == "mtp":
+        from tests.test_mtp import sampling_world
+
+        return sampling_world()
     if name in ("dflash", "dspark"):
         from tests.test_dflash import _tiny, drafter
 
@@ -374,6 +396,14 @@ def _served_args(name: str, tiny_model_dirs, tmp_path, tiny_pair) -> tuple[dict,
         verifier["model"], drafter = str(TARGET), {**drafter, "model": str(HEAD), **engine}
         ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=16, num_threads=1))
         tok, target = ver.tokenizer, ver.model  # (the target as the app runs it: float32)
+    elif name == "peagle":
+        from tests.peagle_heads import served_args
+
+        verifier, drafter, tok, target = served_args(tmp_path, engine)
+    elif name == "mtp":
+        from tests.mtp_models import served_args
+
+        verifier, drafter, tok, target = served_args(tok, tmp_path, engine)
     elif method(name).head:
         from core.dflash import save_head
         from tests.test_dflash import bigram_target, copying_head
