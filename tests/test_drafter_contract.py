@@ -394,7 +394,7 @@ def _served_args(name: str, tiny_model_dirs, tmp_path, tiny_pair) -> tuple[dict,
         from verifier.engine import VerifierEngine
 
         verifier["model"], drafter = str(TARGET), {**drafter, "model": str(HEAD), **engine}
-        ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=16, num_threads=1))
+        ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=64, num_threads=1))
         tok, target = ver.tokenizer, ver.model  # (the target as the app runs it: float32)
     elif name == "peagle":
         from tests.peagle_heads import served_args
