@@ -247,7 +247,7 @@ class AdaptiveK:
         not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
         recheck that speculates resets
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
-        16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
+        16-64 steps, 3 speculative steps each, ran slower than plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
         if best > 0:
             self._rechecking = False
@@ -289,7 +289,7 @@ class AdaptiveK:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
         # nor is the step after one without times (the prompt's prefill): it is a sequence's first decoding
-        # step, cold (the drafter catches up on the prompt: served, 6.9-12.3 ms against 4.7-7.6 steady)
+        # step, cold (the drafter catches up on the prompt: docs/decisions/0033-costs-per-temperature.md)
         self._prev_k = k if wall > 0 else None
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
@@ -313,8 +313,8 @@ def monotone(costs: list[float], weights: list[float]) -> list[float]:
     """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
     pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
     verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
-    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
-    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
+    tried a few times on text where its pre-drafts missed); served, k = 1 and k = 3 read dearer than k = 2 and
+    k = 5, which held a request at k = 2 (docs/decisions/0032-policy-cold-start.md)."""
     blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
     for c, w in zip(costs[1:], weights[1:]):
         blocks.append([c, w, 1])

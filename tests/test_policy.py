@@ -474,8 +474,8 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
 
 
 def test_a_step_with_more_drafts_is_never_read_as_cheaper():
-    """Per-k step costs measured where each k happened to run are noisy and biased (served: k = 1 read
-    5.4 ms beside k = 2's 4.1, k = 3 7.2 ms beside k = 5's 6.2): the policy pools adjacent violators,
+    """Per-k step costs measured where each k happened to run are noisy and biased (served, lower ks read
+    dearer than higher ones: docs/decisions/0032-policy-cold-start.md): the policy pools adjacent violators,
     weighted by their steps, so its costs never fall as k grows."""
     from core.policy import StepCosts
 
