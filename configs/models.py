@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -180,7 +180,7 @@ class ParallelHeadConfig(_HeadConfig):
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
+DrafterConfig = Annotated[DraftModelConfig | NgramConfig | Eagle3Config | ParallelHeadConfig, Field(discriminator="method")]
 
 
 class CaptureConfig(_Config):

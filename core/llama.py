@@ -294,7 +294,7 @@ def decoder_layers(model):
     return layers
 
 
-class capture_states:
+class capture_states:  # noqa: N801 (a context manager, named like contextlib's)
     """Record the state of the listed layers (see the module docstring) while the model's own forward runs:
     a pre-hook on layer i takes its input, a hook on the last layer its output (before the final norm).
     Only the listed layers are kept; nothing else is materialised (``output_hidden_states`` would keep

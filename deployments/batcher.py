@@ -22,7 +22,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from deployments.autoscaling import LoadWindow
 from deployments.batcher import ContinuousBatcher
@@ -26,7 +26,7 @@ async def within(response, timeout_s: float):
         return await response
     try:
         return await asyncio.wait_for(result(), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         response.cancel()
         raise TimeoutError(f"no answer within {timeout_s:g} s") from None
 

@@ -53,7 +53,7 @@ class ReplicaGatedK:
     the whole step: tokens emitted per second of engine steps, with and without.
     See docs/decisions/0016-replica-gate.md."""
 
-    def __init__(self, policy: AdaptiveK, server: "VerifierServer"):
+    def __init__(self, policy: AdaptiveK, server: VerifierServer):
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:

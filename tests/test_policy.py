@@ -98,7 +98,7 @@ def test_a_new_request_starts_from_what_the_replica_measured():
 
     costs = StepCosts()
     first = AdaptiveK(8, costs=costs)
-    for i in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
+    for _ in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
         k = first.next_k()
         first.observe(k, k, draft_s=0.0005 * k, verify_s=0.006, step_s=(0.010 + 0.0002 * k) if k else 0.008)
     assert costs.measured(1) >= first.min_steps

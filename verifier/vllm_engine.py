@@ -261,7 +261,7 @@ class VllmVerifierEngine:
         from vllm import TokensPrompt
 
         out = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,  # noqa: B007 (returned)
                                            f"{seq_id}-{next(self._ids)}"):
             pass
         self.stats["engine_requests"] += 1
