@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -211,7 +211,7 @@ class MtpConfig(_HeadConfig):
         "Memory for the MTP layer's keys and values; the least recently used sequence is evicted when full."))
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig, PEagleConfig, MtpConfig],
+DrafterConfig = Annotated[DraftModelConfig | NgramConfig | Eagle3Config | ParallelHeadConfig | PEagleConfig | MtpConfig,
                           Field(discriminator="method")]
 
 
@@ -277,7 +277,8 @@ class VerifierConfig(_EngineConfig):
     vllm_loop: Literal["engine", "per_step"] = Field("engine", description=(
         "vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's "
         "proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify "
-        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; 10x slower per step)."))
+        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; far slower per step: "
+        "docs/decisions/0019-vllm-runs-the-loop.md)."))
     vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description=(
         "vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it."))
     vllm_speculate: Literal["measured", "always"] = Field("measured", description=(

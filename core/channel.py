@@ -99,7 +99,7 @@ class ChannelServer:
                     continue
                 task = tasks[call_id] = asyncio.create_task(self._answer(writer, call_id, name, args))
                 task.add_done_callback(lambda _, c=call_id: tasks.pop(c, None))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the verifier went away: its calls' results have nowhere to go
         finally:
             for t in list(tasks.values()):

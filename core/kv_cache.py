@@ -455,8 +455,8 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
         raise ValueError(f"sequence of {S} tokens exceeds the context limit of {cache.max_len}")
     first = slots[0].first_row_if_contiguous(S, cache.block_size) if B == 1 else None
     if first is not None:  # one sequence in consecutive blocks (every decode step of a lone stream): no padding,
-        # K/V read and written as views, each tensor made directly (the general path's small ops were 40%
-        # of a one-token drafter pass)
+        # K/V read and written as views, each tensor made directly (the general path's small ops were a large
+        # share of a one-token drafter pass: docs/decisions/0012-batched-pass-bookkeeping.md)
         input_ids = torch.tensor([new_tokens[0]])  # [1, n]
         positions = torch.arange(starts[0], S).unsqueeze(0)  # [1, n]
         kv = KVAccess(cache, write_start=first + starts[0], n=n, read_start=first, S=S)

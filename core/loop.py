@@ -174,8 +174,8 @@ def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
 
 
 # a plain stretch the policy holds at least this long captures no states for a head: capturing them costs
-# every plain step a few percent (served, a head's request that played every step plain ran at 0.95-0.97x
-# of speculation off), and the states missed are recomputed in one prefill when speculation resumes
+# every plain step (served, a head's request that played every step plain ran slower than speculation off),
+# and the states missed are recomputed in one prefill when speculation resumes
 # (docs/decisions/0027-one-policy.md)
 LONG_PLAIN = 64
 

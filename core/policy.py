@@ -282,7 +282,7 @@ class AdaptiveK:
         not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
         recheck that speculates resets
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
-        16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
+        16-64 steps, 3 speculative steps each, ran slower than plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
         if self._rechecking:
             self.costs.recheck_won(best > 0)

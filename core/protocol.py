@@ -110,7 +110,7 @@ class DraftProbs:
     ids: list[list[int]]  # [k][K] token ids
     probs: list[list[float]]  # [k][K] their probabilities; each row sums to 1
 
-    def head(self, k: int) -> "DraftProbs":
+    def head(self, k: int) -> DraftProbs:
         """q of the first k draft positions."""
         return DraftProbs(self.ids[:k], self.probs[:k])
 

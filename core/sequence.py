@@ -53,7 +53,7 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats"):
+    def merge(self, other: SpecStats):
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):

@@ -141,7 +141,7 @@ class StructuredOutputs(BaseModel):
         return json_schema_constraint(None, param="structured_outputs.json_object")
 
 
-def request_constraint(body: "_Common") -> Constraint | None:
+def request_constraint(body: _Common) -> Constraint | None:
     """The request's structured output (response_format or structured_outputs), None for free text;
     a malformed one is a 400 naming its field. (Whether it compiles is checked by the caller.)"""
     rf, so = body.response_format, body.structured_outputs
@@ -517,7 +517,7 @@ def generation_defaults(model_dir: str) -> dict:
     return out
 
 
-def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
+def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
                        defaults: dict, verification: str, backend: str, vllm_loop: str = "per_step"):
     """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
     its parameter, never an error inside the engine. ``backend`` vllm with ``vllm_loop`` engine:
@@ -549,7 +549,7 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
         raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
 
 
-def _max_new(body: "_Common", prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
+def _max_new(body: _Common, prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
     """Tokens to generate at most: the request's (chat: max_completion_tokens first), within the
     server's limit and the context left (clamped to it, as vLLM's)."""
     chat = isinstance(body, ChatCompletionRequest)
@@ -564,7 +564,7 @@ def _max_new(body: "_Common", prompt_len: int, max_len: int, max_tokens_limit: i
     return min(max_new, max_len - prompt_len)
 
 
-def _in_vocabulary(body: "_Common", top_k: int, vocab_size: int):
+def _in_vocabulary(body: _Common, top_k: int, vocab_size: int):
     """Token ids and top_k within the vocabulary."""
     if top_k > vocab_size:
         raise OpenAIError(400, f"top_k {top_k} exceeds the vocabulary of {vocab_size} tokens", param="top_k")
@@ -578,7 +578,7 @@ def _in_vocabulary(body: "_Common", top_k: int, vocab_size: int):
                               param="stop_token_ids")
 
 
-def _backend_limits(body: "_Common", fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
+def _backend_limits(body: _Common, fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
     """What the vllm verifier backend cannot do: a model default dropped, a request's own value a
     400 naming it (``fields`` adjusted in place). Returns the verification to use."""
     given = body.model_fields_set

@@ -54,7 +54,7 @@ class ReplicaGatedK:
     the whole step: tokens emitted per second of engine steps, with and without.
     See docs/decisions/0016-replica-gate.md."""
 
-    def __init__(self, policy: AdaptiveK, server: "VerifierServer"):
+    def __init__(self, policy: AdaptiveK, server: VerifierServer):
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:
@@ -174,7 +174,7 @@ class VerifierServer(EngineServer):
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
         # a batch's sequences decoding plain queue their next verify at once: the next batch waits for them up
         # to a quarter of the batch's time, at most 5 ms, so a split batch merges again (batcher). Not for one
-        # that speculated: its next step may wait on a draft (at 2 streams, waiting for those cost 6%)
+        # that speculated: its next step may wait on a draft (waiting for those cost: docs/decisions/0031-regrouping.md)
         super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s, regroup=0.25,
                          at_once=lambda r: not r.draft_tokens)
 
@@ -212,7 +212,7 @@ class VerifierServer(EngineServer):
         in one arm's few measured steps made that arm look slower for as long as its window held them. Nor is
         the step after one (its sequences send their first tokens out), one right after a stream started or
         ended, or one whose streams are more than an eighth off the load its choice is keyed by: the last
-        steps of a wave, a few sequences left at the same fixed cost a step, read plain decoding 1.3x slower
+        steps of a wave, a few sequences left at the same fixed cost a step, read plain decoding slower
         than it was, and the next wave then speculated (docs/decisions/0016-replica-gate.md)."""
         if self.gate is None:
             return
@@ -343,8 +343,8 @@ class VerifierServer(EngineServer):
         """The step costs and acceptance shared by this replica's requests at this request's temperature (to
         0.1). Why apart: a sampled draft is accepted less often than a greedy one (served, HumanEval: 2.3
         tokens a step at k = 3 and T = 0.8 against 2.7 greedy) and its step costs more (the drafter ships its
-        q: 6.4 ms against 5.2), and a replica that served greedy requests first had its sampled ones start
-        from greedy's rates at k = 4-8, where k = 3 pays best."""
+        q), and a replica that served greedy requests first had its sampled ones start from greedy's rates at
+        k = 4-8, where k = 3 pays best (docs/decisions/0033-costs-per-temperature.md)."""
         if constrained:  # a grammar's forced punctuation is accepted far more often: its own table
             return self.step_costs.setdefault((round(params.temperature, 1), "constrained"), StepCosts())
         return self.step_costs.setdefault(round(params.temperature, 1), StepCosts())

@@ -96,7 +96,7 @@ class _Batch:
         S = max(self.held)
         self.new = (key_states, value_states)
 
-        def padded(t, which):  # held rows [1, h, S, D] (zeros past the sequence's own)
+        def padded(t, which, b):  # sequence b's held rows [1, h, S, D] (zeros past its own)
             out = t.new_zeros(1, t.shape[1], S, t.shape[3])
             held = getattr(self.caches[b], which)
             if held is not None:
@@ -105,8 +105,8 @@ class _Batch:
 
         past_k, past_v = [], []
         for b in range(len(self.caches)):
-            past_k.append(padded(key_states, "k"))
-            past_v.append(padded(value_states, "v"))
+            past_k.append(padded(key_states, "k", b))
+            past_v.append(padded(value_states, "v", b))
         return torch.cat([torch.cat(past_k), key_states], 2), torch.cat([torch.cat(past_v), value_states], 2)
 
     def mask(self, counts: list[int], n: int, device) -> torch.Tensor:
@@ -218,7 +218,7 @@ class MtpDrafter(HeadDrafter):
             still = []
             for runs in ([e for e, row in active if row is None], [e for e, row in active if row is not None]):
                 run = self._first_rows if runs and rows[runs[0].request.seq_id] is None else (
-                    lambda es: self._draft_rows(es, rows))
+                    lambda es, rows=rows: self._draft_rows(es, rows))
                 for e, (logits, fed) in self._batched(runs, run, out):
                     row = self._after(e, rows[e.request.seq_id], logits, fed, out)
                     if row is not None:

@@ -112,7 +112,7 @@ def simulate(policy, verify_s, acceptance, steps=200, draft_s=lambda k: 0.0005 *
     on the critical path, overhead_s every step pays (plain ones too); each draft accepted with
     probability ``acceptance`` (seeded), up to the first rejected one."""
     rng, ks = random.Random(seed), []
-    for i in range(steps):
+    for _ in range(steps):
         k = policy.next_k(1)
         ks.append(k)
         accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
@@ -153,7 +153,7 @@ def test_engine_failures_are_retryable_request_faults_are_not(tiny_engines):
         async def verify(requests, retryable=retryable):
             return [VerifyResult(requests[0].seq_id, error="boom", retryable=retryable)]
 
-        async def drive():
+        async def drive(seq=seq):
             async for _ in speculate(seq, None, verify, FixedK(0), Breaker(), pipeline=False):
                 pass
 

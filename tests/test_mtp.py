@@ -64,7 +64,7 @@ def vllm_drafts(path, model, extra, states: torch.Tensor, tokens: list[int], k: 
         ids, pos = list(tokens[1:]), list(range(len(tokens) - 1))
         prev = [final(s) for s in states]  # the target's returned hidden states
         drafts, rows = [], []
-        for i in range(k):
+        for _ in range(k):
             e = model.model.embed_tokens(torch.tensor(ids))
             p = torch.tensor(pos)
             e = torch.where(p.unsqueeze(-1) == 0, 0, e)

@@ -510,6 +510,6 @@ def test_with_vllms_loop_the_head_on_the_pool_gives_the_targets_greedy(tmp_path)
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(TARGET).float().eval()
-    for text, ids, got, spec in out:
+    for text, ids, got, _ in out:
         assert got == hf_greedy(target, ids, n), text
     assert sum(sum(s.per_step_accepted) for *_, s in out if s is not None) > 0

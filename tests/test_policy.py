@@ -98,7 +98,7 @@ def test_a_new_request_starts_from_what_the_replica_measured():
 
     costs = StepCosts()
     first = AdaptiveK(8, costs=costs)
-    for i in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
+    for _ in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
         k = first.next_k()
         first.observe(k, k, draft_s=0.0005 * k, verify_s=0.006, step_s=(0.010 + 0.0002 * k) if k else 0.008)
     assert costs.measured(1) >= first.min_steps
@@ -477,8 +477,8 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
 
 
 def test_a_step_with_more_drafts_is_never_read_as_cheaper():
-    """Per-k step costs measured where each k happened to run are noisy and biased (served: k = 1 read
-    5.4 ms beside k = 2's 4.1, k = 3 7.2 ms beside k = 5's 6.2): the policy pools adjacent violators,
+    """Per-k step costs measured where each k happened to run are noisy and biased (served, lower ks read
+    dearer than higher ones: docs/decisions/0032-policy-cold-start.md): the policy pools adjacent violators,
     weighted by their steps, so its costs never fall as k grows."""
     from core.policy import StepCosts
 

@@ -266,8 +266,8 @@ class VllmVerifierEngine:
         from vllm import TokensPrompt
 
         out, salt = None, _SALT.get()
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {})),
-                                           params, f"{seq_id}-{next(self._ids)}"):
+        prompt_in = TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {}))
+        async for out in self.llm.generate(prompt_in, params, f"{seq_id}-{next(self._ids)}"):  # noqa: B007 (returned)
             pass
         self.stats["engine_requests"] += 1
         self.stats["prompt_tokens"] += len(prompt)
