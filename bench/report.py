@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
 
-SCENARIOS = ("latency", "breakdown", "load", "cost", "acceptance", "plan_check", "plan")
+SCENARIOS = ("latency", "breakdown", "load", "cost", "acceptance", "plan_check", "plan", "vllm_structured")
 GOAL_SPEEDUP = 2.0
 GOAL_BOUND_FRACTION = 0.85
 GOAL_EXPOSED = 0.20
@@ -380,6 +380,19 @@ def acceptance_section(acc: dict | None) -> list[str]:
     return L + ["", "![acceptance.png](acceptance.png)", ""]
 
 
+def structured_section(st: dict | None) -> list[str]:
+    """``bench.vllm structured``: JSON answers under a schema each, per system."""
+    if not st:
+        return []
+    c = st["config"]
+    return ["## Structured outputs (JSON schemas)", "", _cmd(st),
+            f"{st['workload']['prompts']} prompts, a schema each, greedy, at most {c['max_tokens']} tokens, k = {c['k']}, "
+            "one thread; `_forced`: the grammar's forced tokens drafted for free; vLLM's tokens per step from its counters.",
+            "", "| system | tokens / step | ms / token | median ms / token | same tokens as off |", "|---|---|---|---|---|"] + [
+        f"| {n} | {_f(r['tokens_per_step'])} | {_f(r['ms_per_token'])} | {_f(r['median_ms_per_token'])} | "
+        f"{_f(r['same_tokens_as_off'])} |" for n, r in st["systems"].items()] + [""]
+
+
 def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None) -> str:
     m = m or meta(data)
     known = m["cpu_model"] != UNKNOWN
@@ -410,6 +423,7 @@ def markdown(data: dict, gl: list[dict], plots: list[str], m: dict | None = None
         L.append("")
     L += workload_section(data)
     L += acceptance_section(data.get("acceptance"))
+    L += structured_section(data.get("vllm_structured"))
     if data.get("plan_check"):
         from bench.plan import check_markdown
 
