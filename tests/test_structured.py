@@ -217,6 +217,18 @@ def test_bad_too_large_and_slow_constraints_are_grammar_errors_naming_the_field(
     assert g.compile(choice_constraint(["x"])) is not None  # the compiler still serves others
 
 
+def test_json_is_generated_in_the_schemas_key_order(peaked):
+    """Properties come in the order the schema lists them (as vLLM's and OpenAI's), not sorted."""
+    tok, target = peaked
+    masks = SequenceMasks(Grammars(tok, target.config.vocab_size, {EOS}))
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    c = json_schema_constraint(schema)
+    for text, legal in (('{"zeta":true,"alpha":false}', True), ('{"alpha":false,"zeta":true}', False)):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert (masks.legal(text, c, [], ids) == len(ids)) == legal, text
+
+
 def test_compiled_grammars_are_cached_by_content_within_a_byte_budget(peaked):
     tok, target = peaked
     g = Grammars(tok, target.config.vocab_size, {EOS})
