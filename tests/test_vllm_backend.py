@@ -464,7 +464,7 @@ def test_constraints_go_to_vllms_structured_outputs_and_the_drafter_pool():
           "sampling": __import__("pickle").dumps(SamplingParams(temperature=0.8))}
     t = (0, "s", [5, 6, 7], 2, ex)
     by_hash, whole = prop._request(t), prop._request(t, full=True)
-    assert by_hash.grammar == c and by_hash.grammar.spec is None and whole.grammar.spec == c.spec
+    assert by_hash.grammar == c.ref() and whole.grammar == c  # by hash, then whole
     assert prop._request((0, "s", [5, 6, 7], 2, {**ex, "grammar": None})).grammar is None
     app = AppConfig.model_validate({"verifier": {"model": "m", "backend": "vllm", "vllm_loop": "per_step"},
                                     "drafter": {"method": "ngram"}})
