@@ -687,30 +687,31 @@ def structured_main(argv=None):
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
-    py = vllm_python()
+    t_start, py = time.perf_counter(), vllm_python()
     peers = {} if py is None else {"vllm_off": VllmPeer(py, 0, 1, dtype="float32"),
                                    "vllm_draft_model": VllmPeer(py, args.k, 1, dtype="float32"),
                                    "vllm_eagle3": VllmPeer(py, args.k, 1, dtype="float32", method="eagle3", drafter=EAGLE3)}
     ref = Reference(1, "float32", eagle3=True)
     wl = workloads.load(workloads.STRUCTURED, args.prompts, ref.tokenizer)
-    systems = {"off": lambda ids, s: ref.structured(ids, args.max_tokens, 0, "draft_model", s, False)}
+    systems = {"off": lambda ids, s, n: ref.structured(ids, n, 0, "draft_model", s, False)}
     for d in ("draft_model", "ngram", "eagle3"):
         for forced in ((False, True) if d != "eagle3" else (False,)):  # (a head never takes forced tokens)
             systems[f"{d}{'_forced' if forced else ''}"] = (
-                lambda ids, s, d=d, f=forced: ref.structured(ids, args.max_tokens, args.k, d, s, f))
+                lambda ids, s, n, d=d, f=forced: ref.structured(ids, n, args.k, d, s, f))
     for name, peer in peers.items():
-        def run(ids, s, peer=peer):  # (the schema as splitspec compiles it: the same grammar, the same key order)
-            r = peer.run(ids, args.max_tokens, 0.0, 0, schema=json_schema_constraint(s).spec)
+        def run(ids, s, n, peer=peer):  # (the schema as splitspec compiles it: the same grammar)
+            r = peer.run(ids, n, 0.0, 0, schema=json_schema_constraint(s).spec)
             return {**r, "steps": r["spec"].get("spec_decode_num_drafts") or r["tokens"]}
         systems[name] = run
     rows, names = {name: [] for name in systems}, list(systems)
     try:
-        for name in names:  # warm-up: compiles, first passes
-            systems[name](wl.prompts[0][1], wl.info["schemas"][0])
+        for (_, ids), schema in zip(wl.prompts, wl.info["schemas"]):  # warm-up: every engine compiles every grammar
+            for name in names:
+                systems[name](ids, schema, 3)
         for rep in range(args.repeats):  # interleaved, the order rotated per prompt: a neighbour's burst hits all alike
             for i, ((_, ids), schema) in enumerate(zip(wl.prompts, wl.info["schemas"])):
                 for name in names[(i + rep) % len(names):] + names[:(i + rep) % len(names)]:
-                    r = systems[name](ids, schema)
+                    r = systems[name](ids, schema, args.max_tokens)
                     rows[name].append({k: r[k] for k in ("wall_s", "tokens", "steps", "output_ids")})
     finally:
         for peer in peers.values():
@@ -724,7 +725,8 @@ def structured_main(argv=None):
         print(f"{name:20s} {row}")
     path = write_json(Path(args.out), "vllm_structured", {"scenario": "vllm_structured", "config": vars(args),
                                                           "workload": wl.describe(), "systems": out,
-                                                          "environment": environment(1)})
+                                                          "environment": environment(1),
+                                                          "duration_s": round(time.perf_counter() - t_start, 1)})
     log(f"wrote {path}")
     return out
 
