@@ -340,9 +340,11 @@ def test_the_control_without_the_bonus_mask_fails(flat):
 def test_q_unmasked_while_the_drafts_are_masked_fails(flat, q_masked):
     """The draft model with rejection sampling, and the same with its one switch off (``q_masked``): the
     drafts are still drawn under the grammar but q goes out unmasked, so p / q overstates every draft's
-    acceptance. The same code path, seeds and test: the correct one passes, the control fails."""
+    acceptance, and the output drifts to the drafter's own distribution. The same code path, seeds and test:
+    the correct one passes, the control fails. (A drafter far from the target, so that the drift shows in N
+    outputs: the usual one, noise 0.15, is within a chi-square of 10 of the target here.)"""
     tok, target = flat
-    dr = drafters(tok, target, ["draft_model"])["draft_model"]
+    dr = ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=noisy_copy(target, 1.0))
     ver = _engines(target, tok, dr)
     dr.q_masked = q_masked
     c = choice_constraint(DIST_CHOICES)
