@@ -387,7 +387,7 @@ def structured_section(st: dict | None) -> list[str]:
     c = st["config"]
     return ["## Structured outputs (JSON schemas)", "", _cmd(st),
             f"{st['workload']['prompts']} prompts, a schema each, greedy, at most {c['max_tokens']} tokens, k = {c['k']}, "
-            "one thread; `_forced`: the grammar's forced tokens drafted for free; vLLM's tokens per step from its counters.",
+            "one thread; `_forced`: the grammar's forced tokens drafted for free; vLLM's steps: tokens - accepted drafts.",
             "", "| system | tokens / step | ms / token | median ms / token | same tokens as off |", "|---|---|---|---|---|"] + [
         f"| {n} | {_f(r['tokens_per_step'])} | {_f(r['ms_per_token'])} | {_f(r['median_ms_per_token'])} | "
         f"{_f(r['same_tokens_as_off'])} |" for n, r in st["systems"].items()] + [""]

@@ -701,7 +701,8 @@ def structured_main(argv=None):
     for name, peer in peers.items():
         def run(ids, s, n, peer=peer):  # (the schema as splitspec compiles it: the same grammar)
             r = peer.run(ids, n, 0.0, 0, schema=json_schema_constraint(s).spec)
-            return {**r, "steps": r["spec"].get("spec_decode_num_drafts") or r["tokens"]}
+            # a step emits its accepted drafts and one token; a step whose drafts vLLM's grammar cut has no drafts
+            return {**r, "steps": r["tokens"] - r["spec"].get("spec_decode_num_accepted_tokens", 0)}
         systems[name] = run
     rows, names = {name: [] for name in systems}, list(systems)
     try:
