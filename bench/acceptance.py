@@ -1,43 +1,16 @@
-"""Acceptance on a workload: for a verifier (the target) and each drafter, per workload and
-temperature, how many drafts the target accepts.
+"""Acceptance on a workload: for a verifier (the target) and each drafter, per workload and temperature,
+how many drafts the target accepts (docs/benchmarks.md, Acceptance on a workload).
 
-Which models: your own with ``--verifier`` and ``--drafter`` (model directories or Hub ids
-``org/name[@revision]``, as a serve config's ``model`` fields take them; a drafter is a draft model, a
-Speculators EAGLE-3, DFlash or DSpark head, told apart by its config.json, or ``ngram``), or
-``--config`` with a serve config (the YAML ``serve run`` takes, or its app's args): its ``verifier``
-and ``drafter`` sections as served. Without them, the shipped pair (``--drafters``: the draft model,
-the EAGLE-3 head, n-gram lookup). The log says how many of each workload's prompts it uses (``--prompts``,
-8 by default, a seeded subset; ``all`` for every one).
-
-In process (the default), each (workload, drafter, temperature) generates the workload's prompts
-together through ``core.loop``'s lockstep step with the real engines at k = ``--k-max``, and every
-step's (drafts, accepted) is recorded. From those records:
-
-- ``per_position_acceptance_rate[i]``: the share of drafting steps that accepted position i + 1
-  (vLLM's ``accepted_per_pos / num_drafts``); ``conditional_acceptance[i]``: the same among the steps
-  that drafted position i + 1 with every earlier draft accepted;
-- ``accepted_length_counts`` / ``accepted_length_distribution``: drafting steps by accepted drafts
-  (0 .. k-max);
-- ``mean_acceptance_length_by_k[k - 1]``, k = 1 .. k-max: 1 + the mean of min(accepted, k) over the
-  drafting steps (vLLM's mean acceptance length, had the step drafted k); ``tokens_per_step_by_k``: the
-  same over every decoding step, those with no draft (an n-gram without a match, a head's first step)
-  counting one token. Why one run serves every k: each drafter here drafts a chain, one token after
-  the other, so the first k drafts of a k-max chain are the chain it drafts at k, and verification
-  decides position i from the drafts up to i only. What changes with k is which steps the text
-  passes through: a stretch the drafter gets right takes one step at k-max and several at a smaller k,
-  so at a smaller k easy steps weigh more and the measured length comes out above the derived one
-  (greedy on the shipped pair, k = 4: 2-10% above). ``--measure-ks`` (4 by default) runs those k
-  too and reports their measured length beside the derived one: the derived curve is the
-  conservative one;
-- ``per_token_acceptance``: the a of the geometric model E(k) = (1 - a^(k+1)) / (1 - a) fitted to
-  the steps (accepted / tested positions, ``bench.common.per_token_acceptance``).
-
-``--url`` measures a running server instead (its drafter, whatever it is; ``--verifier`` names its model, for
-the prompts' tokens), one request per prompt
-with ``num_speculative_tokens: k-max``, from each response's ``speculation`` block: counts and
-``accepted_per_pos``; the distribution then assumes every step drafted k-max, which holds for
-``k_policy: fixed`` (``steps_by_k`` is kept to show it).
+Your models with ``--verifier`` and ``--drafter`` (directories or Hub ids; a drafter is told apart by its
+config.json, or ``ngram``) or ``--config`` (a serve config's sections), else the shipped pair. In process, each
+(workload, drafter, temperature) generates the prompts together through ``core.loop``'s step at k = ``--k-max``
+and records every step's (drafts, accepted): per-position and conditional acceptance, the accepted-length
+distribution, and the mean acceptance length for every k up to k-max, derived from that run (each drafter drafts
+a chain, so its first k drafts are the ones it drafts at k; ``--measure-ks`` runs those k too, beside the derived
+length, which came out the conservative one). ``--url``: a running server's drafter, from the responses'
+``speculation`` blocks (the distribution then assumes every step drafted k-max, true under ``k_policy: fixed``).
 """
+
 
 from __future__ import annotations
 
@@ -46,6 +19,7 @@ import time
 from pathlib import Path
 
 from bench import workloads
+from bench.client import floats, ints
 from bench.common import (
     BENCH_DTYPE,
     DEFAULT_OUT,
@@ -60,7 +34,6 @@ from bench.common import (
     set_threads,
     write_json,
 )
-from bench.latency import floats, ints
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")
 
@@ -259,7 +232,7 @@ def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[st
 def measure_server(args, wls) -> list[dict]:
     import httpx
 
-    from bench.common import complete, completion_body
+    from bench.client import complete, completion_body
 
     out = []
     with httpx.Client(timeout=600) as client:
@@ -267,9 +240,8 @@ def measure_server(args, wls) -> list[dict]:
             for t in args.temperatures:
                 recs, steps_by_k = [], {}
                 for i, (_, ids) in enumerate(wl.prompts):
-                    _, _, spec, _ = complete(client, args.url, completion_body(ids, args.max_tokens, t, args.seed + i,
-                                                                               args.k_max))
-                    spec = spec or {}
+                    body = completion_body(ids, args.max_tokens, t, args.seed + i, args.k_max)
+                    spec = complete(client, args.url, body)["speculation"] or {}
                     recs += records_from_counts(spec, args.k_max)
                     for k, n in (spec.get("steps_by_k") or {}).items():
                         steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n

@@ -1,9 +1,8 @@
-"""What the scenarios share: the model pair, prompts, thread settings, statistics, JSON
-output, an in-process Ray Serve deployment of the app, and HTTP clients."""
+"""What every tool shares: the model pair, thread settings, statistics, the machine and code a figure
+came from, JSON output. The served scenarios' app and HTTP client are ``bench.client``'s."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -182,40 +181,6 @@ def log(msg: str):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ serving
-def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, streams: int = 1,
-             dtype: str = BENCH_DTYPE, drafter: str = "draft_model", pin: bool = True) -> dict:
-    """The shipped app's args (serve_config.yaml) with explicit threads and dtype, a fixed context and
-    KV caches sized for ``streams`` concurrent sequences (512 float32 tokens each). ``pin``: on a
-    machine with cores enough, the verifier's replica on the first ``threads`` cores and the
-    drafter's on the next (``cpu_affinity``), as vLLM's threads are bound to cores in its runs."""
-    cores = os.cpu_count() or 1
-    pins = ({"cpu_affinity": list(range(threads))}, {"cpu_affinity": list(range(threads, 2 * threads))}) \
-        if pin and cores >= 2 * threads else ({}, {})
-    slot_mb_target = 2 * 8 * 512 * 512 * 4 / 2**20  # layers x (K,V) x positions x hidden x fp32
-    slot_mb_drafter = 2 * 1 * 512 * 128 * 4 / 2**20
-    return {
-        "model_name": "tiny-code",
-        "verifier": {"model": TARGET, "cache_budget_mb": slot_mb_target * (streams + 2), "num_threads": threads, "dtype": dtype,
-                     "max_model_len": MAX_MODEL_LEN, **pins[0]},
-        "drafter": {"method": "draft_model", "model": DRAFTER, "num_speculative_tokens": k,
-                    "cache_budget_mb": slot_mb_drafter * (2 * streams + 4), "num_threads": threads, "dtype": dtype,
-                    "max_model_len": MAX_MODEL_LEN, **pins[1]},
-        "k_policy": k_policy,
-        "max_tokens_limit": 1024,
-        "max_active_requests": max(192, 2 * streams),
-    } | ({"drafter": {"method": "eagle3", "model": EAGLE3, "num_speculative_tokens": k, "num_threads": threads,
-                      "dtype": dtype, "max_model_len": MAX_MODEL_LEN, "cache_budget_mb": 8, **pins[1]}}
-         if drafter == "eagle3" else {})
-
-
-# Logical CPUs only place replicas; the real compute is set by num_threads. Kept small so the
-# bench apps also fit beside the test suite's app on its 4-CPU test cluster.
-BENCH_OVERRIDES = {"Router": {"ray_actor_options": {"num_cpus": 0.05}},
-                   "Verifier": {"ray_actor_options": {"num_cpus": 0.25}},
-                   "Drafter": {"ray_actor_options": {"num_cpus": 0.2}}}
-
-
 def free_port() -> int:
     """A TCP port free now, chosen at random below the kernel's ephemeral range and above Ray's
     worker ports (10002-19999). A port from ``bind(0)`` comes from the ephemeral range, where any
@@ -237,155 +202,6 @@ def free_port() -> int:
                 continue
             return s.getsockname()[1]
     raise OSError("no free TCP port found")
-
-
-# deploys apps with the app builder of the checkout it runs in (``serving``'s ``builders``): [name, args, overrides] on stdin
-_DEPLOY_SCRIPT = """import json, sys
-import ray
-from ray import serve
-from deployments.app import build_app_with
-ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
-serve.run_many([serve.RunTarget(build_app_with(a, overrides=o), name=n, route_prefix="/" + n)
-                for n, a, o in json.load(sys.stdin)])
-"""
-
-
-def _deploy_with(tree: Path, targets: list) -> subprocess.Popen:
-    """Start deploying ``targets`` ([name, args, overrides]) with ``tree``'s own app builder, in a process of
-    its own joined to this Ray cluster: how a version's config becomes its deployments is its code's (a
-    constructor argument added since would break a replica of the older code)."""
-    import ray
-
-    proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_SCRIPT, ray.get_runtime_context().gcs_address],
-                            stdin=subprocess.PIPE, text=True, cwd=tree,
-                            env={**os.environ, "PYTHONPATH": str(tree)})
-    proc.stdin.write(json.dumps(targets))
-    proc.stdin.close()
-    return proc
-
-
-@contextlib.contextmanager
-def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | None = None,
-            builders: dict[str, Path] | None = None):
-    """Deploy each ``{name: args}`` app at route ``/name`` on Ray Serve, in process, and yield
-    ``{name: base_url}``. Starts Ray and Serve (on a free port) unless they already run (the
-    test suite's cluster); deletes the apps afterwards and stops what it started. ``overrides``:
-    an app's deployment options instead of ``BENCH_OVERRIDES``; ``builders``: an app built by another
-    checkout's app builder (``{name: its root}``), in a process of its own."""
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app_with
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}})
-    started_serve = False
-    try:
-        port = _serve_port()
-        if port is None:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            started_serve = True
-        log(f"deploying apps {list(apps)}")
-        builders = builders or {}
-        options = {name: (overrides or {}).get(name, BENCH_OVERRIDES) for name in apps}
-        # all at once: their replicas start in parallel
-        others = [_deploy_with(tree, [[f"bench-{n}", apps[n], options[n]] for n in apps if builders.get(n) == tree])
-                  for tree in sorted(set(builders.values()))]
-        serve.run_many([serve.RunTarget(build_app_with(args, overrides=options[name]), name=f"bench-{name}",
-                                        route_prefix=f"/bench-{name}") for name, args in apps.items() if name not in builders])
-        for proc in others:
-            if proc.wait() != 0:
-                raise RuntimeError(f"deploying with another checkout's app builder failed (exit {proc.returncode})")
-        log("apps ready")
-        yield {name: f"http://127.0.0.1:{port}/bench-{name}" for name in apps}
-    finally:
-        for name in apps:
-            with contextlib.suppress(Exception):
-                serve.delete(f"bench-{name}")
-        if started_serve:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-        if started_ray:
-            ray.shutdown()
-
-
-def _serve_port() -> int | None:
-    """The HTTP port of a Serve instance already running in this Ray cluster, if any."""
-    from ray.serve.context import _get_global_client
-
-    try:
-        client = _get_global_client(raise_if_no_controller_running=False)
-    except Exception:  # noqa: BLE001 - no controller
-        return None
-    return None if client is None else client.http_config.port
-
-
-# ------------------------------------------------------------------ HTTP clients
-def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None,
-                    k: int | None, stream: bool = False) -> dict:
-    body = {"model": "tiny-code", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": stream, "return_token_ids": True}
-    if seed is not None:
-        body["seed"] = seed
-    if k is not None:
-        body["num_speculative_tokens"] = k
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-# asks the served app for the per-step time breakdown in each response's speculation block
-# (docs/serving.md); a header, not a body field: an older checkout's app (bench.ab) ignores it
-TIMING_HEADERS = {"x-splitspec-timing": "1"}
-
-
-def speculation(data: dict) -> dict | None:
-    """A response's or stream chunk's ``speculation`` block: its first choice's (docs/serving.md); an
-    older checkout's app (``bench.ab``) wrote it beside the choices."""
-    choices = data.get("choices") or [{}]
-    return choices[0].get("speculation") or data.get("speculation")
-
-
-def complete(client, url: str, body: dict) -> tuple[float, int, dict | None, list[int] | None]:
-    """One non-streaming completion: (wall seconds, output tokens, speculation stats, token ids)."""
-    t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
-    dt = time.perf_counter() - t0
-    r.raise_for_status()
-    data = r.json()
-    return dt, data["usage"]["completion_tokens"], speculation(data), data["choices"][0].get("token_ids")
-
-
-async def stream_completion(client, url: str, body: dict) -> dict:
-    """One streaming completion over SSE: arrival time and token count of every chunk."""
-    t0 = time.perf_counter()
-    chunks: list[tuple[float, int]] = []  # (seconds since send, tokens in the chunk)
-    spec, n_usage, ids = None, None, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=TIMING_HEADERS) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
-            if payload == "[DONE]":
-                break
-            data = json.loads(payload)
-            if "error" in data:
-                raise RuntimeError(data["error"].get("message"))
-            if data.get("usage"):
-                n_usage = data["usage"]["completion_tokens"]
-            spec = speculation(data) or spec
-            for c in data.get("choices", []):
-                n = len(c.get("token_ids") or [])
-                if n:
-                    chunks.append((time.perf_counter() - t0, n))
-                    ids += c["token_ids"]
-    total = time.perf_counter() - t0
-    return {"chunks": chunks, "latency_s": total, "tokens": n_usage if n_usage is not None else sum(n for _, n in chunks),
-            "speculation": spec, "token_ids": ids}
 
 
 def vllm_python() -> str | None:

@@ -1,28 +1,17 @@
-"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights.
+"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights
+(docs/benchmarks.md, The GPU kit).
 
-It needs torch and transformers only (a bare GPU machine: no Ray, pydantic or vLLM, and
-nothing to download). So this imports the engine level only (``core``,
-``verifier``, ``drafter``; their configs are plain dataclass stand-ins here), builds
-random-weight models from the shape configs in ``bench/shapes/`` (a Llama-3.1-8B-shaped
-verifier and a Llama-3.2-1B-shaped drafter, bf16), and drafts with an **oracle**: it replays the
-verifier's own greedy continuation, computed first by plain decoding, each token replaced by a
-wrong one with probability 1 - a. The drafter model still runs its k forward passes per step
-(their cost is real); only its tokens are replaced. So the acceptance is set, and what is
-measured is the system: the loop, the engines, the paged cache, the forward.
+It needs torch and transformers only (no Ray, pydantic or vLLM, nothing to download): it imports the engine
+level, builds random-weight models from ``bench/shapes/`` (Llama-3.1-8B and 3.2-1B shapes, bf16) and drafts with
+an oracle, the verifier's own greedy continuation with each token replaced by a wrong one with probability
+1 - a, while the drafter model still runs its k passes. Per forward implementation, a and k: ms/token against
+plain decoding, the zero-overhead bound and the ratio to it, a step's verify, draft and rest; and what
+``bench.plan check --gpu-json`` needs (``planner_check``). The forward is eager (no compiled or CUDA-graph path).
 
-For each forward implementation (``compact``, ``transformers``), acceptance a and k it reports:
-- ms/token of plain decoding (k = 0) and of the in-process speculative loop;
-- the zero-overhead bound: (k drafter forwards + one (k+1)-token verification forward, both as
-  measured in the run) / E[tokens per step] at the measured acceptance (Leviathan et al.);
-- the ratio measured / bound, and the step breakdown (verify, draft, the rest per step).
-
-    python -m bench.gpu                # 8B/1B shapes, bf16, about 2-4 minutes on one H200
-    python -m bench.gpu --quick        # one (a, k), fewer tokens
+    python -m bench.gpu                # 8B/1B shapes, bf16
     python -m bench.gpu --shapes tiny --device cpu --quick   # what the test suite runs
-
-No compiled or CUDA-graph path exists yet (the forward is eager): the table says so rather
-than leaving the column out.
 """
+
 
 from __future__ import annotations
 
@@ -34,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.common import expected_tokens
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 SHAPES = {"real": ("llama-3.1-8b", "llama-3.2-1b"), "tiny": ("tiny-verifier", "tiny-drafter")}
@@ -106,23 +97,26 @@ class OracleDrafter:
         return self.inner.num_cached()
 
 
-class TimedVerifier:
+class Timed:
+    """An engine whose ``verify`` or ``propose`` calls are recorded: (the batch's largest k, the engine's seconds)."""
+
     def __init__(self, engine):
         self.engine = engine
-        self.calls: list[tuple[int, float]] = []  # (k, forward seconds)
+        self.calls: list[tuple[int, float]] = []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def verify(self, requests):
-        out = self.engine.verify(requests)
+        return self._record(self.engine.verify(requests), requests, "forward_s")
+
+    def propose(self, requests):
+        return self._record(self.engine.propose(requests), requests, "draft_s")
+
+    def _record(self, out, requests, field):
         if out:
-            self.calls.append((max(r.k for r in requests), out[0].forward_s))
+            self.calls.append((max(r.k for r in requests), getattr(out[0], field)))
         return out
-
-
-def expected_tokens(a: float, k: int) -> float:
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 @dataclass(frozen=True)
@@ -166,7 +160,7 @@ def measure(args, forward: str) -> dict:
     target = build_model(vname, args.device, args.dtype, seed=0)
     drafter_model = build_model(dname, args.device, args.dtype, seed=1)
     vocab = target.config.vocab_size
-    ver = TimedVerifier(VerifierEngine(EngineSettings(vname, args.device, args.dtype, forward=forward,
+    ver = Timed(VerifierEngine(EngineSettings(vname, args.device, args.dtype, forward=forward,
                                                       cache_budget_mb=args.cache_mb), model=target, tokenizer=False))
     ver.engine.tokenizer, ver.engine.eos_ids = None, set()  # token ids only: no text, no EOS
     inner = ModelDrafter(EngineSettings(dname, args.device, args.dtype, forward=forward,
@@ -191,34 +185,8 @@ def measure(args, forward: str) -> dict:
     plain_ms = _median([w / len(s.output_ids) * 1e3 for s, w in plain_runs])
     # one 1-token verify forward, from the last plain run's calls (the first, a prefill, left out)
     decode_fwd = _median([s for k, s in ver.calls if k == 0][1:]) * 1e3 if ver.calls else 0.0
-    rows = []
-    for a in args.acceptance:
-        for k in args.ks:
-            oracle = OracleDrafter(inner, truth, a, vocab)
-            timed(k, oracle)  # warm-up at this k
-            runs, verify_ms, draft_ms, steps, same = [], [], [], [], []
-            for _ in range(args.repeats):
-                oracle.calls.clear()
-                s, wall = timed(k, oracle)
-                # in bf16 a (k+1)-token pass may round a near-tie the other way than 1-token decoding
-                same.append(s.output_ids == seq.output_ids)
-                n_steps = len(ver.calls)
-                runs.append(wall / len(s.output_ids) * 1e3)
-                verify_ms.append(_median([x for kk, x in ver.calls if kk == k]) * 1e3)
-                draft_ms.append(_median(oracle.calls) * 1e3)
-                steps.append((wall * 1e3, n_steps, s.stats))
-            wall_ms, n_steps, stats = steps[len(steps) // 2]
-            a_meas = measured_acceptance(stats, k)
-            v_ms, d_ms = _median(verify_ms), _median(draft_ms)
-            e = expected_tokens(a_meas, k)
-            bound = (v_ms + d_ms) / e
-            ms = _median(runs)
-            rest = wall_ms / max(n_steps, 1) - v_ms - d_ms
-            rows.append({"a_set": a, "a_measured": round(a_meas, 3), "k": k, "ms_per_token": round(ms, 3),
-                         "speedup_vs_plain": round(plain_ms / ms, 3), "bound_ms_per_token": round(bound, 3),
-                         "ratio_to_bound": round(ms / bound, 3), "same_tokens_as_plain": all(same),
-                         "tokens_per_step": round(len(seq.output_ids) / max(n_steps, 1), 3),
-                         "step_ms": {"verify": round(v_ms, 3), "draft": round(d_ms, 3), "rest": round(rest, 3)}})
+    rows = [speculative_row(timed, ver, OracleDrafter(inner, truth, a, vocab), seq.output_ids, plain_ms, k, args.repeats)
+            for a in args.acceptance for k in args.ks]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
     terms = engine_terms(ver.engine, inner, [prompt], lambda i: params, k_max=max(args.ks + [1]), sync=sync)
     ver = inner = target = drafter_model = None  # free the models before the next forward's
@@ -226,6 +194,33 @@ def measure(args, forward: str) -> dict:
         torch.cuda.empty_cache()
     return {"forward": forward, "plain_ms_per_token": round(plain_ms, 3), "decode_forward_ms": round(decode_fwd, 3),
             "rows": rows, "engine_terms": terms}
+
+
+def speculative_row(timed, ver: Timed, oracle: OracleDrafter, plain_ids: list[int], plain_ms: float, k: int,
+                    repeats: int) -> dict:
+    """The speculative loop at k with the oracle drafter at its acceptance: ms/token, the bound at the measured
+    acceptance, and a step's verify, draft and the rest (the median run's)."""
+    timed(k, oracle)  # warm-up at this k
+    runs, verify_ms, draft_ms, steps, same = [], [], [], [], []
+    for _ in range(repeats):
+        oracle.calls.clear()
+        s, wall = timed(k, oracle)
+        # in bf16 a (k+1)-token pass may round a near-tie the other way than 1-token decoding
+        same.append(s.output_ids == plain_ids)
+        runs.append(wall / len(s.output_ids) * 1e3)
+        verify_ms.append(_median([x for kk, x in ver.calls if kk == k]) * 1e3)
+        draft_ms.append(_median(oracle.calls) * 1e3)
+        steps.append((wall * 1e3, len(ver.calls), s.stats))
+    wall_ms, n_steps, stats = steps[len(steps) // 2]
+    a_meas = measured_acceptance(stats, k)
+    v_ms, d_ms, ms = _median(verify_ms), _median(draft_ms), _median(runs)
+    bound = (v_ms + d_ms) / expected_tokens(a_meas, k)
+    rest = wall_ms / max(n_steps, 1) - v_ms - d_ms
+    return {"a_set": oracle.a, "a_measured": round(a_meas, 3), "k": k, "ms_per_token": round(ms, 3),
+            "speedup_vs_plain": round(plain_ms / ms, 3), "bound_ms_per_token": round(bound, 3),
+            "ratio_to_bound": round(ms / bound, 3), "same_tokens_as_plain": all(same),
+            "tokens_per_step": round(len(plain_ids) / max(n_steps, 1), 3),
+            "step_ms": {"verify": round(v_ms, 3), "draft": round(d_ms, 3), "rest": round(rest, 3)}}
 
 
 def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max: int = 8, sync=None) -> dict:
@@ -239,24 +234,7 @@ def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max:
     from core.loop import step
     from core.sequence import Sequence
 
-    class Timed:
-        def __init__(self, e, method):
-            self.e, self.method, self.calls = e, method, []
-
-        def __getattr__(self, n):
-            return getattr(self.e, n)
-
-        def verify(self, reqs):
-            out = self.e.verify(reqs)
-            self.calls.append((max(r.k for r in reqs), out[0].forward_s))
-            return out
-
-        def propose(self, reqs):
-            out = self.e.propose(reqs)
-            self.calls.append((max(r.k for r in reqs), out[0].draft_s))
-            return out
-
-    v, d = Timed(verifier, "verify"), Timed(drafter, "propose")
+    v, d = Timed(verifier), Timed(drafter)
     widths: dict[int, list[float]] = {}
     drafts: dict[int, list[float]] = {}
     over: dict[str, list[float]] = {"plain": [], "speculative": []}

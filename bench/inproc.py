@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import BENCH_DTYPE, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET
+from bench.common import BENCH_DTYPE, DRAFTER, MAX_MODEL_LEN, TARGET
 
 
 class _Timed:
@@ -40,9 +40,8 @@ class Reference:
 
     name = "reference loop (in-process, no RPC)"
 
-    def __init__(self, threads: int, dtype: str = BENCH_DTYPE, eagle3: bool = False):
-        from configs import DraftModelConfig, Eagle3Config, VerifierConfig
-        from drafter.eagle3_drafter import Eagle3Drafter
+    def __init__(self, threads: int, dtype: str = BENCH_DTYPE):
+        from configs import DraftModelConfig, VerifierConfig
         from drafter.model_drafter import ModelDrafter
         from verifier.engine import VerifierEngine
 
@@ -50,17 +49,14 @@ class Reference:
                                                       max_model_len=MAX_MODEL_LEN))
         self.drafter = ModelDrafter(DraftModelConfig(model=DRAFTER, num_threads=threads, cache_budget_mb=8, dtype=dtype,
                                                      max_model_len=MAX_MODEL_LEN))
-        self.eagle3 = Eagle3Drafter(Eagle3Config(model=EAGLE3, num_threads=threads, cache_budget_mb=8, dtype=dtype,
-                                                 max_model_len=MAX_MODEL_LEN, verifier_model=TARGET)) if eagle3 else None
         self.tokenizer = self.verifier.tokenizer
 
-    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int,
-            drafter: str = "draft_model") -> dict:
+    def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int, k: int) -> dict:
         from configs import AppConfig, SamplingParams
         from core.loop import generate
 
         v = _TimedVerifier(self.verifier, "verify", "forward_s")
-        d = _TimedDrafter(self.eagle3 if drafter == "eagle3" else self.drafter, "propose", "draft_s")
+        d = _TimedDrafter(self.drafter, "propose", "draft_s")
         # verified by the served app's default rule (AppConfig.verification), so that served and in-process
         # sampled steps do the same work
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True,

@@ -1,53 +1,26 @@
-"""Single-stream latency: every system on the same prompts, interleaved run by run.
+"""Single-stream latency: every system on the same prompts, interleaved run by run (``python -m bench.latency``,
+``latency.json``); ``python -m bench.latency breakdown`` is where a served step's time goes (``bench.breakdown``).
 
-Systems (all on models/tiny-code-target + models/tiny-code-drafter, float32, the same
-number of torch threads per engine):
-- splitspec served over HTTP: speculation off (``num_speculative_tokens: 0``, the
-  verifier's no-round-trip fast path), the default policy (adaptive, k <= 4), and a fixed-k
-  sweep;
-- the in-process reference loop (``core.loop``: the same engines, no RPC), plain
-  and the same k sweep; its per-call engine timings give the zero-overhead bound;
-- transformers ``generate``: plain and assisted generation (``assistant_model=``);
-- vLLM (``bench.vllm``'s ``VllmPeer``, in a subprocess): plain and in-engine draft-model speculation.
-
-For each (repeat, prompt) every system runs once, in an order rotated per repeat; ms/token
-is wall time / generated tokens (prefill included: time to the last token), and ratios are
-taken within each (repeat, prompt) before the median, so machine noise hits both sides.
-
-The zero-overhead bound at k: expected tokens per step from the measured per-token
-acceptance a (Leviathan et al.: (1 - a^(k+1)) / (1 - a)) divided by the measured cost of
-one step with no overhead (the drafter's k forward passes + one (k+1)-token verification
-forward, both timed inside the reference loop's engines) in units of one plain 1-token
-target forward (the reference loop's k = 0 decode steps). The textbook variant assumes the
-verification costs one plain step: E / (1 + k c), c = drafter cost per token / plain step.
+Systems, all on the shipped pair, one dtype and one torch thread per engine: splitspec served over HTTP
+(speculation off, the default policy, fixed k); the in-process reference loop (``core.loop``: the same engines, no
+RPC), whose per-call engine timings give the zero-overhead bound; transformers ``generate`` (plain and assisted);
+vLLM (``bench.vllm.VllmPeer``). Each (repeat, prompt) runs every system once, in an order rotated per repeat;
+ratios are taken within a (repeat, prompt) before the median. The bound at k: E(k) = (1 - a^(k+1)) / (1 - a)
+tokens per step at the measured per-token acceptance a, over one step's cost with no overhead (k drafter passes
+and one (k + 1)-token verification, timed in the engines) in plain one-token forwards; the textbook variant
+assumes the verification costs one plain forward (docs/benchmarks.md, Method).
 """
+
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 
-from bench import workloads
-from bench.common import (
-    BENCH_DTYPE,
-    DEFAULT_K,
-    DEFAULT_OUT,
-    MAX_MODEL_LEN,
-    PEER_K,
-    app_args,
-    complete,
-    completion_body,
-    environment,
-    expected_tokens,
-    log,
-    median,
-    per_token_acceptance,
-    rnd,
-    serving,
-    set_threads,
-    vllm_python,
-    write_json,
-)
+from bench.client import Scenario, add_arguments, complete, completion_body, floats, ints, serving
+from bench.common import PEER_K, expected_tokens, log, median, per_token_acceptance, rnd, vllm_python, write_json
 
 SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", "mean_handoff_ms", "mean_loop_ms",
                       "mean_transit_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
@@ -55,67 +28,34 @@ SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", 
                       "drafter_recomputes", "verifier_recomputes", "state_recomputes", "aux_bytes_per_token")
 
 
-def ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        if "-" in part.strip():
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part.strip():
-            out.append(int(part))
-    return out
-
-
-def floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def max_prompt_tokens(max_tokens: int, k: int) -> int:
-    """The longest prompt that leaves room in the context for ``max_tokens`` and a last step's k drafts."""
-    return MAX_MODEL_LEN - max_tokens - k - 1
-
-
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description="Single-stream latency of splitspec and its peers on the shipped model pair.")
-    workloads.add_arguments(ap, prompts=3)
+    ap = argparse.ArgumentParser(prog="python -m bench.latency",
+                                 description="Single-stream latency of splitspec and its peers on the shipped model pair "
+                                             "(`python -m bench.latency breakdown --help`: where a served step's time goes).")
+    add_arguments(ap, prompts=3)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each (system, prompt)")
-    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperatures", type=floats, default=[0.0, 0.8])
     ap.add_argument("--sweep-temperatures", type=floats, default=[0.0],
                     help="temperatures that get the full k sweep (the others: k = default k only)")
     ap.add_argument("--ks", type=ints, default=list(range(1, 9)), help="k sweep, e.g. 1-8 or 1,2,4")
-    ap.add_argument("--default-k", type=int, default=DEFAULT_K)
     ap.add_argument("--hf-ks", type=ints, default=[PEER_K], help="k of transformers assisted generation")
     ap.add_argument("--vllm-ks", type=ints, default=[PEER_K], help="k of vLLM speculation (one engine each)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
-    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
     ap.add_argument("--no-serve", action="store_true")
-    ap.add_argument("--eagle3-ks", type=ints, default=[], help="also the EAGLE-3 head (models/tiny-code-eagle3), served and in process, at these k")
-    ap.add_argument("--eagle3-no-predraft", action="store_true",
-                    help="also serve the EAGLE-3 head with pipeline_drafts off (drafting always on the critical path)")
-    ap.add_argument("--compare-transport", action="store_true",
-                    help="also serve fixed k=default-k with every drafter call through a Serve handle (drafter_transport: serve)")
-    ap.add_argument("--colocated", action="store_true",
-                    help="also serve the default policy and the fixed ks (and the EAGLE-3 head, with --eagle3-ks) with "
-                         "drafter_placement: verifier (the drafter engine in the verifier replica's process, no drafter pool)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     return ap.parse_args(argv)
 
 
-class Served:
-    def __init__(self, client, url: str, k: int | None):
-        self.client, self.url, self.k = client, url, k
-
-    def run(self, prompt_ids, max_tokens, temperature, seed):
-        wall, n, spec, ids = complete(self.client, self.url,
-                                      completion_body(prompt_ids, max_tokens, temperature, seed, self.k))
-        return {"wall_s": wall, "tokens": n, "stats": spec, "output_ids": ids}
+def served(client, url: str, k: int | None):
+    """A served system's run(prompt ids, max tokens, temperature, seed)."""
+    def run(ids, max_tokens, temperature, seed):
+        r = complete(client, url, completion_body(ids, max_tokens, temperature, seed, k))
+        return {"wall_s": r["latency_s"], "tokens": r["tokens"], "stats": r["speculation"], "output_ids": r["token_ids"]}
+    return run
 
 
 def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> list[dict]:
-    """The systems measured at one temperature: id, label, family, k, and run(prompt, max_tokens, seed)."""
+    """The systems measured at one temperature: id, label, family, k, policy and run(prompt, max_tokens, seed)."""
     # off the sweep: the policy's ceiling and the peers' k, so the default is compared with both
     ks = sorted(set(args.ks if temperature in args.sweep_temperatures else [PEER_K]) | {args.default_k})
     out = []
@@ -124,61 +64,25 @@ def build_systems(args, temperature: float, urls, client, ref, hf, vllms) -> lis
         out.append({"id": id_, "label": label, "family": family, "k": k, "policy": policy, "run": fn})
 
     if urls:
-        s0 = Served(client, urls["adaptive"], 0)
         add("splitspec_off", "splitspec served, speculation off (fast path)", "splitspec", 0, "off",
-            lambda p, m, t, sd: s0.run(p, m, t, sd))
-        sd_ = Served(client, urls["adaptive"], None)
+            served(client, urls["adaptive"], 0))
         add("splitspec_default", f"splitspec served, default policy (adaptive, k<={args.default_k})", "splitspec",
-            args.default_k, "adaptive", lambda p, m, t, sd: sd_.run(p, m, t, sd))
+            args.default_k, "adaptive", served(client, urls["adaptive"], None))
         for k in ks:
-            sk = Served(client, urls["fixed"], k)
-            add(f"splitspec_k{k}", f"splitspec served, fixed k={k}", "splitspec", k, "fixed",
-                lambda p, m, t, sd, sk=sk: sk.run(p, m, t, sd))
-        for k in args.eagle3_ks:
-            se = Served(client, urls["eagle3"], k)
-            add(f"splitspec_eagle3_k{k}", f"splitspec served, EAGLE-3 head, fixed k={k}", "splitspec", k, "fixed",
-                lambda p, m, t, sd, se=se: se.run(p, m, t, sd))
-            if "eagle3_colocated" in urls:
-                sq = Served(client, urls["eagle3_colocated"], k)
-                add(f"splitspec_eagle3_k{k}_colocated", f"splitspec served, EAGLE-3 head in the verifier replica, fixed k={k}",
-                    "splitspec", k, "fixed", lambda p, m, t, sd, sq=sq: sq.run(p, m, t, sd))
-            if "eagle3_no_predraft" in urls:
-                sn = Served(client, urls["eagle3_no_predraft"], k)
-                add(f"splitspec_eagle3_k{k}_no_predraft", f"splitspec served, EAGLE-3 head, fixed k={k}, no pre-drafting",
-                    "splitspec", k, "fixed", lambda p, m, t, sd, sn=sn: sn.run(p, m, t, sd))
-        if "colocated" in urls:
-            sc = Served(client, urls["colocated"], None)
-            add("splitspec_colocated_default", f"splitspec served, drafter in the verifier replica, default policy (k<={args.default_k})",
-                "splitspec", args.default_k, "adaptive", lambda p, m, t, sd: sc.run(p, m, t, sd))
-            for k in ks:
-                sck = Served(client, urls["colocated_fixed"], k)
-                add(f"splitspec_colocated_k{k}", f"splitspec served, drafter in the verifier replica, fixed k={k}",
-                    "splitspec", k, "fixed", lambda p, m, t, sd, sck=sck: sck.run(p, m, t, sd))
-        if "fixed_serve" in urls:
-            k = args.default_k
-            sv = Served(client, urls["fixed_serve"], k)
-            add(f"splitspec_k{k}_serve_transport", f"splitspec served, fixed k={k}, every drafter call through a Serve handle",
-                "splitspec", k, "fixed", lambda p, m, t, sd: sv.run(p, m, t, sd))
+            add(f"splitspec_k{k}", f"splitspec served, fixed k={k}", "splitspec", k, "fixed", served(client, urls["fixed"], k))
     add("reference_off", "reference loop, in-process, no speculation", "reference", 0, "off",
         lambda p, m, t, sd: ref.run(p, m, t, sd, 0))
     for k in ks:
         add(f"reference_k{k}", f"reference loop, in-process, k={k}", "reference", k, "fixed",
             lambda p, m, t, sd, k=k: ref.run(p, m, t, sd, k))
-    for k in args.eagle3_ks:
-        add(f"reference_eagle3_k{k}", f"reference loop, in-process, EAGLE-3 head, k={k}", "reference", k, "fixed",
-            lambda p, m, t, sd, k=k: ref.run(p, m, t, sd, k, "eagle3"))
     if hf is not None:
-        add("transformers_off", "transformers generate", "transformers", 0, "off",
-            lambda p, m, t, sd: hf.run(p, m, t, sd, 0))
+        add("transformers_off", "transformers generate", "transformers", 0, "off", lambda p, m, t, sd: hf.run(p, m, t, sd, 0))
         for k in args.hf_ks:
             add(f"transformers_k{k}", f"transformers assisted generation, k={k}", "transformers", k, "fixed",
                 lambda p, m, t, sd, k=k: hf.run(p, m, t, sd, k))
     for k, peer in sorted(vllms.items()):
-        if k == 0:
-            add("vllm_off", "vLLM, no speculation", "vllm", 0, "off", lambda p, m, t, sd, peer=peer: peer.run(p, m, t, sd))
-        else:
-            add(f"vllm_k{k}", f"vLLM in-engine speculation (draft_model), k={k}", "vllm", k, "fixed",
-                lambda p, m, t, sd, peer=peer: peer.run(p, m, t, sd))
+        label = "vLLM, no speculation" if k == 0 else f"vLLM in-engine speculation (draft_model), k={k}"
+        add("vllm_off" if k == 0 else f"vllm_k{k}", label, "vllm", k, "off" if k == 0 else "fixed", peer.run)
     return out
 
 
@@ -321,101 +225,78 @@ def bound(res: dict) -> dict:
     return out
 
 
+def start_vllm(args, stack, skipped: dict) -> tuple[dict, str | None]:
+    """vLLM's engines, plain and at each --vllm-ks, started one after the other before anything is timed;
+    ({} and why in ``skipped``) when vLLM is off, missing or fails to start."""
+    from bench.vllm import VllmPeer
+
+    vpy = None if args.no_vllm else vllm_python()
+    if vpy is None:
+        skipped["vllm"] = "skipped: --no-vllm" if args.no_vllm else "skipped: vllm not importable"
+        return {}, None
+    vllms = {}
+    try:
+        for k in [0] + sorted(set(args.vllm_ks)):
+            log(f"starting vLLM engine k={k} ({vpy})")
+            vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
+            stack.callback(vllms[k].close)
+        # loaded before Serve starts: on a 2-core machine Serve's proxy, starting beside two loading
+        # engines, can miss its readiness checks (3 x 5 s) and be killed
+        for k, peer in vllms.items():
+            peer.wait_ready()
+            log(f"vLLM engine k={k} ready after {peer.info.get('load_s', 0):.0f} s")
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        skipped["vllm"] = f"failed: {str(e)[-2000:]}"
+        return {}, vpy
+    return vllms, vpy
+
+
 def run(args, urls: dict | None = None) -> dict:
     """Measure everything; ``urls`` = {"adaptive": ..., "fixed": ...} of already deployed apps
     (else, unless --no-serve, they are deployed here)."""
-    import contextlib
-
     import httpx
 
-    set_threads(args.threads)
-    t_start = time.perf_counter()
-    skipped = {}
-    vllms = {}
-    vpy = None if args.no_vllm else vllm_python()
-    if args.no_vllm:
-        skipped["vllm"] = "skipped: --no-vllm"
-    elif vpy is None:
-        skipped["vllm"] = "skipped: vllm not importable"
     from bench.inproc import Reference, Transformers
-    from bench.vllm import VllmPeer
 
+    sc, t0, skipped = Scenario.from_args(args), time.perf_counter(), {}
     with contextlib.ExitStack() as stack:
-        if vpy:  # engines start (slowly) one after the other, before anything is timed
-            try:
-                for k in [0] + sorted(set(args.vllm_ks)):
-                    log(f"starting vLLM engine k={k} ({vpy})")
-                    vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
-                    stack.callback(vllms[k].close)
-                # loaded before Serve starts: on a 2-core machine Serve's proxy, starting beside two loading
-                # engines, can miss its readiness checks (3 x 5 s) and be killed
-                for peer in vllms.values():
-                    peer.wait_ready()
-            except Exception as e:  # noqa: BLE001 - reported, not hidden
-                skipped["vllm"] = f"failed: {str(e)[-2000:]}"
-                vllms = {}
+        vllms, vpy = start_vllm(args, stack, skipped)
         if urls is None and not args.no_serve:
-            apps = {"adaptive": app_args(args.threads, "adaptive", args.default_k, dtype=args.dtype),
-                    "fixed": app_args(args.threads, "fixed", max(args.ks + [args.default_k]), dtype=args.dtype)}
-            if args.eagle3_ks:
-                apps["eagle3"] = app_args(args.threads, "fixed", max(args.eagle3_ks), dtype=args.dtype, drafter="eagle3")
-                if args.eagle3_no_predraft:
-                    apps["eagle3_no_predraft"] = {**apps["eagle3"], "pipeline_drafts": False}
-            if args.colocated:
-                pairs = [("colocated", apps["adaptive"]), ("colocated_fixed", apps["fixed"])]
-                pairs += [("eagle3_colocated", apps["eagle3"])] if "eagle3" in apps else []
-                for name, pooled in pairs:
-                    # one process: the verifier's cores are both pools' (no drafter pinning of its own)
-                    cores = pooled["verifier"].get("cpu_affinity", []) + pooled["drafter"].get("cpu_affinity", [])
-                    apps[name] = {**pooled, "drafter_placement": "verifier",
-                                  "verifier": {**pooled["verifier"], **({"cpu_affinity": cores} if cores else {})},
-                                  "drafter": {k_: v for k_, v in pooled["drafter"].items() if k_ != "cpu_affinity"}}
-            if args.compare_transport:
-                apps["fixed_serve"] = {**apps["fixed"], "drafter_transport": "serve"}
-            urls = stack.enter_context(serving(apps, args.threads))
+            urls = stack.enter_context(serving({"adaptive": sc.app("adaptive"),
+                                                "fixed": sc.app("fixed", max(args.ks + [args.default_k]))}, args.threads))
         client = stack.enter_context(httpx.Client(timeout=600))
         log("loading in-process engines")
-        ref = Reference(args.threads, args.dtype, eagle3=bool(args.eagle3_ks))
+        ref = Reference(args.threads, args.dtype)
         hf = None if args.no_hf else Transformers(args.threads, args.dtype)
         if args.no_hf:
             skipped["transformers"] = "skipped: --no-hf"
-        wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, ref.tokenizer,
-                                 args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
-        try:
-            for k, peer in vllms.items():
-                peer.wait_ready()
-                log(f"vLLM engine k={k} ready after {peer.info.get('load_s', 0):.0f} s")
-        except Exception as e:  # noqa: BLE001 - reported, not hidden
-            skipped["vllm"] = f"failed: {str(e)[-2000:]}"
-            vllms = {}
+        wls = sc.load(ref.tokenizer)
         per_workload = {}
         for wl in wls:
             log(f"workload {wl.name}: {len(wl.prompts)} prompts")
             temps = {}
-            for temperature in args.temperatures:
-                systems = build_systems(args, temperature, urls if not args.no_serve else None, client, ref, hf, vllms)
-                runs = measure(args, systems, wl.prompts, temperature)
-                temps[f"{temperature:g}"] = summarise(args, systems, runs, temperature)
+            for t in args.temperatures:
+                systems = build_systems(args, t, None if args.no_serve else urls, client, ref, hf, vllms)
+                temps[f"{t:g}"] = summarise(args, systems, measure(args, systems, wl.prompts, t), t)
             per_workload[wl.name] = {"workload": wl.describe(), "temperatures": temps}
-    first = wls[0]
-    return {"scenario": "latency",
-            "config": {"prompts": args.prompts, "repeats": args.repeats, "max_tokens": args.max_tokens,
-                       "temperatures": args.temperatures, "sweep_temperatures": args.sweep_temperatures,
-                       "ks": args.ks, "default_k": args.default_k, "hf_ks": args.hf_ks, "vllm_ks": args.vllm_ks,
-                       "threads": args.threads, "dtype": args.dtype, "workloads": [wl.name for wl in wls],
-                       "workload_seed": args.workload_seed, "prompt_tokens": [len(ids) for _, ids in first.prompts],
-                       "vllm_python": vpy, "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None},
-            # ``temperatures``: the first workload's figures (the report's goals and plots); ``workloads``: each one's
-            "environment": environment(args.threads), "skipped": skipped,
-            "temperatures": per_workload[first.name]["temperatures"], "workloads": per_workload,
-            "duration_s": round(time.perf_counter() - t_start, 1)}
+    config = {"repeats": args.repeats, "temperatures": args.temperatures, "sweep_temperatures": args.sweep_temperatures,
+              "ks": args.ks, "hf_ks": args.hf_ks, "vllm_ks": args.vllm_ks, "vllm_python": vpy,
+              "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None}
+    # ``temperatures``: the first workload's figures (the report's plots); ``workloads``: each one's
+    return sc.record("latency", wls, t0, config=config, skipped=skipped,
+                     temperatures=per_workload[wls[0].name]["temperatures"], workloads=per_workload)
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["breakdown"]:
+        from bench import breakdown
+
+        return breakdown.main(argv[1:])
     args = parse(argv)
     data = run(args)
-    path = write_json(args.out, "latency", data)
-    log(f"wrote {path} ({data['duration_s']} s)")
+    log(f"wrote {write_json(args.out, 'latency', data)} ({data['duration_s']} s)")
+    return data
 
 
 if __name__ == "__main__":

@@ -1,19 +1,17 @@
-"""Load: N concurrent streaming clients (httpx, SSE), speculation on (default policy) versus
-off (``num_speculative_tokens: 0``), for each N in a concurrency sweep.
+"""Load: N concurrent streaming clients (closed loop, prompts cycled), speculation on (the default policy) against
+off (``num_speculative_tokens: 0``), per N: output tokens/s, time to first token, inter-token latency (the gap
+between streamed chunks, as vLLM's benchmark measures it) and time per output token, p50 and p99. The two modes
+alternate per level; ``--rounds R`` runs each level's pair R times (a 64-stream level is one wave, and a shared
+machine's throughput moves by several percent between waves): a mode's figures pool its rounds, the on/off ratio
+is the median of the rounds'.
 
-Each client sends its requests back to back (a closed loop); prompts cycle through each
-workload's (``--workload``, bench.workloads). Reported per (N, mode): output tokens/s over the whole run (first send to
-last token), time to first token, inter-token latency (the gap between consecutive
-streamed chunks, as vLLM's benchmark measures it; a speculative chunk carries several
-tokens) and time per output token ((latency - TTFT) / (tokens - 1)), p50 and p99. The two
-modes alternate per concurrency level, so both see the same machine.
-
-``--rounds R`` runs each level's two modes R times, alternating which goes first. Why: one
-64-stream level is a single wave of requests (tens of seconds on a small CPU), and on a shared
-machine one wave's throughput moves by several percent between runs of the same code, as much as
-the on/off difference being measured. Then a mode's figures pool its rounds, and the ratio is the
-median of the rounds' ratios, each measured minutes apart at most.
+``--multi-turn`` runs the conversations workload instead (``bench.workloads.conversations``: a shared
+system prompt, 8 chats of 5 turns, each turn sent with its whole history) with the prefix cache on (one
+``cache_salt`` for the run) and off (a fresh salt per request: nothing cached is shared), per N. At N = 1
+each turn that hit the cache is followed by its uncached suffix sent alone (a fresh salt), whose time to
+first token is what the hit's should come close to.
 """
+
 
 from __future__ import annotations
 
@@ -21,45 +19,30 @@ import argparse
 import asyncio
 import math
 import time
+import uuid
 
 from bench import workloads
-from bench.common import (
-    BENCH_DTYPE,
-    DEFAULT_K,
-    DEFAULT_OUT,
-    app_args,
-    completion_body,
-    environment,
-    log,
-    median,
-    percentile,
-    rnd,
-    serving,
-    set_threads,
-    stream_completion,
-    write_json,
-)
-from bench.latency import ints, max_prompt_tokens
+from bench.client import Scenario, add_arguments, completion_body, ints, serving, stream_completion
+from bench.common import environment, log, median, percentile, rnd, write_json
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description="Throughput and latency under concurrent streaming load.")
+    ap = argparse.ArgumentParser(prog="python -m bench.load",
+                                 description="Throughput and latency under concurrent streaming load.")
+    add_arguments(ap, prompts=16, max_tokens=128)  # (the prompts cycled through by the clients)
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=8,
                     help="requests per (concurrency, mode) at least; each client sends ceil(this / N)")
-    workloads.add_arguments(ap, prompts=16, help_prompts="prompts per workload, cycled through by the clients")
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1, help="on/off pairs per concurrency level (ratio: their median)")
-    ap.add_argument("--default-k", type=int, default=DEFAULT_K)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--multi-turn", action="store_true", help="the conversations workload, prefix cache on and off")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.multi_turn and args.max_tokens > 24:  # 640 + 5 x (48 + 24) tokens and a step's drafts: 1,024
+        ap.error(f"--multi-turn: --max-tokens {args.max_tokens}: at most 24 (five turns fill the pair's context)")
     return args
 
 
@@ -136,41 +119,99 @@ async def _measure(url, prompts, args) -> list[dict]:
     return out
 
 
-def run(args, url: str | None = None) -> dict:
-    import contextlib
+async def _chats(client, url, system: list[int], convs: list, n: int, salt: str | None, args) -> tuple[list[dict], float]:
+    """n clients run the conversations, each turn with its history (``salt`` None: a fresh one per request)."""
+    results = []
 
+    async def one_client(c: int):
+        for conv in convs[c::n]:
+            history = list(system)
+            for j, ask in enumerate(conv):
+                history += ask
+                body = completion_body(history, args.max_tokens, args.temperature, 1000 + j, None, True)
+                r = await stream_completion(client, url, body | {"cache_salt": salt or uuid.uuid4().hex})
+                if r["cached_tokens"] and n == 1:  # the uncached suffix alone: its prefill without the history
+                    alone = completion_body(history[r["cached_tokens"]:], args.max_tokens, args.temperature, 1, None, True)
+                    r["suffix_ttft_s"] = (await stream_completion(client, url, alone | {"cache_salt": uuid.uuid4().hex}))[
+                        "chunks"][0][0]
+                results.append(r)
+                history += r["token_ids"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client(c) for c in range(n)))
+    return results, time.perf_counter() - t0
+
+
+def _chat_summary(n: int, results: list[dict], wall: float) -> dict:
+    s = _summary(n, results, wall)
+    ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
+    s["ttft_ms_p90"] = rnd(1000 * percentile(ttft, 90), 2)
+    s["cached_tokens_mean"] = rnd(sum(r["cached_tokens"] or 0 for r in results) / len(results), 1)
+    ratio = [r["chunks"][0][0] / r["suffix_ttft_s"] for r in results if r.get("suffix_ttft_s")]
+    if ratio:  # a hit's time to first token over its uncached suffix's alone
+        s["hit_vs_suffix_ttft_p50"], s["hit_vs_suffix_ttft_p90"] = (rnd(percentile(ratio, q), 3) for q in (50, 90))
+    return s
+
+
+async def _measure_chats(url, args) -> list[dict]:
+    import httpx
     from transformers import AutoTokenizer
 
     from bench.common import TARGET
 
-    set_threads(args.threads)
-    t0 = time.perf_counter()
-    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(TARGET),
-                             args.workload_seed, max_prompt_tokens(args.max_tokens, args.default_k))
+    system, convs = workloads.conversations(AutoTokenizer.from_pretrained(TARGET))
+    out = []
+    async with httpx.AsyncClient(timeout=1800) as client:
+        await _chats(client, url, system, convs[:1], 1, None, args)  # warm-up
+        for n in args.concurrency:
+            row = {"concurrency": n}
+            for mode, salt in (("cache_off", None), ("cache_on", uuid.uuid4().hex)):
+                s = row[mode] = _chat_summary(n, *await _chats(client, url, system, convs, n, salt, args))
+                log(f"N={n} {mode}: TTFT p50 {s['ttft_ms_p50']} p90 {s['ttft_ms_p90']} ms, "
+                    f"{s['throughput_tok_s']} tok/s, cached {s['cached_tokens_mean']}, hit/suffix {s.get('hit_vs_suffix_ttft_p50')}")
+            out.append(row)
+    return out
+
+
+def _run_chats(args, sc: Scenario, url: str | None, t0: float) -> dict:
+    import contextlib
+
+    # (a context of 1,024 tokens, the shipped pair's, and KV for a conversation per stream)
+    app = sc.app("adaptive", streams=2 * max(args.concurrency) + 2)
+    app["verifier"]["max_model_len"] = app["drafter"]["max_model_len"] = 1024
+    with contextlib.ExitStack() as stack:
+        url = url or stack.enter_context(serving({"load": app}, args.threads))["load"]
+        levels = asyncio.run(_measure_chats(url, args))
+    return {"scenario": "load-multi-turn", "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                                                      "temperature": args.temperature, "threads": args.threads},
+            "environment": environment(args.threads), "levels": levels, "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def run(args, url: str | None = None) -> dict:
+    import contextlib
+
+    sc, t0 = Scenario.from_args(args), time.perf_counter()
+    if args.multi_turn:
+        return _run_chats(args, sc, url, t0)
+    wls = sc.load()
     per_workload = {}
     with contextlib.ExitStack() as stack:
         if url is None:
-            url = stack.enter_context(serving(
-                {"load": app_args(args.threads, "adaptive", args.default_k, streams=max(args.concurrency), dtype=args.dtype)},
-                args.threads))["load"]
+            url = stack.enter_context(serving({"load": sc.app("adaptive", streams=max(args.concurrency))}, args.threads))["load"]
         for wl in wls:
             log(f"workload {wl.name}: {len(wl.prompts)} prompts")
             per_workload[wl.name] = {"workload": wl.describe(), "levels": asyncio.run(_measure(url, wl.prompts, args))}
-    return {"scenario": "load",
-            "config": {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
-                       "prompts": args.prompts, "workloads": [wl.name for wl in wls], "workload_seed": args.workload_seed,
-                       "max_tokens": args.max_tokens, "temperature": args.temperature, "default_k": args.default_k,
-                       "threads": args.threads, "dtype": args.dtype, "verifier_replicas": 1, "drafter_replicas": 1},
-            # ``levels``: the first workload's (the report's and bench.cost's); ``workloads``: each one's
-            "environment": environment(args.threads), "levels": per_workload[wls[0].name]["levels"],
-            "workloads": per_workload, "duration_s": round(time.perf_counter() - t0, 1)}
+    config = {"concurrency": args.concurrency, "min_requests": args.min_requests, "rounds": args.rounds,
+              "temperature": args.temperature, "verifier_replicas": 1, "drafter_replicas": 1}
+    # ``levels``: the first workload's (the report's plot); ``workloads``: each one's
+    return sc.record("load", wls, t0, config=config, levels=per_workload[wls[0].name]["levels"], workloads=per_workload)
 
 
 def main(argv=None):
     args = parse(argv)
     data = run(args)
-    path = write_json(args.out, "load", data)
-    log(f"wrote {path} ({data['duration_s']} s)")
+    log(f"wrote {write_json(args.out, 'load-multi-turn' if args.multi_turn else 'load', data)} ({data['duration_s']} s)")
+    return data
 
 
 if __name__ == "__main__":

@@ -1,39 +1,16 @@
 """Will speculation pay for my traffic, and on which GPUs? A planner, and its check against measurement.
 
-``python -m bench.plan`` (``make bench-plan``) projects, for a verifier and a drafter of given shapes
-(``bench/shapes/*.json``: Hugging Face configs), a measured acceptance curve (``bench.acceptance``'s
-JSON), a GPU catalogue (``bench/gpus.yaml``) and a traffic description (``--concurrency`` streams, or
-``--rate`` requests/s; ``--prompt-tokens``, ``--output-tokens``), every deployment shape:
-
-- ``plain`` on a GPU: no speculation;
-- ``colocated`` on a GPU: the drafter inside each verifier replica (``drafter_placement: verifier``);
-- ``split``: a verifier pool on one GPU type and a drafter pool on another (or the same) type.
-
-The machine model is a roofline per forward: time = max(bytes / bandwidth, FLOPs / peak) + a fixed
-overhead per forward, where bytes are the weights read once per pass plus the batch's KV cache and FLOPs
-2 x parameters x new tokens plus attention; a step adds a fixed per-step overhead (and, for a drafter
-pool, a round trip). A speculative step verifies k + 1 tokens per sequence and drafts k; the drafter
-pool pre-drafts the next block while the verifier verifies, so its drafting is on the critical path
-only when the block is not accepted whole (the share of steps that accept all k drafts comes from
-the acceptance JSON). Tokens per step at each k come from the measured curve (``tokens_per_step_by_k``).
-
-For each shape the planner searches k (1-8; 0 for plain) and the batch per verifier replica (powers of
-two, as memory allows), and keeps the cheapest that meets the latency target (``--tpot-ms``: time per
-output token): step time, tokens/s per replica, latency per request, the replicas of each pool and
-$ per million output tokens. It recommends the cheapest shape that meets the target, writes a table
-(``plan.md``), ``plan.json``, a plot and a serve config (``plan_serve.yaml``) for it.
-
-Every GPU projection is **unvalidated**: no GPU has measured the shapes yet. ``python -m bench.plan
-check`` checks the method where it can be checked, on this CPU: the same step (a verify pass of k + 1
-tokens, the drafting a pre-draft did not hide, the drafter channel, the step's own overhead, over the
-measured tokens per step) with its terms from probes taken in the same run apart from the requests it is
-checked against (the engines' own passes in process, ``bench.gpu.engine_terms``; the served drafter's
-terms from ``bench.breakdown``'s requests), the roofline alone beside it; the shipped pair's projected
-ms/token for plain decoding, each k and the best k, against what ``bench.latency`` measured served in the
-same run, per workload. ``check --gpu-json`` sets the GPU kit's measurements (``bench.gpu``'s
-``planner_check``) beside the catalogue's projection; ``--gpu-json`` on a plan uses the kit's measured
-bandwidth, matmul rate and acceptance for the GPU it ran on.
+``python -m bench.plan`` projects every deployment shape (``plain``, the drafter ``colocated`` in the verifier
+replica, a ``split`` verifier pool and drafter pool on GPU types of their own) from the models' shapes, the
+acceptance curve ``bench.acceptance`` measured, the GPU catalogue (``bench/gpus.yaml``) and the traffic: a roofline
+per forward, a step that verifies k + 1 tokens and drafts k (pre-drafted during verification in a pool), the
+cheapest (k, batch) per shape that meets ``--tpot-ms``; ``plan.json``, ``plan.md``, ``plan.png``,
+``plan_serve.yaml``. Every GPU projection is unvalidated. ``check`` sets the same step, its terms from probes
+(``bench.gpu.engine_terms`` in process, the served drafter's from ``bench.latency breakdown``), beside what
+``bench.latency`` measured served on this CPU; ``check --gpu-json`` beside the GPU kit's measurements.
+Method: docs/benchmarks.md (The planner); why the terms are probed: docs/decisions/0030-planner-machine-model.md.
 """
+
 
 from __future__ import annotations
 
@@ -611,22 +588,10 @@ def _tiny_forward_s(dtype: str, threads: int) -> float:
     """The median time of a 1-token decode forward of ``bench/shapes/tiny-verifier`` through the engine."""
     import statistics
 
-    from bench.gpu import EngineSettings, build_model
+    from bench.gpu import EngineSettings, Timed, build_model
     from configs import SamplingParams
     from core.loop import generate
     from verifier.engine import VerifierEngine
-
-    class Timed:
-        def __init__(self, e):
-            self.e, self.calls = e, []
-
-        def __getattr__(self, n):
-            return getattr(self.e, n)
-
-        def verify(self, reqs):
-            out = self.e.verify(reqs)
-            self.calls.append(out[0].forward_s)
-            return out
 
     model = build_model("tiny-verifier", "cpu", dtype, seed=0)
     eng = VerifierEngine(EngineSettings("tiny-verifier", "cpu", dtype, num_threads=threads, cache_budget_mb=16,
@@ -635,7 +600,7 @@ def _tiny_forward_s(dtype: str, threads: int) -> float:
     t = Timed(eng)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     generate([list(range(3, 35))], params, 0, None, t)
-    return statistics.median(t.calls[1:])
+    return statistics.median([x for _, x in t.calls[1:]])
 
 
 def cpu_machine(probe: dict, step_overhead_ms: float, rpc_ms: float) -> Machine:
@@ -732,6 +697,134 @@ def served_verify_factor(srv: dict, eng: dict) -> float | None:
     return rnd(median(ratios), 4) if ratios else None
 
 
+@dataclass
+class Projection:
+    """One workload's projected ms/token at k, served or in process, from the probes' terms (``eng``: the engine
+    probe, ``srv``: the served drafter's terms) or, without them, from the roofline on this CPU's probes."""
+
+    v: dict
+    d: dict
+    m: Machine
+    curve: Curve
+    prompt: float
+    n_out: int
+    eng: dict | None
+    srv: dict
+    step_overhead_ms: float
+    rpc_ms: float
+
+    @property
+    def ctx(self) -> float:
+        return self.prompt + self.n_out / 2
+
+    def roofline(self, k: int, served: bool = True) -> float:
+        """The GPU model on this CPU's probes: bytes over bandwidth, FLOPs over the matmul rate."""
+        mm = self.m if served else Machine(**{**self.m.__dict__, "step_overhead_s": 0.0, "rpc_s": 0.0})
+        s = step("plain" if k == 0 else ("split" if served else "colocated"), k, 1, self.ctx, self.v, mm, self.d, mm,
+                 self.curve)
+        prefill = forward_s(self.v, mm, 1, int(self.prompt), self.prompt / 2) + mm.step_overhead_s
+        return 1e3 * (prefill + self.n_out * s["step_s"] / s["tokens_per_step"]) / self.n_out
+
+    def terms(self, k: int, served: bool = True) -> dict:
+        """A step's parts (ms) from the probes: verify, drafting on the path, the rest; tokens per step."""
+        eng, srv = self.eng, self.srv
+        t_v = eng["verify_ms_by_width"][str(k + 1)]
+        if k == 0:
+            rest = self.step_overhead_ms if served else eng["loop_overhead_ms"]["plain"]
+            return {"verify_ms": t_v, "draft_on_path_ms": 0.0, "rest_ms": rest, "tokens_per_step": 1.0}
+        t_d = eng["draft_ms_by_k"][str(k)]
+        tokens, p_all = self.curve.at(k)
+        if not served:
+            return {"verify_ms": t_v, "draft_on_path_ms": t_d, "rest_ms": eng["loop_overhead_ms"]["speculative"],
+                    "tokens_per_step": tokens}
+        hidden = (srv.get("hidden_share") or {}).get(str(k))
+        hidden = p_all if hidden is None else hidden  # no breakdown: a chain pre-draft hits when all k are accepted
+        a, b = srv.get("channel_ms") or (self.rpc_ms, 0.0)
+        over = srv.get("step_overhead_ms")
+        return {"verify_ms": t_v * (srv.get("verify_factor") or 1.0), "draft_on_path_ms": (1 - hidden) * t_d + a + b * k,
+                "rest_ms": self.step_overhead_ms if over is None else over, "tokens_per_step": tokens}
+
+    def __call__(self, k: int, served: bool = True) -> float:
+        if not self.eng:
+            return self.roofline(k, served)
+        t = self.terms(k, served)
+        pre = [ms for _, ms in self.eng["prefill_ms"]]
+        per_step = t["verify_ms"] + t["draft_on_path_ms"] + t["rest_ms"]
+        return (sum(pre) / len(pre) + t["rest_ms"] + (self.n_out - 1) * per_step / t["tokens_per_step"]) / self.n_out
+
+    def parts(self, k: int) -> tuple[float, float, float]:
+        """The verify pass over a plain one, drafting on the critical path (ms), tokens per step, projected."""
+        if not self.eng:
+            s = step("split", k, 1, self.ctx, self.v, self.m, self.d, self.m, self.curve)
+            return (s["verify_s"] / forward_s(self.v, self.m, 1, 1, self.ctx), 1e3 * (s["exposed_draft_s"] + self.m.rpc_s),
+                    s["tokens_per_step"])
+        t, plain = self.terms(k), self.eng["verify_ms_by_width"]["1"]
+        # with a served verify factor, the measured column is the served pass over the plain one
+        verify = self.terms(k, served=False)["verify_ms"] if self.srv.get("verify_factor") else t["verify_ms"]
+        return verify / plain, t["draft_on_path_ms"], t["tokens_per_step"]
+
+
+def _fixed_k(sid: str, e: dict) -> int | None:
+    """A served fixed setting's k (0: speculation off); None for any other system."""
+    if sid == "splitspec_off":
+        return 0
+    return e["k"] if sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit() else None
+
+
+def _check_rows(sy: dict, proj: Projection, kbest: int) -> list[dict]:
+    """Per served fixed setting: projected against measured ms/token, the roofline alone, the in-process loop's
+    projection against the reference loop, and the parts behind the row (verify over plain from the reference
+    loop's engine timings; drafting on the critical path and tokens per step from the served requests)."""
+    rows = []
+    t1 = (sy.get("reference_off") or {}).get("forward_ms_decode")
+    for sid, e in sy.items():
+        k = _fixed_k(sid, e)
+        if k is None:
+            continue
+        p, meas = proj(k), e["ms_per_token"]
+        runs = [x for x in e.get("ms_per_token_runs") or [] if x]
+        row = {"system": sid, "k": k, "projected_ms_per_token": rnd(p, 3), "measured_ms_per_token": meas,
+               "measured_range": [min(runs), max(runs)] if runs else None,
+               "error": rnd(p / meas - 1, 4), "within_bound": abs(p / meas - 1) <= TOLERANCE,
+               "projected_best_k": k == kbest, "roofline_ms_per_token": rnd(proj.roofline(k), 3)}
+        ref = sy.get("reference_off" if k == 0 else f"reference_k{k}")
+        if ref:
+            pr = proj(k, served=False)
+            row["in_process"] = {"projected_ms_per_token": rnd(pr, 3), "measured_ms_per_token": ref["ms_per_token"],
+                                 "error": rnd(pr / ref["ms_per_token"] - 1, 4),
+                                 "within_bound": abs(pr / ref["ms_per_token"] - 1) <= TOLERANCE}
+        if k and t1:
+            vp, dp, tp = proj.parts(k)
+            served = sy.get(f"splitspec_k{k}") or {}
+            row["parts"] = {"verify_vs_plain_projected": rnd(vp, 3),
+                            "verify_vs_plain_measured": rnd(ref["forward_ms_decode"] / t1, 3)
+                            if (ref or {}).get("forward_ms_decode") else None,
+                            "draft_on_path_ms_projected": rnd(dp, 3),
+                            "draft_on_path_ms_measured": served.get("median_mean_draft_ms"),
+                            "tokens_per_step_projected": rnd(tp, 3),
+                            "tokens_per_step_measured": served.get("median_mean_acceptance_length")}
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["k"])
+
+
+def _check_best(rows: list[dict], kbest: int) -> dict | None:
+    """The projected best k against the measured best: their ms/token, and what following the projection costs
+    (the measured ms/token at the projected best k over the measured best)."""
+    fixed = [r for r in rows if r["k"] > 0]
+    if not fixed:
+        return None
+    mb = min(fixed, key=lambda r: r["measured_ms_per_token"])
+    pb = next((r for r in rows if r["k"] == kbest), None)
+    best = {"projected_k": kbest, "measured_k": mb["k"], "measured_ms_per_token": mb["measured_ms_per_token"],
+            "projected_ms_per_token": pb["projected_ms_per_token"] if pb else None,
+            "error": rnd(pb["projected_ms_per_token"] / mb["measured_ms_per_token"] - 1, 4) if pb else None}
+    best["within_bound"] = pb is not None and abs(best["error"]) <= TOLERANCE
+    if pb:
+        best["measured_at_projected_k"] = pb["measured_ms_per_token"]
+        best["regret"] = rnd(pb["measured_ms_per_token"] / mb["measured_ms_per_token"] - 1, 4)
+    return best
+
+
 def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms: float,
               drafter_curve: str = "draft_model", engines: dict | None = None, breakdown: dict | None = None) -> dict:
     """The shipped pair's projected ms/token (prefill included, as bench.latency measures it) for plain
@@ -756,113 +849,24 @@ def check_cpu(lat: dict, acc: dict, probe: dict, step_overhead_ms: float, rpc_ms
         if g is None:
             continue
         curve = Curve.from_acceptance(acc, name, drafter_curve, 0.0)
-        prompt = sum(w["workload"]["prompt_tokens"]) / len(w["workload"]["prompt_tokens"])
-        n_out = cfg["max_tokens"]
-        ctx = prompt + n_out / 2
         eng = (engines or {}).get(name)
         srv = served_terms(breakdown, name, range(1, 9)) if eng else {}
         if srv:
             srv["verify_factor"] = served_verify_factor(srv, eng)
-
-        def roofline(k: int, served=True, ctx=ctx, curve=curve, prompt=prompt, n_out=n_out) -> float:
-            """The GPU model on this CPU's probes: bytes over bandwidth, FLOPs over the matmul rate."""
-            mm = m if served else Machine(**{**m.__dict__, "step_overhead_s": 0.0, "rpc_s": 0.0})
-            s = step("plain" if k == 0 else ("split" if served else "colocated"), k, 1, ctx, v, mm, d, mm, curve)
-            prefill = forward_s(v, mm, 1, int(prompt), prompt / 2) + mm.step_overhead_s
-            return 1e3 * (prefill + n_out * s["step_s"] / s["tokens_per_step"]) / n_out
-
-        def terms(k: int, served=True, eng=eng, srv=srv, curve=curve, n_out=n_out) -> dict:
-            """A step's parts (ms) from the probes: verify, drafting on the path, the rest; tokens per step."""
-            t_v = eng["verify_ms_by_width"][str(k + 1)]
-            if k == 0:
-                rest = step_overhead_ms if served else eng["loop_overhead_ms"]["plain"]
-                return {"verify_ms": t_v, "draft_on_path_ms": 0.0, "rest_ms": rest, "tokens_per_step": 1.0}
-            t_d = eng["draft_ms_by_k"][str(k)]
-            tokens, p_all = curve.at(k)
-            if not served:
-                return {"verify_ms": t_v, "draft_on_path_ms": t_d, "rest_ms": eng["loop_overhead_ms"]["speculative"],
-                        "tokens_per_step": tokens}
-            hidden = (srv.get("hidden_share") or {}).get(str(k))
-            hidden = p_all if hidden is None else hidden  # no breakdown: a chain pre-draft hits when all k are accepted
-            a, b = srv.get("channel_ms") or (rpc_ms, 0.0)
-            over = srv.get("step_overhead_ms")
-            return {"verify_ms": t_v * (srv.get("verify_factor") or 1.0), "draft_on_path_ms": (1 - hidden) * t_d + a + b * k,
-                    "rest_ms": step_overhead_ms if over is None else over, "tokens_per_step": tokens}
-
-        def projected(k: int, served=True, eng=eng, prompt=prompt, n_out=n_out) -> float:
-            if not eng:
-                return roofline(k, served)
-            t = terms(k, served)
-            pre = [ms for _, ms in eng["prefill_ms"]]
-            prefill = sum(pre) / len(pre)
-            per_step = t["verify_ms"] + t["draft_on_path_ms"] + t["rest_ms"]
-            return (prefill + t["rest_ms"] + (n_out - 1) * per_step / t["tokens_per_step"]) / n_out
-
-        rows = []
-        sy = g["systems"]
+        prompt = sum(w["workload"]["prompt_tokens"]) / len(w["workload"]["prompt_tokens"])
+        proj = Projection(v, d, m, curve, prompt, cfg["max_tokens"], eng, srv, step_overhead_ms, rpc_ms)
         # the best k among those measured served (the check can only compare those)
-        swept = sorted(e["k"] for sid, e in sy.items() if sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit())
-        kbest = min(swept or range(1, 9), key=projected) if eng else best_k(v, d, m, m, curve, "split", 1, ctx, swept or range(1, 9))
-        for sid, e in sy.items():
-            if sid == "splitspec_off":
-                k = 0
-            elif sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit():
-                k = e["k"]
-            else:
-                continue
-            p, meas = projected(k), e["ms_per_token"]
-            runs = [x for x in e.get("ms_per_token_runs") or [] if x]
-            rows.append({"system": sid, "k": k, "projected_ms_per_token": rnd(p, 3), "measured_ms_per_token": meas,
-                         "measured_range": [min(runs), max(runs)] if runs else None,
-                         "error": rnd(p / meas - 1, 4), "within_bound": abs(p / meas - 1) <= TOLERANCE,
-                         "projected_best_k": k == kbest, "roofline_ms_per_token": rnd(roofline(k), 3)})
-            ref = sy.get("reference_off" if k == 0 else f"reference_k{k}")
-            if ref:
-                pr = projected(k, served=False)
-                rows[-1]["in_process"] = {"projected_ms_per_token": rnd(pr, 3), "measured_ms_per_token": ref["ms_per_token"],
-                                          "error": rnd(pr / ref["ms_per_token"] - 1, 4),
-                                          "within_bound": abs(pr / ref["ms_per_token"] - 1) <= TOLERANCE}
-        rows.sort(key=lambda r: r["k"])
-        # the parts behind each row, projected and measured: the verify pass over a plain one (the reference
-        # loop's engine timings), drafting on the critical path and tokens per step (the served requests')
-        t1 = (sy.get("reference_off") or {}).get("forward_ms_decode")
-        for r in rows:
-            if r["k"] == 0 or not t1:
-                continue
-            ref = sy.get(f"reference_k{r['k']}") or {}
-            served = sy.get(f"splitspec_k{r['k']}") or {}
-            if eng:
-                t = terms(r["k"])
-                vp, dp, tp = t["verify_ms"] / eng["verify_ms_by_width"]["1"], t["draft_on_path_ms"], t["tokens_per_step"]
-                if srv.get("verify_factor"):  # the served pass over the plain one, as the measured column
-                    vp = terms(r["k"], served=False)["verify_ms"] / eng["verify_ms_by_width"]["1"]
-            else:
-                s = step("split", r["k"], 1, ctx, v, m, d, m, curve)
-                vp, dp = s["verify_s"] / forward_s(v, m, 1, 1, ctx), 1e3 * (s["exposed_draft_s"] + m.rpc_s)
-                tp = s["tokens_per_step"]
-            r["parts"] = {"verify_vs_plain_projected": rnd(vp, 3),
-                          "verify_vs_plain_measured": rnd(ref["forward_ms_decode"] / t1, 3) if ref.get("forward_ms_decode") else None,
-                          "draft_on_path_ms_projected": rnd(dp, 3),
-                          "draft_on_path_ms_measured": served.get("median_mean_draft_ms"),
-                          "tokens_per_step_projected": rnd(tp, 3),
-                          "tokens_per_step_measured": served.get("median_mean_acceptance_length")}
+        swept = sorted(k for sid, e in g["systems"].items() if (k := _fixed_k(sid, e)))
+        kbest = min(swept or range(1, 9), key=proj) if eng else \
+            best_k(v, d, m, m, curve, "split", 1, proj.ctx, swept or range(1, 9))
+        rows = _check_rows(g["systems"], proj, kbest)
         fixed = [r for r in rows if r["k"] > 0]
-        measured_best = min(fixed, key=lambda r: r["measured_ms_per_token"])["k"] if fixed else None
-        out[name] = {"rows": rows, "projected_best_k": kbest, "measured_best_k": measured_best,
-                     "acceptance": curve.source, "prompt_tokens_mean": rnd(prompt, 1), "output_tokens": n_out,
+        out[name] = {"rows": rows, "projected_best_k": kbest,
+                     "measured_best_k": min(fixed, key=lambda r: r["measured_ms_per_token"])["k"] if fixed else None,
+                     "acceptance": curve.source, "prompt_tokens_mean": rnd(prompt, 1), "output_tokens": cfg["max_tokens"],
                      "model": "probes" if eng else "roofline", "engine_probe": eng, "served_terms": srv or None}
         if fixed:
-            pb = next(r for r in rows if r["k"] == kbest) if any(r["k"] == kbest for r in rows) else None
-            mb = next(r for r in rows if r["k"] == measured_best)
-            out[name]["best"] = {"projected_k": kbest, "measured_k": measured_best,
-                                 "projected_ms_per_token": pb["projected_ms_per_token"] if pb else None,
-                                 "measured_ms_per_token": mb["measured_ms_per_token"],
-                                 "error": rnd(pb["projected_ms_per_token"] / mb["measured_ms_per_token"] - 1, 4) if pb else None}
-            out[name]["best"]["within_bound"] = pb is not None and abs(out[name]["best"]["error"]) <= TOLERANCE
-            # what following the projection costs: the measured ms/token at the projected best k over the measured best
-            if pb:
-                out[name]["best"]["measured_at_projected_k"] = pb["measured_ms_per_token"]
-                out[name]["best"]["regret"] = rnd(pb["measured_ms_per_token"] / mb["measured_ms_per_token"] - 1, 4)
+            out[name]["best"] = _check_best(rows, kbest)
     return {"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": probe["flops"],
                         "matmul_kernel": probe.get("matmul_kernel"), "row_factors": probe.get("row_factors"),
                         "forward_overhead_ms": rnd(1e3 * probe["forward_overhead_s"], 4),
@@ -1015,56 +1019,62 @@ def check_markdown(data: dict) -> str:
           f"{data.get('latency_load_average_at_start')}."), "",
          f"Projected against served ms/token (greedy, prefill included; bound: within {data['tolerance']:.0%}).", ""]
     for name, w in data["workloads"].items():
-        eng, srv = w.get("engine_probe"), w.get("served_terms")
-        best = w.get("best") or {}
-        if not best:  # a check from before the engine probe
-            L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
-                                     f"best fixed k {w['measured_best_k']}."), ""]
-        L += [] if not best else [f"## {name}", "",
-              (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']} "
-               f"({best.get('projected_ms_per_token')} ms/token), measured best fixed k {w['measured_best_k']} "
-               f"({best.get('measured_ms_per_token')} ms/token): "
-               + (f"{best['error']:+.1%}, {'within' if best['within_bound'] else '**outside**'} the bound"
-                  + (f"; served at the projected best k it measured {best['measured_at_projected_k']} ms/token "
-                     f"({best['regret']:+.1%} over the measured best)" if "regret" in best else "") + "."
-                  if best.get("error") is not None else "n/a.")), ""]
-        if eng:
-            vw = eng["verify_ms_by_width"]
-            L += [(f"Engine probe ({eng['samples_per_width']}+ passes a width): verify pass by width 1-{len(vw)} "
-                   f"{', '.join(f'{x:.2f}' for x in vw.values())} ms ({vw[str(len(vw))] / vw['1']:.2f}x at the widest); "
-                   f"drafter by k {', '.join(f'{x:.2f}' for x in eng['draft_ms_by_k'].values())} ms; prefill "
-                   f"{', '.join(f'{ms:.1f} ms ({n} tokens)' for n, ms in eng['prefill_ms'])}; the loop's own time per "
-                   f"step {eng['loop_overhead_ms']['plain']:.3f} ms plain, {eng['loop_overhead_ms']['speculative']:.3f} ms "
-                   "speculative."), ""]
-        if srv:
-            ch = srv.get("channel_ms") or [None, None]
-            L += [(f"Served terms (bench.breakdown, k = {', '.join(map(str, srv['ks']))}): pre-draft hid "
-                   f"{', '.join(f'k={k}: {h:.2f}' for k, h in srv['hidden_share'].items())} of the steps; channel "
-                   f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms; a verify "
-                   f"pass served takes {srv.get('verify_factor')}x the same pass in process (the drafter replica, router, "
-                   "proxy and client share the 2 cores)."), ""]
-        roofs = probed
-        L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | "
-               + ("roofline alone | " if roofs else "") + "verify / plain, projected / measured | drafting on the path ms, "
-               "projected / measured | tokens/step, projected / measured | in-process loop: projected / measured ms/token "
-               "(error) |"), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if roofs else "")]
-        for r in w["rows"]:
-            rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
-            p = r.get("parts") or {}
-            ip = r.get("in_process")
-            ip_cell = (f" {ip['projected_ms_per_token']:.2f} / {ip['measured_ms_per_token']:.2f} ({ip['error']:+.1%}"
-                       f"{'' if ip['within_bound'] else ', outside'}) |" if ip else " |")
-            roof = r.get("roofline_ms_per_token")
-            L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
-                     f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
-                     f"{'yes' if r['within_bound'] else '**no**'} | " + (f"{'' if roof is None else f'{roof:.2f}'} | " if roofs else "")
-                     + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
-                        f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
-                        if p else "| | |") + ip_cell)
-        L.append("")
+        L += _check_workload_markdown(name, w, probed)
     if probed:
         L += ["![plan_check.png](plan_check.png)", ""]
     return "\n".join(L)
+
+
+def _check_workload_markdown(name: str, w: dict, roofs: bool) -> list[str]:
+    """One workload's check: the best k projected and measured, the probes' terms, a row per served setting."""
+    eng, srv = w.get("engine_probe"), w.get("served_terms")
+    L = []
+    best = w.get("best") or {}
+    if not best:  # a check from before the engine probe
+        L += [f"## {name}", "", (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']}, measured "
+                                 f"best fixed k {w['measured_best_k']}."), ""]
+    L += [] if not best else [f"## {name}", "",
+          (f"Acceptance: {w['acceptance']}; projected best k {w['projected_best_k']} "
+           f"({best.get('projected_ms_per_token')} ms/token), measured best fixed k {w['measured_best_k']} "
+           f"({best.get('measured_ms_per_token')} ms/token): "
+           + (f"{best['error']:+.1%}, {'within' if best['within_bound'] else '**outside**'} the bound"
+              + (f"; served at the projected best k it measured {best['measured_at_projected_k']} ms/token "
+                 f"({best['regret']:+.1%} over the measured best)" if "regret" in best else "") + "."
+              if best.get("error") is not None else "n/a.")), ""]
+    if eng:
+        vw = eng["verify_ms_by_width"]
+        L += [(f"Engine probe ({eng['samples_per_width']}+ passes a width): verify pass by width 1-{len(vw)} "
+               f"{', '.join(f'{x:.2f}' for x in vw.values())} ms ({vw[str(len(vw))] / vw['1']:.2f}x at the widest); "
+               f"drafter by k {', '.join(f'{x:.2f}' for x in eng['draft_ms_by_k'].values())} ms; prefill "
+               f"{', '.join(f'{ms:.1f} ms ({n} tokens)' for n, ms in eng['prefill_ms'])}; the loop's own time per "
+               f"step {eng['loop_overhead_ms']['plain']:.3f} ms plain, {eng['loop_overhead_ms']['speculative']:.3f} ms "
+               "speculative."), ""]
+    if srv:
+        ch = srv.get("channel_ms") or [None, None]
+        L += [(f"Served terms (bench.breakdown, k = {', '.join(map(str, srv['ks']))}): pre-draft hid "
+               f"{', '.join(f'k={k}: {h:.2f}' for k, h in srv['hidden_share'].items())} of the steps; channel "
+               f"{ch[0]} + {ch[1]} k ms; the step's time outside the engines {srv['step_overhead_ms']} ms; a verify "
+               f"pass served takes {srv.get('verify_factor')}x the same pass in process (the drafter replica, router, "
+               "proxy and client share the 2 cores)."), ""]
+    L += [("| system | k | projected ms/token | measured (median; range) | error | within the bound | "
+           + ("roofline alone | " if roofs else "") + "verify / plain, projected / measured | drafting on the path ms, "
+           "projected / measured | tokens/step, projected / measured | in-process loop: projected / measured ms/token "
+           "(error) |"), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if roofs else "")]
+    for r in w["rows"]:
+        rng = f"{r['measured_range'][0]:.2f}-{r['measured_range'][1]:.2f}" if r["measured_range"] else "n/a"
+        p = r.get("parts") or {}
+        ip = r.get("in_process")
+        ip_cell = (f" {ip['projected_ms_per_token']:.2f} / {ip['measured_ms_per_token']:.2f} ({ip['error']:+.1%}"
+                   f"{'' if ip['within_bound'] else ', outside'}) |" if ip else " |")
+        roof = r.get("roofline_ms_per_token")
+        L.append(f"| {r['system']}{' (projected best)' if r['projected_best_k'] else ''} | {r['k']} | "
+                 f"{r['projected_ms_per_token']:.2f} | {r['measured_ms_per_token']:.2f}; {rng} | {r['error']:+.1%} | "
+                 f"{'yes' if r['within_bound'] else '**no**'} | " + (f"{'' if roof is None else f'{roof:.2f}'} | " if roofs else "")
+                 + (f"{p['verify_vs_plain_projected']} / {p['verify_vs_plain_measured']} | {p['draft_on_path_ms_projected']} / "
+                    f"{p['draft_on_path_ms_measured']} | {p['tokens_per_step_projected']} / {p['tokens_per_step_measured']} |"
+                    if p else "| | |") + ip_cell)
+    L.append("")
+    return L
 
 
 # ------------------------------------------------------------------ command line

@@ -8,8 +8,6 @@
   interleave vLLM with the other systems run by run. ``VllmPeer`` is the parent's side (a
   subprocess: vLLM may live in another interpreter, and its engine must not share the parent's
   threads); ``VllmServer`` is vLLM's own OpenAI server in a subprocess.
-- ``prefix``: whether a vLLM verify step costs work proportional to its new tokens, not to the
-  sequence (prefix caching), per sequence length.
 - ``served``: ``backend: vllm`` served (vLLM runs the loop, splitspec's proposer drafts from the
   drafter pool) against vLLM's own decoding, in process and through its OpenAI server.
 - ``eagle3``: the EAGLE-3 head against the draft model, measured by vLLM: greedy acceptance of
@@ -28,8 +26,6 @@ import contextlib
 import json
 import os
 import queue
-import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -37,6 +33,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from bench.client import app_args, completion_body, serving, stream_completion
 from bench.common import (
     BENCH_DTYPE,
     DEFAULT_OUT,
@@ -45,8 +42,6 @@ from bench.common import (
     MAX_MODEL_LEN,
     ROOT,
     TARGET,
-    app_args,
-    completion_body,
     environment,
     free_port,
     load_prompts,
@@ -54,8 +49,6 @@ from bench.common import (
     median,
     paired_ratio,
     rnd,
-    serving,
-    stream_completion,
     vllm_python,
     write_json,
 )
@@ -93,7 +86,44 @@ def peer_main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     args = ap.parse_args(argv)
+    llm = _start_llm(args)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        # ignore_eos alone (min_tokens would mask EOS out of the distribution and change the output); a
+        # structured request ends where its grammar does
+        schema = req.get("schema")
+        sp = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=schema is None, temperature=req["temperature"],
+                            seed=req.get("seed"), structured_outputs=schema and StructuredOutputsParams(json=schema))
+        before = _counters(llm)
+        t = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=req["prompt_ids"])], sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        ids = list(out.outputs[0].token_ids)
+        print(PREFIX + json.dumps({"wall_s": wall, "tokens": len(ids), "output_ids": ids,
+                                   "spec": _delta(before, _counters(llm))}), flush=True)
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """The speculative-decoding counters' growth over one request, by name (vectors per position)."""
+    spec = {}
+    for name, v in after.items():
+        b = before.get(name)
+        if isinstance(v, list):
+            b = b or [0] * len(v)
+            spec[name.split(":", 1)[1]] = [x - y for x, y in zip(v, b + [0] * (len(v) - len(b)))]
+        else:
+            spec[name.split(":", 1)[1]] = v - (b or 0)
+    return spec
+
+
+def _start_llm(args):
+    """vLLM's ``LLM`` on ``args.threads`` bound cores, in this process; says it is ready on stdout."""
     first_cpu = int(os.environ.get("SPLITSPEC_VLLM_FIRST_CPU", "0"))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
     # the same number of compute threads as every other system, bound to explicit cores
@@ -102,9 +132,7 @@ def peer_main(argv=None):
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
     torch.set_num_threads(args.threads)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm import LLM
 
     from verifier.vllm_proposer import fix_cpu_expand_kernel
 
@@ -125,30 +153,7 @@ def peer_main(argv=None):
     fixed = fix_cpu_expand_kernel() if current_platform.is_cpu() else False
     print(PREFIX + json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "vllm": vllm.__version__,
                                "expand_kernel_fixed": fixed}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        # ignore_eos alone (min_tokens would mask EOS out of the distribution and change the output); a
-        # structured request ends where its grammar does
-        schema = req.get("schema")
-        sp = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=schema is None, temperature=req["temperature"],
-                            seed=req.get("seed"), structured_outputs=schema and StructuredOutputsParams(json=schema))
-        before = _counters(llm)
-        t = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=req["prompt_ids"])], sp, use_tqdm=False)
-        wall = time.perf_counter() - t
-        after = _counters(llm)
-        spec = {}
-        for name, v in after.items():
-            b = before.get(name)
-            if isinstance(v, list):
-                b = b or [0] * len(v)
-                spec[name.split(":", 1)[1]] = [x - y for x, y in zip(v, b + [0] * (len(v) - len(b)))]
-            else:
-                spec[name.split(":", 1)[1]] = v - (b or 0)
-        ids = list(out.outputs[0].token_ids)
-        print(PREFIX + json.dumps({"wall_s": wall, "tokens": len(ids), "output_ids": ids, "spec": spec}), flush=True)
+    return llm
 
 
 class VllmPeer:
@@ -276,133 +281,6 @@ class VllmServer:
         self.close()
 
 
-# ------------------------------------------------------------------ prefix
-DEFAULT_LENGTHS = [100, 250, 500, 750, 1000, 1500]
-
-
-async def measure_prefix(verify, lengths, repeats: int, k: int, seed: int, vocab: int, sampled: bool = False,
-                  tag: str = "bench", engine_stats=None) -> list[dict]:
-    """verify: async list[VerifyRequest] -> list[VerifyResult]. Per length: step times (median,
-    min) and, with ``engine_stats`` (a callable returning the engine's counters), the tokens vLLM
-    computed per step. Lengths take turns step by step, so a noisy neighbour hits them alike."""
-    from configs import SamplingParams
-    from core.protocol import VerifyRequest
-
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=1.0 if sampled else 0.0)
-    drafts = lambda: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
-    seqs = {}
-    for length in lengths:  # prefill
-        seq_id = f"{tag}-{length}-{seed}"
-        tokens = [rng.randrange(3, vocab) for _ in range(length)]
-        t0 = time.perf_counter()
-        (res,) = await verify([VerifyRequest(seq_id, 0, None, list(tokens), drafts(), params, seed, full=True)])
-        assert res.error is None, res.error
-        seqs[length] = {"id": seq_id, "tokens": tokens + res.tokens, "cached": res.cached, "times": [],
-                        "computed": [], "misses": 0, "prefill_ms": (time.perf_counter() - t0) * 1e3}
-    for _ in range(repeats):
-        for length in lengths:
-            s = seqs[length]
-            d = drafts()
-            req = VerifyRequest.for_tokens(s["id"], s["tokens"], s["cached"], draft_tokens=d, sampling=params, seed=seed)
-            before = engine_stats()["computed_tokens"] if engine_stats else 0
-            t0 = time.perf_counter()
-            (res,) = await verify([req])
-            s["times"].append(time.perf_counter() - t0)
-            if engine_stats:
-                s["computed"].append(engine_stats()["computed_tokens"] - before)
-            if res.cache_miss:
-                s["misses"] += 1
-                (res,) = await verify([VerifyRequest(s["id"], 0, None, list(s["tokens"]), d, params, seed, full=True)])
-            assert res.error is None, res.error
-            s["tokens"] += res.tokens
-            s["cached"] = res.cached
-    rows = []
-    for length in lengths:
-        s = seqs[length]
-        rows.append({"length": length, "median_ms": round(statistics.median(s["times"]) * 1e3, 2),
-                     "min_ms": round(min(s["times"]) * 1e3, 2), "max_ms": round(max(s["times"]) * 1e3, 2),
-                     "computed_tokens_per_step": statistics.median(s["computed"]) if s["computed"] else None,
-                     "prefill_ms": round(s["prefill_ms"], 2), "repeats": repeats, "k": k, "cache_misses": s["misses"]})
-    return rows
-
-
-def build_model(path: Path, max_len: int = 2048):
-    """A random Llama shaped like the shipped target (8 x 512, head_dim 64, 4,096-token
-    vocabulary) but with room for 2,048 positions (the shipped one has 1,024)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.helpers import tiny_tokenizer
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=max_len,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)  # any tokenizer: the benchmark sends token ids
-    return path
-
-
-async def run_engine(model: str, args, prefix_caching: bool) -> dict:
-    from configs import VerifierConfig
-    from verifier.vllm_engine import VllmVerifierEngine
-
-    cfg = VerifierConfig(model=model, backend="vllm", vllm_kv_cache_gib=args.kv_cache_gib,
-                         vllm_block_size=args.block_size, max_model_len=max(args.lengths) + args.repeats * 2 + 64)
-    eng = VllmVerifierEngine(cfg, enable_prefix_caching=prefix_caching)
-    try:
-        await measure_prefix(eng.verify, [min(args.lengths)], 2, args.k, 99, eng.vocab_size, tag="warmup")
-        out = {}
-        for mode in args.modes:
-            out[mode] = await measure_prefix(eng.verify, args.lengths, args.repeats, args.k, args.seed, eng.vocab_size,
-                                      sampled=mode == "sampled", tag=mode, engine_stats=lambda: eng.stats)
-            for r in out[mode]:
-                print(f"prefix_caching={prefix_caching} {mode:7s} length {r['length']:5d}: "
-                      f"median {r['median_ms']:8.2f} ms (min {r['min_ms']}, max {r['max_ms']}), "
-                      f"computed {r['computed_tokens_per_step']} tokens/step", flush=True)
-        return out
-    finally:
-        eng.shutdown()
-
-
-def prefix_main(argv=None):
-    """``prefix``: does a vLLM verify step cost work proportional to its new tokens, not to the sequence?
-
-    For each sequence length (default 100..1,500 tokens) a sequence is prefilled once, then
-    verified step after step (k random drafts, so nearly every step emits one token and the
-    next call sends one new token plus k drafts, as decoding does); the median (and minimum)
-    wall time of a verify step is reported per length, with the number of prompt tokens vLLM
-    actually computed per step (not read from its prefix cache): the work measure, immune to
-    a noisy machine. With vLLM's prefix caching the earlier tokens' K/V are read from the
-    cache, so the time should stay flat as the sequence grows; the baseline engine
-    (``--baseline``: prefix caching off) recomputes the whole sequence every step.
-    ``measure_prefix`` takes any async verify callable, so the tests run it through a served replica."""
-    ap = argparse.ArgumentParser(prog="python -m bench.vllm prefix", description=prefix_main.__doc__.split("\n")[0])
-    ap.add_argument("--model", help="local model directory (default: a random Llama shaped like the shipped target)")
-    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_LENGTHS)
-    ap.add_argument("--repeats", type=int, default=15, help="verify steps timed per length (median reported)")
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["greedy", "sampled"])
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5)
-    ap.add_argument("--baseline", action="store_true", help="also run an engine with prefix caching off")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="a folder: writes vllm_prefix.json there")
-    args = ap.parse_args(argv)
-    model = args.model or str(build_model(ROOT / "build" / "bench-vllm-model"))
-    result = {"scenario": "vllm_prefix", "model": model, "k": args.k, "block_size": args.block_size,
-              "repeats": args.repeats, "prefix_caching": asyncio.run(run_engine(model, args, True))}
-    if args.baseline:
-        result["no_prefix_caching"] = asyncio.run(run_engine(model, args, False))
-    result["environment"] = environment(1)
-    path = write_json(Path(args.out), "vllm_prefix", result)
-    log(f"wrote {path}")
-    return result
-
-
 # ------------------------------------------------------------------ served
 def served_args(k: int, dtype: str, pin: bool = True, speculate: str = "measured") -> dict:
     """The shipped app with serve_vllm.yaml's verifier (vLLM's loop), k fixed, the bench's dtype."""
@@ -416,8 +294,7 @@ def served_args(k: int, dtype: str, pin: bool = True, speculate: str = "measured
 
 
 async def _one(client, url, ids, max_tokens, temperature, seed, k):
-    r = await stream_completion(client, url, completion_body(ids, max_tokens, temperature, seed, k, stream=True))
-    return r
+    return await stream_completion(client, url, completion_body(ids, max_tokens, temperature, seed, k, stream=True))
 
 
 async def _served_runs(url: str, prompts, args, http_peers: dict[str, str]) -> dict:
@@ -462,55 +339,15 @@ async def _served_runs(url: str, prompts, args, http_peers: dict[str, str]) -> d
     return {"rows": rows, "load": load, "verifier": stats, "same_tokens_as_reference": same}
 
 
-def async_llm_alone(args) -> dict:
-    """vLLM's AsyncLLM alone (this package's vLLM engine, no speculation), in this process, no Ray or
-    HTTP: the engine's own per-token cost on the async path the replica uses, to set against vLLM's
-    ``LLM`` (``vllm_plain``) and the served path (``served --async-llm-alone``)."""
-    from transformers import AutoTokenizer
-
-    from configs import SamplingParams, VerifierConfig
-    from verifier.vllm_engine import VllmVerifierEngine
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    runs = []
-
-    async def run():
-        eng = VllmVerifierEngine(VerifierConfig(model=TARGET, backend="vllm", dtype=args.dtype, vllm_kv_cache_gib=0.25,
-                                                max_model_len=512, num_threads=1))
-        prompt = load_prompts(1, AutoTokenizer.from_pretrained(TARGET))[0][1]
-        for rep in range(args.repeats):
-            sp = eng.sampling_params(SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), 0, "s", 0,
-                                     len(prompt), args.max_tokens, None)
-            n, t0 = 0, time.perf_counter()
-            async for ids, _, _ in eng.generate(prompt, sp, f"alone-{rep}"):
-                n += len(ids)
-            runs.append(1000 * (time.perf_counter() - t0) / n)
-            log(f"AsyncLLM alone, k = 0: {runs[-1]:.2f} ms/token")
-        eng.shutdown()
-
-    asyncio.run(run())
-    return {"scenario": "vllm_served", "config": vars(args),
-            "async_llm_alone": {"ms_per_token": rnd(median(runs)), "ms_per_token_runs": [rnd(x) for x in runs]},
-            "environment": environment(1)}
-
-
 def served_main(argv=None):
-    """``served``: ``backend: vllm`` served against vLLM's own decoding.
+    """``served``: ``backend: vllm`` served against vLLM's own decoding, greedy, one thread per engine.
 
-    Systems, greedy, one thread per engine:
-    - ``vllm_plain`` and ``vllm_draft_model`` (k): vLLM alone, in its own process (``VllmPeer``,
-      no HTTP: its best case), one engine at a time;
-    - ``vllm_http_plain`` and ``vllm_http_draft_model`` (k): vLLM's own OpenAI server
-      (``VllmServer``), measured through the same HTTP client as splitspec and interleaved with
-      it, its engine's thread on the served verifier's core;
-    - ``served_spec`` (k) and ``served_off`` (k = 0, the same app and vLLM engine): splitspec over
-      HTTP with ``configs/serve_vllm.yaml``'s verifier (backend vllm, vLLM's loop) and the shipped
-      draft model on the drafter pool, the verifier and drafter replicas on cores of their own;
-      interleaved by prompt.
-    Per (prompt, repeat) the ratio to ``vllm_draft_model`` and the speed-up over ``vllm_plain``,
-    then medians. ``--streams`` adds throughput at those concurrencies, speculation against off on
-    the served app (the same vLLM engine and client). ``--async-llm-alone`` measures only vLLM's
-    AsyncLLM in this process (``async_llm_alone``)."""
+    ``vllm_plain``, ``vllm_draft_model`` (k): vLLM alone in its own process (``VllmPeer``, no HTTP: its best case);
+    ``vllm_http_plain``, ``vllm_http_draft_model``: vLLM's own OpenAI server (``VllmServer``) through the same HTTP
+    client as splitspec, interleaved with it; ``served_spec`` (k) and ``served_off``: splitspec with
+    ``configs/serve_vllm.yaml``'s verifier (vLLM's loop) and the shipped draft model on the drafter pool.
+    Per (prompt, repeat) the ratio to ``vllm_draft_model`` and the speed-up over ``vllm_plain``, then medians;
+    ``--streams``: throughput at those concurrencies, speculation against off on the served app."""
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(prog="python -m bench.vllm served", description=served_main.__doc__.split("\n")[0])
@@ -525,20 +362,41 @@ def served_main(argv=None):
     ap.add_argument("--no-pin", action="store_true", help="leave the replicas (and vLLM's processes) to the OS")
     ap.add_argument("--no-peers", action="store_true", help="no in-process vLLM peers (ratios to them then absent)")
     ap.add_argument("--no-http-peers", action="store_true", help="no vLLM OpenAI servers beside the served app")
-    ap.add_argument("--async-llm-alone", action="store_true",
-                    help="only vLLM's AsyncLLM in this process, no speculation, no Ray or HTTP")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
-    if args.async_llm_alone:
-        result = async_llm_alone(args)
-        write_json(Path(args.out), "vllm_served", result)
-        return result
     py = vllm_python()
     if py is None:
         raise SystemExit("no interpreter here imports vllm")
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(TARGET))
+    rows = {} if args.no_peers else _peer_rows(py, prompts, args)
+    with contextlib.ExitStack() as stack:
+        http_peers = {}
+        if not args.no_http_peers:  # both start now, and are idle while the other systems run
+            servers = {"vllm_http_plain": VllmServer(py, 0, 1, dtype=args.dtype),
+                       "vllm_http_draft_model": VllmServer(py, args.k, 1, dtype=args.dtype, method="draft_model",
+                                                           drafter=DRAFTER)}
+            for srv in servers.values():
+                stack.enter_context(srv)
+            http_peers = {name: srv.wait_ready() for name, srv in servers.items()}
+        urls = stack.enter_context(serving({"vllm": served_args(args.k, args.dtype, pin=not args.no_pin,
+                                                                speculate=args.speculate)}, 1))
+        served = asyncio.run(_served_runs(urls["vllm"], prompts, args, http_peers))
+    rows.update(served["rows"])
+    result = {"scenario": "vllm_served", "config": vars(args), "systems": _systems(rows), "load": served["load"],
+              "same_tokens_as_reference": served["same_tokens_as_reference"],
+              "proposer": (served["verifier"].get("proposer") or [None])[0], "environment": environment(1)}
+    write_json(Path(args.out), "vllm_served", result)
+    for name, s in result["systems"].items():
+        print(name, s)
+    print("load", result["load"])
+    print("proposer", result["proposer"])
+    return result
+
+
+def _peer_rows(py: str, prompts: list, args) -> dict[str, list]:
+    """vLLM alone (``VllmPeer``), plain and with draft-model speculation, one engine at a time."""
     rows: dict[str, list] = {}
-    for name, k in () if args.no_peers else (("vllm_plain", 0), ("vllm_draft_model", args.k)):  # one at a time
+    for name, k in (("vllm_plain", 0), ("vllm_draft_model", args.k)):
         log(f"{name}: starting")
         peer = VllmPeer(py, k, 1, dtype=args.dtype, method="draft_model", drafter=DRAFTER)
         try:
@@ -552,46 +410,27 @@ def served_main(argv=None):
                                        "spec": r.get("spec")})
         finally:
             peer.close()
-    with contextlib.ExitStack() as stack:
-        http_peers = {}
-        if not args.no_http_peers:  # both start now, and are idle while the other systems run
-            servers = {"vllm_http_plain": VllmServer(py, 0, 1, dtype=args.dtype),
-                       "vllm_http_draft_model": VllmServer(py, args.k, 1, dtype=args.dtype, method="draft_model",
-                                                           drafter=DRAFTER)}
-            for name, srv in servers.items():
-                stack.enter_context(srv)
-            http_peers = {name: srv.wait_ready() for name, srv in servers.items()}
-        urls = stack.enter_context(serving({"vllm": served_args(args.k, args.dtype, pin=not args.no_pin,
-                                                                speculate=args.speculate)}, 1))
-        served = asyncio.run(_served_runs(urls["vllm"], prompts, args, http_peers))
-    rows.update(served["rows"])
+    return rows
+
+
+def _systems(rows: dict[str, list]) -> dict:
+    """Per system: ms/token, paired against vLLM's draft-model speculation and plain decoding (alone, and
+    through its OpenAI server where it ran), and the mean acceptance length."""
     base, plain = rows.get("vllm_draft_model", rows["served_spec"]), rows.get("vllm_plain", rows["served_off"])
-    result = {"scenario": "vllm_served", "config": vars(args), "systems": {}, "load": served["load"],
-              "same_tokens_as_reference": served["same_tokens_as_reference"],
-              "proposer": (served["verifier"].get("proposer") or [None])[0]}
     http_base, http_plain = rows.get("vllm_http_draft_model"), rows.get("vllm_http_plain")
+    out = {}
     for name, rs in rows.items():
-        result["systems"][name] = {
-            "ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
-            "vs_vllm_draft_model": paired_ratio(rs, base),
-            "speedup_vs_vllm_plain": paired_ratio(plain, rs),
-        }
+        out[name] = {"ms_per_token": rnd(median([r["ms_per_token"] for r in rs])),
+                     "vs_vllm_draft_model": paired_ratio(rs, base), "speedup_vs_vllm_plain": paired_ratio(plain, rs)}
         if http_base and "chunks" in rs[0]:  # the HTTP systems, paired per (repeat, prompt) in one interleaved run
-            result["systems"][name] |= {
-                "vs_vllm_http_draft_model": paired_ratio(rs, http_base),
-                "speedup_vs_vllm_http_plain": paired_ratio(http_plain, rs),
-                "chunks_per_request": rnd(median([r["chunks"] for r in rs]))}
+            out[name] |= {"vs_vllm_http_draft_model": paired_ratio(rs, http_base),
+                          "speedup_vs_vllm_http_plain": paired_ratio(http_plain, rs),
+                          "chunks_per_request": rnd(median([r["chunks"] for r in rs]))}
         spec = [r["speculation"] for r in rs if r.get("speculation")]
         if spec:
-            result["systems"][name]["mean_acceptance_length"] = rnd(median(
-                [1 + s["num_accepted_tokens"] / max(1, s["num_drafts"]) for s in spec]))
-    result["environment"] = environment(1)
-    write_json(Path(args.out), "vllm_served", result)
-    for name, s in result["systems"].items():
-        print(name, s)
-    print("load", result["load"])
-    print("proposer", result["proposer"])
-    return result
+            out[name]["mean_acceptance_length"] = rnd(median([1 + s["num_accepted_tokens"] / max(1, s["num_drafts"])
+                                                              for s in spec]))
+    return out
 
 
 # ------------------------------------------------------------------ eagle3
@@ -733,8 +572,7 @@ def structured_main(argv=None):
 
 
 # ------------------------------------------------------------------ entry point
-SUBCOMMANDS = {"peer": peer_main, "prefix": prefix_main, "served": served_main, "eagle3": eagle3_main,
-               "structured": structured_main}
+SUBCOMMANDS = {"peer": peer_main, "served": served_main, "eagle3": eagle3_main, "structured": structured_main}
 
 
 def main(argv=None):

@@ -10,6 +10,8 @@
 - ``structured-json``: 24 openings of Python code, each with a JSON schema for a summary of it
   (``bench/prompts/structured-json.jsonl``): JSON answers under a grammar (``python -m bench.vllm structured``).
   A line's ``schema`` is kept in ``info["schemas"]``.
+- ``conversations`` (``bench.load --multi-turn``): chats that share a system prompt, user turns from
+  HumanEval, each turn sent with the whole history (the prefix cache's workload).
 - a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
   ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat, rendered as the router renders it:
   the tokenizer's chat template, else ``role: content`` lines and ``assistant:``); a line's
@@ -154,6 +156,21 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
         info["max_prompt_tokens"] = max_prompt_tokens
     info["prompts_cut"] = cut
     return Workload(name, pairs, info)
+
+
+def conversations(tokenizer, n: int = 8, turns: int = 5, system_tokens: int = 640, turn_tokens: int = 48,
+                  seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
+    """The multi-turn workload: a shared system prompt (HumanEval's first tasks as reference code, cut to
+    ``system_tokens``), then ``n`` conversations of ``turns`` user turns (other HumanEval tasks drawn with
+    ``seed``, each cut to its first ``turn_tokens``: the signature and the docstring's start). -> (system ids,
+    per conversation the ids of each user turn); the client appends each answer before the next turn."""
+    items = humaneval_items()
+    system = tokenizer("# Reference solutions to reuse\n" + "\n".join(i["prompt"] for i in items[:40]))["input_ids"]
+    if len(system) < system_tokens:
+        raise ValueError(f"the system prompt has {len(system)} tokens, fewer than {system_tokens}")
+    idx = subset(items[40:], n * turns, seed)
+    asks = [tokenizer(items[40 + i]["prompt"], add_special_tokens=False)["input_ids"][:turn_tokens] for i in idx]
+    return system[:system_tokens], [asks[c * turns:(c + 1) * turns] for c in range(n)]
 
 
 def load_all(specs: list[str], n: int | None, tokenizer, seed: int = 0,

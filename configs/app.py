@@ -30,7 +30,7 @@ class AppConfig(BaseModel):
     model_name: str = Field("tiny-code", min_length=1, description="The name clients pass as `model`.")
     verifier: VerifierConfig = Field(default_factory=VerifierConfig, description=(
         "The target model that verifies drafts (may be left out with an eagle3 drafter: the head's speculators_config names it)."))
-    drafter: DrafterConfig = Field(..., description="How drafts are proposed (method: draft_model | ngram | eagle3 | dflash | dspark).")
+    drafter: DrafterConfig = Field(..., description="How drafts are proposed (method: draft_model | ngram | eagle3 | dflash | dspark | peagle | mtp).")
     max_tokens_limit: int = Field(1024, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     clamp_speculative_tokens: bool = Field(True, description=(
         "The drafter's k is the ceiling of a request's num_speculative_tokens; False lets a request raise it (up to the global maximum)."))
@@ -118,8 +118,10 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _verifier_named(self):
-        if self.verifier.model is None and self.drafter.method not in ("eagle3", "dflash", "dspark"):
-            raise ValueError("verifier.model is required (only a head's config (eagle3, dflash, dspark) can name the verifier)")
+        # a head's config (one with verifier_model: eagle3, dflash, dspark) may name its verifier; no other can
+        if self.verifier.model is None and "verifier_model" not in type(self.drafter).model_fields:
+            raise ValueError(f"verifier.model is required (a {self.drafter.method} drafter cannot name the verifier; "
+                             "only a head's config can)")
         return self
 
     @model_validator(mode="after")

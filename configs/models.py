@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -126,6 +126,8 @@ class DraftModelConfig(_EngineConfig):
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
         "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is "
         "evicted when full."))
+    prefix_caching: bool = Field(True, description=(
+        "Share the draft model's full KV blocks across requests, as the verifier's (docs/serving.md, Prefix caching)."))
 
 
 class NgramConfig(_Config):
@@ -180,7 +182,37 @@ class ParallelHeadConfig(_HeadConfig):
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
 
 
-DrafterConfig = Annotated[Union[DraftModelConfig, NgramConfig, Eagle3Config, ParallelHeadConfig], Field(discriminator="method")]
+class PEagleConfig(_HeadConfig):
+    """A P-EAGLE head (an EAGLE-3 head that drafts the whole block in one pass: vLLM's eagle3 with parallel_drafting) on
+    the drafter pool, reading the target's hidden states as an EAGLE-3 head does (docs/eagle3.md, P-EAGLE heads)."""
+
+    method: Literal["peagle"] = Field("peagle", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description=(
+        "A P-EAGLE head: a Speculators peagle config, or vLLM's EAGLE-3 layout with a mask token (ptd_token_id, pard_token or mask_token_id) "
+        "and mask_hidden in its weights, trained for the verifier's model: a local directory, or a Hub repo id `org/name[@revision]`."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the drafts of one pass (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method, else 4; "
+        "a head drafts best up to the k it was trained for."))
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the head's paged KV cache; the least recently used sequence is evicted when full."))
+
+
+class MtpConfig(_HeadConfig):
+    """The target checkpoint's own multi-token-prediction layer on the drafter pool (docs/mtp.md): only that layer, the
+    embedding, the final norm and the head are read from the target's files. (kv_cache_dtype is not used: the layer's
+    keys and values stay in the compute dtype.)"""
+
+    method: Literal["mtp"] = Field("mtp", description="Selects this drafter type.")
+    model: str = Field(..., min_length=1, description=(
+        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe or deepseek_v3): normally verifier.model itself."))
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the MTP layer is applied k times, each draft fed back (0 turns speculation off). Default 4."))
+    cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
+        "Memory for the MTP layer's keys and values; the least recently used sequence is evicted when full."))
+
+
+DrafterConfig = Annotated[DraftModelConfig | NgramConfig | Eagle3Config | ParallelHeadConfig | PEagleConfig | MtpConfig,
+                          Field(discriminator="method")]
 
 
 class CaptureConfig(_Config):
@@ -222,6 +254,9 @@ class VerifierConfig(_EngineConfig):
         "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when "
         "full."))
     max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
+    prefix_caching: bool = Field(True, description=(
+        "Share full KV blocks across requests by a chained hash of their tokens and the request's cache_salt: a request prefills only "
+        "what no earlier request on the replica left cached (transformers backend; docs/serving.md, Prefix caching)."))
     backend: Literal["transformers", "vllm"] = Field("transformers", description=(
         "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, "
         "prefix caching), one per replica, with the same verify protocol and guarantees."))
@@ -242,7 +277,8 @@ class VerifierConfig(_EngineConfig):
     vllm_loop: Literal["engine", "per_step"] = Field("engine", description=(
         "vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's "
         "proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify "
-        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; 10x slower per step)."))
+        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; far slower per step: "
+        "docs/decisions/0019-vllm-runs-the-loop.md)."))
     vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description=(
         "vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it."))
     vllm_speculate: Literal["measured", "always"] = Field("measured", description=(

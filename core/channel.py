@@ -91,15 +91,15 @@ class ChannelServer:
             if not secrets.compare_digest(token, self.token):
                 return
             while True:
-                call_id, method, args = await _read(reader)
-                if method == CANCEL:  # the caller gave up on the call: stop it (queued work is skipped)
+                call_id, name, args = await _read(reader)
+                if name == CANCEL:  # the caller gave up on the call: stop it (queued work is skipped)
                     task = tasks.get(call_id)
                     if task is not None:
                         task.cancel()
                     continue
-                task = tasks[call_id] = asyncio.create_task(self._answer(writer, call_id, method, args))
+                task = tasks[call_id] = asyncio.create_task(self._answer(writer, call_id, name, args))
                 task.add_done_callback(lambda _, c=call_id: tasks.pop(c, None))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
             pass  # the verifier went away: its calls' results have nowhere to go
         finally:
             for t in list(tasks.values()):

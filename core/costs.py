@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+# plain steps (any sequence's on a replica) after which its cold steps' cost is measured again (see cold_extra_s)
+COLD_STALE = 1024
+
 
 @dataclass
 class PositionAcceptance:
@@ -59,6 +62,12 @@ class StepCosts:
     recheck_in: int = 0  # plain steps (any sequence's) before the sequences here recheck speculation again
     table: dict[int, dict[int, deque]] = field(default_factory=dict)  # bucket -> k -> recent wall seconds
     spec_steps: dict[int, int] = field(default_factory=dict)  # bucket -> speculative steps measured
+    # bucket -> recent (k, wall seconds) of cold speculative steps: a sequence's first, or the first after plain
+    # steps (the drafter catches up on the tokens decoded meanwhile, the pre-draft made before them is gone),
+    # with the drafting its prompt's prefill step waited for; ``cold_extra_s`` reads what they cost beyond steady
+    cold: dict[int, deque] = field(default_factory=dict)
+    plain_since_cold: int = 0  # plain steps (any sequence's) since the last cold step
+    rechecks: tuple[float, float] = (0.0, 0.0)  # rechecks that resumed speculation, rechecks (decayed)
     # every sequence's acceptance per draft position: a request's prior for each position (taking
     # its last tested position's rate for the ones it has not tested traps a request at a low k)
     acceptance: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(0.98))
@@ -79,6 +88,46 @@ class StepCosts:
         self.table.setdefault(b, {}).setdefault(k, deque(maxlen=self.per_k)).append(step_s)
         if k > 0:
             self.spec_steps[b] = self.spec_steps.get(b, 0) + 1
+
+    def observe_cold(self, batch_size: int, k: int, step_s: float):
+        self.cold.setdefault(self.bucket(batch_size), deque(maxlen=self.per_k)).append((k, step_s))
+        self.plain_since_cold = 0
+
+    def cold_extra_s(self, batch_size: int, steady) -> float | None:
+        """What a cold speculative step costs beyond a steady step at its k (``steady[k]``, seconds), the median
+        of the recent ones at (or nearest) this batch size; None while fewer than three are measured, or after
+        ``COLD_STALE`` plain steps without one (no try would measure it again). Why: the tables hold steady
+        steps only, so a try's first step, its drafter catching up, was invisible to the policy; served at
+        T = 0.8, requests that tried speculation and left it ran at 0.74-0.89x of plain decoding, their few
+        speculative steps 13-20 ms each against 6-10 steady. The median: a fresh replica's first calls cost
+        tens of times a step (docs/decisions/0056-cold-tries.md)."""
+        entries = self._near(self.cold, batch_size)
+        if not entries or len(entries) < 3 or self.plain_since_cold > COLD_STALE:
+            return None
+        extra = sorted(max(0.0, s - steady[k]) for k, s in entries if k < len(steady))  # (a request's k, at most)
+        return extra[len(extra) // 2] if len(extra) >= 3 else None
+
+    def recheck_won(self, won: bool):
+        n, w = self.rechecks
+        self.rechecks = (0.9 * n + won, 0.9 * w + 1)
+
+    def rechecks_win(self) -> bool:
+        """Whether a sequence that left speculation should recheck it: while fewer than 4 rechecks are measured
+        here, or a quarter or more of them resumed speculation. A recheck skipped ages the evidence, so one in
+        several comes anyway. Why: served at T = 0.8, a request whose text defeated the drafter rechecked 3
+        times in 128 tokens, each a cold step and two more, and none resumed; greedy, rechecks often find
+        predictable text again (docs/decisions/0056-cold-tries.md)."""
+        won, tried = self.rechecks
+        if tried < 4 or won >= 0.25 * tried:
+            return True
+        self.rechecks = (0.9 * won, 0.9 * tried)
+        return False
+
+    def prior(self, default: float, weight: float) -> float:
+        """The per-token acceptance (accepted over tested draft positions) every sequence here measured, shrunk
+        towards ``default`` with ``weight`` pseudo-tests: a new request's prior."""
+        a = self.acceptance
+        return (sum(a.accepted) + weight * default) / (sum(a.tested) + weight)
 
     def row(self, batch_size: int) -> dict[int, deque]:
         """The recent wall seconds of steps, per k, at (or nearest) this batch size."""
@@ -124,3 +173,19 @@ class StepCosts:
                 line = max(1e-6, mt + slope * (k - mk))
             out.append(line if k not in spec else (w[k] * spec[k] + self.shrink * line) / (w[k] + self.shrink))
         return out
+
+
+def monotone(costs: list[float], weights: list[float]) -> list[float]:
+    """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
+    pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
+    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
+    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
+    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
+    blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
+    for c, w in zip(costs[1:], weights[1:]):
+        blocks.append([c, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            c2, w2, n2 = blocks.pop()
+            c1, w1, n1 = blocks[-1]
+            blocks[-1] = [(c1 * w1 + c2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return costs[:1] + [c for c, _, n in blocks for _ in range(n)]

@@ -40,12 +40,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.eagle3 import (
+    DraftVocabulary,
     HeadShape,
     UnsupportedHead,
     _rope_parameters,
@@ -64,7 +66,18 @@ from core.eagle3 import save_head as save_head  # re-exported: a parallel head i
 from core.layers import RMSNorm, attention, mlp, rotate
 
 SPECULATORS_VERSION = "0.3.0"
-METHODS = ("dflash", "dspark")
+
+
+class Format(NamedTuple):
+    """A Speculators parallel-head format read here: its architecture name, and whether it has DSpark's Markov head
+    (which conditions each position's q on the draft before it)."""
+
+    architecture: str
+    markov: bool
+
+
+FORMATS = {"dflash": Format("DFlashSpeculator", markov=False), "dspark": Format("DSparkSpeculator", markov=True)}
+METHODS = tuple(FORMATS)  # the speculators_model_type values read here
 LAYER_TYPES = ("qwen3",)  # vLLM's DFlashQwen3 / Qwen3DSpark layers (gemma4_dspark's Gemma 4 MTP layers are not here)
 
 
@@ -99,7 +112,7 @@ class ParallelSpec(HeadShape):
 
     @property
     def markov(self) -> bool:
-        return self.method == "dspark"
+        return FORMATS[self.method].markov
 
     @classmethod
     def from_config(cls, cfg: dict) -> ParallelSpec:
@@ -140,12 +153,13 @@ class ParallelSpec(HeadShape):
         if not isinstance(block, int) or block < 2:
             unsupported("block_size", block, "a block is the anchor and at least one mask position")
         anchor = bool(cfg.get("sample_from_anchor", False))
-        if anchor and method == "dflash":
+        markov = FORMATS[method].markov
+        if anchor and not markov:
             unsupported("sample_from_anchor", True, "vLLM's DFlash drafts from the mask positions only")
         n_layers = int(t.get("num_hidden_layers") or 1)
         layer_types, window = draft_layer_types(t, n_layers)
         rank, conf, conf_markov = 0, False, False
-        if method == "dspark":
+        if markov:
             rank = cfg.get("markov_rank", 0)
             if not isinstance(rank, int) or rank < 1:
                 unsupported("markov_rank", rank, "vLLM's DSpark always applies its Markov head (rank at least 1)")
@@ -173,7 +187,7 @@ class ParallelSpec(HeadShape):
             layer["layer_types"] = list(self.layer_types)
             layer["sliding_window"] = self.sliding_window
         k = k or self.max_k
-        cfg = {"architectures": ["DFlashSpeculator" if self.method == "dflash" else "DSparkSpeculator"],
+        cfg = {"architectures": [FORMATS[self.method].architecture],
                "speculators_model_type": self.method, "speculators_version": SPECULATORS_VERSION,
                "speculators_config": speculators_config(self.method, k, verifier_path, verifier_arch),
                "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
@@ -235,7 +249,7 @@ class ParallelLayer(nn.Module):
         return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x)), residual
 
 
-class ParallelHead(nn.Module):
+class ParallelHead(DraftVocabulary, nn.Module):
     """A DFlash or DSpark head under the Speculators weight names (``layers.i.*``, ``fc``, ``hidden_norm``,
     ``norm``, ``lm_head``; DSpark: ``markov_head.markov_w1`` [V, r], ``markov_head.markov_w2`` [Vd, r],
     ``confidence_head.proj``)."""
@@ -261,7 +275,6 @@ class ParallelHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab_size, dtype=torch.bool))
         self.inv_freq, self.rope_scale = rope_frequencies(s)  # float32 whatever the head's dtype
-        self._targets = None
 
     # ------------------------------------------------------------------ pieces
     def rope(self, positions: torch.Tensor):
@@ -340,20 +353,6 @@ class ParallelHead(nn.Module):
         x = torch.cat([row, self.markov_embed(prev)], dim=-1) if self.spec.confidence_with_markov else row
         return torch.sigmoid(self.confidence_head.proj(x.float()).squeeze(-1))
 
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf outside the draft
-        vocabulary (q is exact over the target's vocabulary: zero there)."""
-        if self.spec.draft_vocab_size == self.spec.vocab_size:
-            return draft_logits
-        if self._targets is None or self._targets.device != draft_logits.device:
-            self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.spec.vocab_size), float("-inf"))
-        out[..., self._targets] = draft_logits
-        return out
-
     # ------------------------------------------------------------------ reference drafting
     @torch.no_grad()
     def draft(self, tokens: list[int], aux: torch.Tensor, k: int, return_logits: bool = False):
@@ -378,6 +377,12 @@ class ParallelHead(nn.Module):
 
 
 # ---------------------------------------------------------------------- checkpoints
+def block_drafts(cfg: dict) -> int:
+    """The most drafts a head's block yields, from its config.json (``ParallelSpec.max_k``; ``UnsupportedHead``,
+    a ValueError, for a config this project cannot run)."""
+    return ParallelSpec.from_config(cfg).max_k
+
+
 def read_spec(path: str | Path) -> ParallelSpec:
     path = Path(path)
     if (path / "mask_embedding.pt").exists():

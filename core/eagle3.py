@@ -400,7 +400,34 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
     return k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - window
 
 
-class EagleHead(nn.Module):
+class DraftVocabulary:
+    """A head's draft vocabulary over the target's (``d2t``: draft id i is target id i + d2t[i]), for every
+    head (EAGLE-3, DFlash, DSpark): mixed into an ``nn.Module`` with a ``spec`` and a ``d2t`` buffer."""
+
+    _targets: tuple | None = None  # ((device, d2t's identity and version), the target id of each draft id)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf outside the draft
+        vocabulary (q is exact over the target's vocabulary: zero there). The map is d2t's as it is now: kept
+        while d2t and the logits' device stay the same, made again when weights are loaded into d2t or the
+        head moves (``_version`` counts d2t's in-place writes)."""
+        s = self.spec
+        if s.draft_vocab_size == s.vocab_size:
+            return draft_logits
+        d2t = self.d2t  # (an inference tensor, made in inference mode, counts no versions)
+        key = (draft_logits.device, d2t.data_ptr(), None if d2t.is_inference() else d2t._version)
+        if self._targets is None or self._targets[0] != key:
+            ids = torch.arange(s.draft_vocab_size, device=d2t.device)
+            self._targets = (key, self.to_target(ids).to(draft_logits.device))
+        out = draft_logits.new_full((*draft_logits.shape[:-1], s.vocab_size), float("-inf"))
+        out[..., self._targets[1]] = draft_logits
+        return out
+
+
+class EagleHead(DraftVocabulary, nn.Module):
     """The head's modules under the Speculators weight names (``layers.i.*``, ``fc``, ``norm``, ...)."""
 
     def __init__(self, spec: Eagle3Spec):
@@ -423,7 +450,7 @@ class EagleHead(nn.Module):
         # float32 whatever the head's dtype (not a buffer, which ``to(dtype)`` would round), as vLLM's cache
         self.inv_freq, self.rope_scale = rope_frequencies(s)
         self._fc = self._lm_head = None
-        self._cos = self._sin = self._targets = None  # serving tables (``fuse``)
+        self._cos = self._sin = None  # serving tables (``fuse``)
         self.native: dict | None = None  # the native one-token step's arguments (``fuse``)
 
     # ------------------------------------------------------------------ pieces
@@ -439,7 +466,6 @@ class EagleHead(nn.Module):
         # by cache row (``drafter.eagle3_drafter``: row t is rotary position t - 1, row 0 position 0)
         self._row_rope = (torch.cat([self._cos[:1], self._cos[:-1]]).unsqueeze(1),
                           torch.cat([self._sin[:1], self._sin[:-1]]).unsqueeze(1))  # [max_len, 1, D]
-        self._targets = self.to_target(torch.arange(self.spec.draft_vocab_size, device=w.device))
         self.native = self._native_step(max_len)
         return self
 
@@ -533,20 +559,6 @@ class EagleHead(nn.Module):
 
         normed, state = self.forward_layers(ids, h, positions, attend)
         return self.logits(normed), state
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], -inf outside the
-        draft vocabulary (so q is exact over the target's vocabulary: zero there)."""
-        if self.spec.draft_vocab_size == self.spec.vocab_size:
-            return draft_logits
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.spec.vocab_size), float("-inf"))
-        targets = self._targets if self._targets is not None else self.to_target(
-            torch.arange(self.spec.draft_vocab_size, device=draft_logits.device))
-        out[..., targets] = draft_logits
-        return out
 
     # ------------------------------------------------------------------ reference drafting
     @torch.no_grad()

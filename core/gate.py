@@ -23,10 +23,10 @@ class MeasuredChoice:
     faster in a run of it and again in a second run, and returned to once it measures ``back_margin``
     times faster. ``max_explore_every``: each try that confirms the arm in use doubles the steps to
     the next, up to this; a change of arm starts again from ``explore_every``. Why both: served in
-    waves of 16 streams, where a speculating batch ran at 1.34x the ms/token of a plain one, a
-    try's few steps on lucky text measured speculation 1.7x faster; with a symmetric margin of 1.2
-    the replica then speculated on while it measured less than 1.2x slower, and tries every 128
-    steps landed in every wave (docs/decisions/0016-replica-gate.md)."""
+    waves of 16 streams, where a speculating batch was slower a token than a plain one, a try's few
+    steps on lucky text measured speculation faster; with a symmetric margin of 1.2 the replica then
+    speculated on while it measured less than 1.2x slower, and tries every 128 steps landed in every
+    wave (docs/decisions/0016-replica-gate.md)."""
 
     always: bool = False  # always the first arm, measuring nothing (pre-drafting: pools on hardware of their own)
     explore_every: int = 32

@@ -26,6 +26,15 @@ The cache is only an optimisation. A call names the sequence, the position where
 tokens start and a hash of the tokens before them (``prefix_hash``); a sequence whose rows do
 not hold exactly that prefix is a miss, and the caller resends the full token ids. When the
 pool is full, the least recently used sequences outside the current batch are evicted.
+
+With ``prefix_caching``, full blocks are shared across requests (``commit``): each is named by a
+chain of hashes over the blocks up to it, salted by the tenant's ``cache_salt`` (``salt_root``), and
+a sequence that arrives with its whole token ids starts from the longest run of cached blocks its
+tokens begin with, then computes only the rest. A cached block is never written again: a slot writes
+only blocks of its own, so a sequence whose tokens end inside a cached block recomputes that block.
+Blocks count the slots holding them; one no slot holds stays cached until the pool needs it, least
+recently used first, before any sequence is evicted, and the tail of a released sequence's chain goes
+before its head. The budget in bytes is the same pool of blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from core.protocol import CacheMiss, common_prefix_len, cut_chain, prefix_hash
+from core.protocol import CacheMiss, block_link, common_prefix_len, cut_chain, prefix_hash, salt_root
 
 TRASH_ROW = 0  # in block 0, which no sequence owns
 
@@ -76,6 +85,14 @@ class Slot:
     # the head's output at the last row with the slot's length then (kept here: evicted with the slot)
     real: int = 0
     tail: tuple | None = None
+    # prefix caching: the tenant's salt, the chained hash of each full block of tokens (a memo), and the tokens
+    # the last claim found cached by earlier requests
+    salt: str | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    prefix_hit: int = 0
+    # a verifier's: the states captured for a head at positions kept_from.., kept beside the blocks they fill
+    kept: torch.Tensor | None = None
+    kept_from: int = 0
     # the rows of every block in the table, kept while the table is unchanged: a batched pass asks for
     # every row's rows, and a pre-draft tree's passes for the same slot's rows m (k + 1) times a pass
     _rows: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False, compare=False)
@@ -129,7 +146,7 @@ class PagedKVCache:
     """Blocks of K/V memory handed to sequences by id; least recently used sequences evicted when full."""
 
     def __init__(self, model_config, max_len: int, budget_bytes: int, dtype: torch.dtype, device="cpu",
-                 block_size: int = 16):
+                 block_size: int = 16, prefix_caching: bool = False):
         text_config = getattr(model_config, "get_text_config", lambda: model_config)()
         self.num_layers = text_config.num_hidden_layers
         self.layout = kv_layout(text_config)
@@ -152,7 +169,17 @@ class PagedKVCache:
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
         self._free = set(range(1, self.num_blocks))
         self._heap = list(range(1, self.num_blocks))  # smallest free block first (lazy deletion)
-        self.stats = {"hits": 0, "misses": 0, "evictions": 0}
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "prefix_queries": 0, "prefix_hits": 0, "prefix_evictions": 0}
+        self.prefix_caching = prefix_caching
+        self._block_of: dict[bytes, int] = {}  # chained hash of a full block of tokens -> the cached block
+        self._hash_of: dict[int, bytes] = {}  # and back: a block here is cached (shared, never written)
+        self._refs: dict[int, int] = {}  # a cached block -> the slots whose tables hold it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no slot holds, least recently used first
+        # a cached block -> (the layers, the states entering them at its positions [block_size, D]), for a head
+        self._states: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        # ... whose bytes come out of the same budget: free blocks set aside while the states need them
+        self._ballast: list[int] = []
+        self._state_bytes = 0
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self.slots
@@ -164,6 +191,14 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def idle_blocks(self) -> int:
+        """Cached blocks no sequence holds: kept for later requests, taken back first when the pool is full."""
+        return len(self._idle)
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
     def held_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.slots.values())
 
@@ -172,28 +207,124 @@ class PagedKVCache:
         return list(slot.tokens) if slot else []
 
     def claim(self, seq_id: str, start: int, prefix: str | None, full_tokens: list[int] | None,
-              pinned: set[str]) -> Slot:
+              pinned: set[str], salt: str | None = None, share: bool = True, layers: tuple[int, ...] = ()) -> Slot:
         """Find or make the entry for seq_id, rolled back to hold exactly the tokens before `start`.
 
         With ``full_tokens`` (the caller resent everything, start 0), the longest common
-        prefix with what the entry holds is kept; otherwise it must hold at least
-        ``start`` tokens hashing to ``prefix``, or CacheMiss is raised.
+        prefix with what the entry holds is kept, or the longest run of blocks cached under ``salt``
+        that the tokens begin with when that is longer (``share``; ``Slot.prefix_hit`` says how many
+        tokens it gave; with ``layers``, only blocks whose states at those layers are kept, ``states_of``);
+        otherwise it must hold at least ``start`` tokens hashing to ``prefix``, or CacheMiss is raised.
         """
         slot = self.slots.get(seq_id)
         if full_tokens is not None:
             if slot is None:
-                slot = self.slots[seq_id] = Slot()
+                slot = self.slots[seq_id] = Slot(salt=salt)
+            elif slot.salt != salt:  # (its own rows stay valid; its block hashes were salted otherwise)
+                slot.salt, slot.hashes = salt, []
             # keep at least one token to feed, so the forward pass has a position to predict from
-            slot.cut(min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1))
+            slot.cut(self._writable(slot, min(common_prefix_len(slot.tokens, full_tokens), len(full_tokens) - 1)))
+            slot.prefix_hit = self._share(slot, full_tokens, layers) if self.prefix_caching and share else 0
         else:
-            if slot is None or len(slot.tokens) < start or prefix_hash(slot.tokens, start, slot.chain) != prefix:
+            if (slot is None or len(slot.tokens) < start or prefix_hash(slot.tokens, start, slot.chain) != prefix
+                    or self._writable(slot, start) != start):  # (ends inside a cached block: resent, recomputed)
                 self.stats["misses"] += 1
                 raise CacheMiss(seq_id)
             slot.cut(start)
+            slot.prefix_hit = 0
             self.stats["hits"] += 1
         self._trim(slot)
         self.slots.move_to_end(seq_id)
         return slot
+
+    def _writable(self, slot: Slot, n: int) -> int:
+        """Of the slot's first n tokens, how many it keeps so that its next rows go to a block of its own: a
+        cached block is shared and never written, so tokens ending inside one keep only the blocks before it."""
+        i = n // self.block_size
+        if n % self.block_size and i < len(slot.blocks) and slot.blocks[i] in self._hash_of:
+            return i * self.block_size
+        return n
+
+    def _share(self, slot: Slot, tokens: list[int], layers: tuple[int, ...] = ()) -> int:
+        """Start the slot from the cached blocks its tokens begin with (leaving at least one token to feed),
+        when they hold more than the slot does. -> the tokens they hold (0: none taken)."""
+        bs, state, hashes, blocks = self.block_size, salt_root(slot.salt), [], []
+        for i in range((len(tokens) - 1) // bs):
+            state = block_link(state, tokens[i * bs:(i + 1) * bs])
+            b = self._block_of.get(state)
+            if b is None or (layers and self._states.get(b, ((),))[0] != layers):
+                break
+            hashes.append(state)
+            blocks.append(b)
+        hit = len(blocks) * bs
+        self.stats["prefix_queries"] += len(tokens)
+        if hit <= len(slot.tokens):
+            return 0
+        self.stats["prefix_hits"] += hit
+        for b in blocks:  # (before the slot's own go: a block in both is held throughout)
+            self._refs[b] += 1
+            self._idle.pop(b, None)
+        self._drop(slot.blocks)
+        slot.cut(0)
+        slot.blocks, slot.hashes, slot.tokens = blocks, hashes, list(tokens[:hit])
+        slot.kept = None
+        return hit
+
+    def states_of(self, blocks: list[int]) -> torch.Tensor:
+        """The states kept beside cached blocks (``commit`` with ``layers``), their positions in order: [n, D]."""
+        return torch.cat([self._states[b][1] for b in blocks])
+
+    def commit(self, slot: Slot, final: int | None = None, layers: tuple[int, ...] = ()) -> None:
+        """Share the full blocks of the slot's first ``final`` tokens (default: all) with later requests: tokens
+        that will not be cut (verified), or a cut below them comes with a claim and costs the block a
+        recompute. A block whose tokens another block already holds stays the slot's own. With ``layers``,
+        the states ``Slot.kept`` holds at a block's positions are kept beside it (a head's, for a later hit)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        del slot.hashes[len(slot.tokens) // bs:]
+        full = min(len(slot.tokens), len(slot.tokens) if final is None else final) // bs
+        state = slot.hashes[-1] if slot.hashes else salt_root(slot.salt)
+        for i in range(len(slot.hashes), full):
+            state = block_link(state, slot.tokens[i * bs:(i + 1) * bs])
+            slot.hashes.append(state)
+            b = slot.blocks[i]
+            if b not in self._hash_of and state not in self._block_of:
+                self._block_of[state], self._hash_of[b], self._refs[b] = b, state, 1
+            if layers and self._states.get(self._block_of.get(state), ((),))[0] != layers:
+                self._keep_states(slot, i, self._block_of[state], layers)
+        if slot.kept is not None and slot.kept_from < full * bs:  # (rows of full blocks are no longer needed)
+            slot.kept, slot.kept_from = slot.kept[full * bs - slot.kept_from:], max(slot.kept_from, full * bs)
+
+    def _keep_states(self, slot: Slot, i: int, b: int, layers: tuple[int, ...]) -> None:
+        """Keep the states of block i of the slot beside cached block b, if the slot holds them and the budget
+        has room: a free block (or the least recently used idle one) is set aside for each block's worth of
+        states' bytes."""
+        a, n = i * self.block_size - slot.kept_from, self.block_size
+        if slot.kept is None or a < 0 or a + n > slot.kept.shape[0]:
+            return
+        self._drop_states(b)
+        states = slot.kept[a:a + n].clone()
+        self._state_bytes += states.nbytes
+        while self._state_bytes > len(self._ballast) * self.block_bytes:
+            if not self._free and (not self._idle or next(iter(self._idle)) == b):
+                self._state_bytes -= states.nbytes  # no room: the block is shared without its states
+                self._give_ballast()
+                return
+            if not self._free:
+                self._uncache(next(iter(self._idle)))
+                continue
+            self._ballast.append(self._take_free())
+        self._states[b] = layers, states
+
+    def _drop_states(self, b: int) -> None:
+        if b in self._states:
+            self._state_bytes -= self._states.pop(b)[1].nbytes
+            self._give_ballast()
+
+    def _give_ballast(self) -> None:
+        while self._ballast and self._state_bytes <= (len(self._ballast) - 1) * self.block_bytes:
+            self._give_back([self._ballast.pop()])
 
     def reserve(self, seq_id: str, n_tokens: int, pinned: set[str]) -> None:
         """Give seq_id blocks for n_tokens positions, evicting least recently used sequences outside
@@ -202,6 +333,9 @@ class PagedKVCache:
         if n_tokens > self.max_len:
             raise ValueError(f"sequence of {n_tokens} tokens exceeds the context limit of {self.max_len}")
         while len(slot.blocks) * self.block_size < n_tokens:
+            if not self._free and self._idle:  # a cached block no one holds goes before any sequence
+                self._uncache(next(iter(self._idle)))
+                continue
             if not self._free:
                 victim = next((s for s in self.slots if s not in pinned and s != seq_id), None)
                 if victim is None:
@@ -215,25 +349,54 @@ class PagedKVCache:
             if nxt in self._free:  # stay contiguous: read as a view at batch 1
                 self._free.remove(nxt)
             else:
-                nxt = heapq.heappop(self._heap)
-                while nxt not in self._free:
-                    nxt = heapq.heappop(self._heap)
-                self._free.remove(nxt)
+                nxt = self._take_free()
             slot.blocks.append(nxt)
+
+    def _take_free(self) -> int:
+        """The smallest free block, out of the free set."""
+        nxt = heapq.heappop(self._heap)
+        while nxt not in self._free:
+            nxt = heapq.heappop(self._heap)
+        self._free.remove(nxt)
+        return nxt
 
     def release(self, seq_id: str) -> bool:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
-            self._give_back(slot.blocks)
+            self._drop(slot.blocks)
             slot.blocks = []
         return slot is not None
 
     def _trim(self, slot: Slot) -> None:
-        """Free the blocks past the tokens held, keeping one block of headroom for the next step."""
-        keep = -(-len(slot.tokens) // self.block_size) + 1
+        """Free the blocks past the tokens held, keeping one block of headroom for the next step (one of the
+        slot's own: a cached block past the tokens is shared, never written)."""
+        keep = -(-len(slot.tokens) // self.block_size)
+        if keep < len(slot.blocks) and slot.blocks[keep] not in self._hash_of:
+            keep += 1
         if len(slot.blocks) > keep:
-            self._give_back(slot.blocks[keep:])
+            self._drop(slot.blocks[keep:])
             del slot.blocks[keep:]
+        del slot.hashes[len(slot.tokens) // self.block_size:]
+
+    def _drop(self, blocks: list[int]) -> None:
+        """Blocks leave a slot's table: its own are freed, a cached one no slot holds any more stays cached,
+        most recently used (the chain's tail first, so that it is taken back before its head)."""
+        own = []
+        for b in reversed(blocks):
+            if b in self._hash_of:
+                self._refs[b] -= 1
+                if not self._refs[b]:
+                    self._idle[b] = None
+            else:
+                own.append(b)
+        self._give_back(own)
+
+    def _uncache(self, b: int) -> None:
+        """Take back a cached block no slot holds (least recently used): later requests recompute its tokens."""
+        del self._idle[b], self._refs[b], self._block_of[self._hash_of.pop(b)]
+        self._drop_states(b)
+        self.stats["prefix_evictions"] += 1
+        self._give_back([b])
 
     def _give_back(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -292,8 +455,8 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
         raise ValueError(f"sequence of {S} tokens exceeds the context limit of {cache.max_len}")
     first = slots[0].first_row_if_contiguous(S, cache.block_size) if B == 1 else None
     if first is not None:  # one sequence in consecutive blocks (every decode step of a lone stream): no padding,
-        # K/V read and written as views, each tensor made directly (the general path's small ops were 40%
-        # of a one-token drafter pass)
+        # K/V read and written as views, each tensor made directly (the general path's small ops were a large
+        # share of a one-token drafter pass: docs/decisions/0012-batched-pass-bookkeeping.md)
         input_ids = torch.tensor([new_tokens[0]])  # [1, n]
         positions = torch.arange(starts[0], S).unsqueeze(0)  # [1, n]
         kv = KVAccess(cache, write_start=first + starts[0], n=n, read_start=first, S=S)

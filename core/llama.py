@@ -1,10 +1,10 @@
 """The decoder forward pass the engines run: a compact Llama-family forward over Hugging Face weights.
 
-Hugging Face's modules spend most of a small-batch decode step outside the matmuls (on this
-CPU, bf16, batch 1: 6.6 ms for the shipped target against 4.1 ms in its linear layers): mask
-building, cache objects, three q/k/v and two gate/up matmuls where one each would do. This
-forward keeps only what a step needs: the fused projections, RMSNorm and rotary embedding as
-Hugging Face computes them (so outputs match the model's own ``generate``), attention over
+Hugging Face's modules spend most of a small-batch decode step outside the matmuls
+(docs/decisions/0001-native-forward.md): mask building, cache objects, three q/k/v and two
+gate/up matmuls where one each would do. This forward keeps only what a step needs: the fused
+projections, RMSNorm and rotary embedding as Hugging Face computes them (so outputs match the
+model's own ``generate``), attention over
 the paged cache (``core.kv_cache.KVAccess``), the LM head on the kept positions only. It can
 also return the residual stream entering chosen layers (EAGLE-3's auxiliary hidden states) from
 the same pass.
@@ -78,9 +78,8 @@ def _onednn_packs_bf16() -> bool:
 
 class Linear:
     """y = x W^T + b. On CPUs in bf16 the weight is pre-packed once into oneDNN's blocked layout (as
-    inductor's freezing and vLLM's CPU backend do): about 2x faster than ``F.linear`` at decode
-    shapes here (1.8 against 4.1 ms for the shipped target's matmuls at one token) and
-    bit-identical to it. Elsewhere it is ``F.linear``."""
+    inductor's freezing and vLLM's CPU backend do): faster than ``F.linear`` at decode shapes
+    (docs/decisions/0001-native-forward.md) and bit-identical to it. Elsewhere it is ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.bias = bias
@@ -168,7 +167,7 @@ class CompactLlama:
             qk = rotate(qk, cos, sin)  # q and k rotated together: one set of kernels
             q, k = qk.split([H, KV], dim=2)
             K, V = kv.update(i, k, v)  # [B, S, KV, D], in the cache's dtype
-            # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are 3-8x slower
+            # attention in the cache's dtype: float32 on CPU, where bf16 attention kernels are slower (0007-dtype-auto)
             a = F.scaled_dot_product_attention(q.transpose(1, 2).to(K.dtype), K.transpose(1, 2), V.transpose(1, 2),
                                                attn_mask=mask, enable_gqa=KV != H)  # [B, H, n, D]
             x = x + w["o"](a.transpose(1, 2).reshape(B, n, H * D).to(x.dtype))
@@ -295,7 +294,7 @@ def decoder_layers(model):
     return layers
 
 
-class capture_states:
+class capture_states:  # noqa: N801 (a context manager, named like contextlib's)
     """Record the state of the listed layers (see the module docstring) while the model's own forward runs:
     a pre-hook on layer i takes its input, a hook on the last layer its output (before the final norm).
     Only the listed layers are kept; nothing else is materialised (``output_hidden_states`` would keep
@@ -430,6 +429,7 @@ class EngineModel:
         self.max_len = config.max_model_len or text.max_position_embeddings
         self.runner = make_runner(self.model, self.max_len, config.forward)
         kv = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, self.device)]
-        self.cache = PagedKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20), kv, self.device)
+        self.cache = PagedKVCache(self.model.config, self.max_len, int(config.cache_budget_mb * 2**20), kv, self.device,
+                                  prefix_caching=getattr(config, "prefix_caching", False))
         log.info("engine for %s: %s compute, %s KV cache (%d blocks of %d tokens), %s forward", config.model, name,
                  kv, self.cache.num_blocks, self.cache.block_size, self.runner.kind)

@@ -93,7 +93,8 @@ def _max_len(drafter, verifier) -> int:
 
 async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pipeline: bool = True,
                     draft_timeout_s: float = 2.0, clock=time.perf_counter, recompute_aux=None,
-                    alternatives: int = 1, narrow=None, predicted: PredictedOutput | None = None):
+                    alternatives: int = 1, narrow=None, predicted: PredictedOutput | None = None,
+                    pre_draft: str | None = None):
     """One sequence's speculative loop, step by step: yields (new token ids, their logprobs,
     ``StepInfo``) until the sequence is done. Written against two coroutines, so the same code
     runs in process and served (where it runs beside the verifier, and only drafting crosses
@@ -102,14 +103,15 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
 
     Each step: k from the ``policy`` (0 while the ``breaker`` is open), drafts from the
     ``Proposer`` (``core.proposers``: the ``predicted`` output, the pre-draft, the drafter), the
-    next block's pre-draft started (``pipeline``: a tree of ``alternatives`` per outcome, or an
-    EAGLE-3 head's chain), the verify, the accepted tokens emitted. A drafter that reads the
+    next block's pre-draft started (``pipeline``, as the drafter's method declares, ``pre_draft``: "tree",
+    a tree of ``alternatives`` per outcome, or "chain", the head's own chain; None: a chain for a drafter
+    that reads the target's states, else a tree), the verify, the accepted tokens emitted. A drafter that reads the
     target's states (``seq.capture``) gets them with each draft request; the first step is plain
     (it computes the prompt's states); ``recompute_aux(tokens) -> states`` recomputes them after a
     drafter miss. ``narrow``: see ``TreeAhead``.
     """
     call = DrafterCall(seq, propose, breaker, draft_timeout_s, recompute_aux)
-    ahead = (ChainAhead(call) if seq.capture else TreeAhead(call, alternatives, narrow)) if pipeline else None
+    ahead = _ahead(call, pre_draft or ("chain" if seq.capture else "tree"), alternatives, narrow) if pipeline else None
     source = Proposer(seq, call, ahead, predicted, clock)
     source.plan()
     (k, degraded), prefill = _plan(seq, policy, breaker, 1), True
@@ -137,6 +139,7 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
             seq.take_aux(res)
             info.aux_bytes, info.step_s = seq.aux_bytes_sent - sent, clock() - t0
             info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, res.batch_size
+            info.cached_tokens = res.prefix_hit
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             _observe(policy, info, res, prefill)
             if not seq.done:
@@ -148,21 +151,31 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
         source.close()
 
 
+def _ahead(call: DrafterCall, pre_draft: str, alternatives: int, narrow) -> TreeAhead:
+    """The pre-drafting a drafter's method declares (``drafter.registry``'s ``Method.pre_draft``)."""
+    kinds = {"tree": lambda: TreeAhead(call, alternatives, narrow), "chain": lambda: ChainAhead(call)}
+    if pre_draft not in kinds:
+        raise ValueError(f"pre_draft {pre_draft!r} is not one of {', '.join(kinds)}")
+    return kinds[pre_draft]()
+
+
 def _observe(policy, info: StepInfo, res, prefill: bool) -> None:
     """Every step, plain ones too: the policy compares what each k costs here, end to end. Not a step drafted
     from the client's prediction, which says nothing about the drafter; of the prompt's prefill only its
     acceptance: its times say nothing about a decoding step; of a block the grammar forced, only the
-    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter)."""
-    times = () if prefill else (info.draft_s, res.forward_s, info.step_s, res.batch_size)
+    drafter's drafts after the forced ones (those are accepted with probability 1 whatever the drafter). The
+    prefill's drafting on the critical path (the drafter's prompt) is a cost of the first speculative step."""
+    times = {"start_s": info.draft_s or 0.0} if prefill else dict(
+        draft_s=info.draft_s, verify_s=res.forward_s, step_s=info.step_s, batch_size=res.batch_size)
     if info.forced and res.num_drafts > info.forced:
-        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), *times)
+        policy.observe(res.num_drafts - info.forced, max(0, res.num_accepted - info.forced), **times)
     elif not info.predicted and not info.forced:
-        policy.observe(res.num_drafts, res.num_accepted, *times)
+        policy.observe(res.num_drafts, res.num_accepted, **times)
 
 
 # a plain stretch the policy holds at least this long captures no states for a head: capturing them costs
-# every plain step a few percent (served, a head's request that played every step plain ran at 0.95-0.97x
-# of speculation off), and the states missed are recomputed in one prefill when speculation resumes
+# every plain step (served, a head's request that played every step plain ran slower than speculation off),
+# and the states missed are recomputed in one prefill when speculation resumes
 # (docs/decisions/0027-one-policy.md)
 LONG_PLAIN = 64
 
@@ -220,7 +233,7 @@ async def speculate_local(seq: Sequence, drafter: Drafter | None, verifier: Veri
             async for _ in speculate(seq, propose, verify, policy if drafter is not None else FixedK(0),
                                      Breaker(), pipeline, recompute_aux=recompute_aux, alternatives=alternatives,
                                      narrow=getattr(drafter, "narrow", None),  # (a dict entry the engine thread reads)
-                                     predicted=predicted):
+                                     predicted=predicted, pre_draft=getattr(drafter, "pre_draft", None)):
                 pass
         finally:
             verifier.release(seq.seq_id)

@@ -72,8 +72,8 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
 
 
 def resolve_kv_dtype(name: str, compute: str, device: str | torch.device = "cpu") -> str:
-    """The KV cache's dtype; ``auto`` is float32 on CPUs (their bf16 attention kernels are 3-8x
-    slower than float32 ones at decode shapes, measured in core/llama.py), the compute dtype elsewhere."""
+    """The KV cache's dtype; ``auto`` is float32 on CPUs (their bf16 attention kernels are slower than
+    float32 ones at decode shapes: docs/decisions/0007-dtype-auto.md), the compute dtype elsewhere."""
     if name != "auto":
         return name
     return "float32" if torch.device(device).type == "cpu" else compute

@@ -28,18 +28,19 @@ extra verified token is throughput taken from other requests, so speculation is 
 
 k = 0 is one of the choices, and one it returns from: a plain stretch lasts until the best
 speculative k is tried again, twice as long after each failed recheck and long enough that what
-speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``). Every
-``explore_every`` steps a neighbour of the best k is tried; a k is tried for ``run`` steps and
-measured on steady-state steps only (the step after a change pays for it: its pre-draft misses).
-Why: docs/decisions/0006-default-policy.md, docs/decisions/0027-one-policy.md,
-docs/decisions/0032-policy-cold-start.md, docs/decisions/0033-costs-per-temperature.md.
+speculating cost before it is ``recheck_budget`` of the stretch (``_verdict``), while the replica's
+rechecks win (``StepCosts.rechecks_win``). A try from plain decoding by a request plain from its
+start must pay for its cold step, measured apart (``_try_pays``). Every ``explore_every`` steps a
+neighbour of the best k is tried; a k is tried for ``run`` steps and measured on steady-state steps
+only (the step after a change pays for it: its pre-draft misses). Why: docs/decisions/0006-default-policy.md,
+0027-one-policy.md, 0032-policy-cold-start.md, 0033-costs-per-temperature.md, 0056-cold-tries.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.costs import PositionAcceptance, StepCosts
+from core.costs import PositionAcceptance, StepCosts, monotone
 
 __all__ = ["AdaptiveK", "Breaker", "FixedK", "PositionAcceptance", "StepCosts"]
 
@@ -51,6 +52,7 @@ class AdaptiveK:
     c_verify: float = 0.12  # prior: extra verify cost per extra token, relative to a plain step (until measured)
     decay: float = 0.9  # weight of older steps in the acceptance estimate
     plain_decay: float = 0.97  # ... per plain step
+    replica_plain_decay: float = 0.998  # the replica's acceptance, per plain step of any sequence there
     step_weight: float = 0.2  # weight of the newest step in the engine model's estimates
     saturation_batch: int = 16  # verifier batch size beyond which extra verified tokens cost throughput
     min_steps: int = 8  # steps measured (by any sequence sharing ``costs``) before measured costs are trusted
@@ -75,20 +77,28 @@ class AdaptiveK:
     _rechecking: bool = False  # the try in progress is a recheck from plain decoding
     _tokens: dict = field(default_factory=dict)  # k -> this request's steps at k and their tokens (decayed)
     _prev_k: int | None = None  # the k of the previous observed step
+    _start_s: float = 0.0  # drafting the prompt's prefill step waited for (charged to the first cold step)
+    horizon: int | None = None  # tokens the request may emit (max_tokens; None: unknown)
+    _emitted: int = 0
     current: int | None = None  # the k chosen last (None: not yet)
 
     @property
     def acceptance(self) -> float:
-        """Per-token acceptance: accepted / tested draft positions (a position is tested when
-        all before it were accepted), smoothed towards the prior with two pseudo-observations."""
-        return (self.accepted_w + 2 * self.prior) / (self.tested_w + 2)
+        """Per-token acceptance: accepted / tested draft positions, shrunk towards ``base_prior`` (2 pseudo-tests)."""
+        return (self.accepted_w + 2 * self.base_prior) / (self.tested_w + 2)
+
+    @property
+    def base_prior(self) -> float:
+        """Before its own evidence, a request assumes what the replica's sequences measured at its temperature,
+        shrunk towards ``prior`` (``StepCosts.prior``). Why: docs/decisions/0056-cold-tries.md."""
+        return self.costs.prior(self.prior, self.min_steps)
 
     def __post_init__(self):
         if self.positions is None:
             self.positions = PositionAcceptance(self.decay)
         self._recheck = self.recheck_steps
 
-    def expected_tokens(self, bound: int) -> list[float]:
+    def expected_tokens(self, bound: int, optimism: float | None = None) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
         chance the first j drafts are all accepted, S(j) the product of this request's measured
         acceptance of draft j given the ones before. On predictable text acceptance comes in runs,
@@ -101,11 +111,11 @@ class AdaptiveK:
         (docs/decisions/0027-one-policy.md)."""
         a = min(max(self.acceptance, 1e-3), 0.999)
         shared = self.costs.acceptance
-        out, surv, c = [1.0], 1.0, a
+        out, surv, c, opt = [1.0], 1.0, a, self.optimism if optimism is None else optimism
         for j in range(bound):
             prior = max(c, shared.rate(j, c)) if j < len(shared.tested) and shared.tested[j] > 1 else c
             c = self.positions.rate(j, prior)  # (the next untested position's prior, without optimism)
-            surv *= min(max(self.positions.rate(j, prior, optimism=self.optimism), 1e-3), 0.999)
+            surv *= min(max(self.positions.rate(j, prior, optimism=opt), 1e-3), 0.999)
             out.append(out[-1] + surv)
         return out
 
@@ -137,13 +147,13 @@ class AdaptiveK:
         full = monotone(out, weights)
         return [full[k] for k in wanted]
 
-    def tokens_all(self) -> list[float]:
+    def tokens_all(self, optimism: float | None = None) -> list[float]:
         """Expected tokens of a step with k drafts, k = 0..bound: where this request has steps at k, their
         mean tokens shrunk towards the per-position model (``expected_tokens``) with ``costs.shrink``
         pseudo-steps. Why: on text that repeats, what k emits depends on where its blocks end, which no
         per-position rate predicts (one held-out prompt: k = 3 emits 2.65 tokens a step, k = 4 3.85; the
         model put k = 4 at 2.8, and the policy kept k = 3: docs/decisions/0027-one-policy.md)."""
-        out = self.expected_tokens(self.bound)
+        out = self.expected_tokens(self.bound, optimism)
         for k, (n, total) in self._tokens.items():
             if 0 < k <= self.bound and n > 0:
                 out[k] = (total + self.costs.shrink * out[k]) / (n + self.costs.shrink)
@@ -192,6 +202,15 @@ class AdaptiveK:
             return 0
         v = self.values(batch_size)
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
+        # a request plain from its start tries on the replica's evidence; one that speculated rechecks as it waits
+        # (its text may turn predictable again: greedy, rechecks often find it), while rechecks here win
+        if plain and self.steps == 0 and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
+            self.plain_run = 1  # skipped; asked again after as many plain steps (the evidence ages meanwhile)
+            self._replica_wait(best_spec, batch_size)
+            return 0
+        if plain and self.steps > 0 and not self.costs.rechecks_win():
+            self._recheck = min(self.max_recheck_steps, 2 * self._recheck)  # skipped, as if failed
+            return 0
         if plain:  # measure speculation again: conditions may have changed
             self.plain_run, self.current, self._rechecking = 0, best_spec, True
             return self._try(best_spec)
@@ -203,7 +222,9 @@ class AdaptiveK:
         if best == 0 and cur != 0 or self._rechecking:
             self._verdict(best, batch_size, k)
         if cur is None and best > 0:  # a request's first k: judged on a run of steps, not on its first
-            return self._try(best)
+            if self.costs.recheck_in == 0 and self._try_pays(best, batch_size):
+                return self._try(best)
+            best = self.current = 0  # plain from the start, rechecking as a plain stretch does
         if best == 0:
             self.plain_run = 1
             return 0
@@ -217,6 +238,20 @@ class AdaptiveK:
             if 1 <= best + step <= self.bound:
                 return self._try(best + step)
         return best
+
+    def _try_pays(self, k: int, batch_size: int) -> bool:
+        """A try of k from plain decoding (a request's first, a recheck) is expected to beat plain steps with its
+        cold step (``StepCosts.cold_extra_s``) charged to the tokens it may speculate: those left (``horizon``),
+        else the try's own; True while no cold step is measured. Why: docs/decisions/0056-cold-tries.md."""
+        steady = self.costs_all(range(self.bound + 1), batch_size)
+        extra = self.costs.cold_extra_s(batch_size, steady)
+        if extra is None or steady[0] <= 0:
+            return True
+        t = self.tokens_all(optimism=0.0)[k]  # (what the replica measured, no optimism: it decides whether to draft)
+        cost = steady[k] * (1 + self.c_verify * k * max(0.0, batch_size / self.saturation_batch - 1))
+        # over the tokens left (a try that pays goes on), at least the try's own
+        n = self.run * t if self.horizon is None else max(self.run * t, self.horizon - self._emitted)
+        return n * cost / t + extra < n * steady[0] / (1 + self.plain_margin)
 
     def _sparse_k(self, batch_size: int) -> int | None:
         """A k of a coarse grid (1, 2, 4, 8, the bound) the replica has not measured a try of at this batch
@@ -247,33 +282,41 @@ class AdaptiveK:
         not the recheck's own steps, which one stall would inflate) is ``recheck_budget`` of them. A
         recheck that speculates resets
         both. Why: with a drafter whose step costs more than the target's, each request rechecking every
-        16-64 steps, 3 speculative steps each, ran at 0.85x of plain decoding; counted per replica, not
+        16-64 steps, 3 speculative steps each, ran slower than plain decoding; counted per replica, not
         per request, rechecks still come (docs/decisions/0027-one-policy.md)."""
+        if self._rechecking:
+            self.costs.recheck_won(best > 0)
         if best > 0:
             self._rechecking = False
             self._recheck, self.costs.recheck_in = self.recheck_steps, 0
             return
-        need = 0.0
-        plain, spec = self.costs_all([0, tried], batch_size) if self._rechecking and tried > 0 else (0.0, 0.0)
-        # the replica's wait only where speculating loses at any acceptance (a step costs more than the k + 1
-        # plain steps its tokens could save): that is the drafter's and the hardware's, shared by every
-        # sequence here; a recheck that failed on its text's acceptance is the request's alone
-        if plain > 0 and spec > (tried + 1) * plain:
-            loss = self.run * (spec - self.tokens_all()[tried] * plain)
-            need = loss / (self.recheck_budget * plain)
+        if self._rechecking:
+            self._replica_wait(tried, batch_size)
         wait = 2 * self._recheck if self._rechecking else self._recheck
         self._rechecking = False
         self._recheck = min(self.max_recheck_steps, wait)
-        self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
+
+    def _replica_wait(self, tried: int, batch_size: int) -> None:
+        """A recheck at ``tried`` failed (or was skipped): the replica's wait, only where speculating loses at any
+        acceptance (a step costs more than the k + 1 plain steps it could save: the drafter's and the hardware's
+        fault, shared by every sequence here); a recheck failed on its text's acceptance is the request's alone."""
+        plain, spec = self.costs_all([0, tried], batch_size) if tried > 0 else (0.0, 0.0)
+        if plain > 0 and spec > (tried + 1) * plain:
+            loss = self.run * (spec - self.tokens_all()[tried] * plain)
+            need = loss / (self.recheck_budget * plain)
+            self.costs.recheck_in = min(self.max_recheck_steps, max(self.costs.recheck_in, int(need)))
 
     def observe(self, k: int, num_accepted: int, draft_s: float | None = None, verify_s: float = 0.0,
-                step_s: float = 0.0, batch_size: int = 1):
+                step_s: float = 0.0, batch_size: int = 1, start_s: float = 0.0):
         """One step: k drafts, num_accepted accepted; drafting on the critical path and the verify
         forward pass (engine seconds), the step's wall seconds where the loop runs, and the
         verifier's batch size in that step (no times: only its acceptance counts, as for a prompt's
-        prefill). The engine model's inputs are running means over their first 1 / ``step_weight``
-        steps, then exponentially weighted (from zero, drafting read cheap for a dozen steps)."""
+        prefill, whose drafting on the critical path is ``start_s``). The engine model's inputs are running
+        means over their first 1 / ``step_weight`` steps, then exponentially weighted (from zero, drafting
+        read cheap for a dozen steps)."""
         costs = self.costs
+        self._start_s += start_s
+        self._emitted += num_accepted + 1
         if verify_s > 0:
             costs.plain_steps += 1
             w = max(self.step_weight, 1 / costs.plain_steps)
@@ -283,20 +326,26 @@ class AdaptiveK:
             w = max(self.step_weight, 1 / costs.draft_steps)
             costs.draft_per_token_s += w * (draft_s / k - costs.draft_per_token_s)
         wall = step_s if step_s > 0 else verify_s + (draft_s or 0.0)
-        # steady state only: a step right after a change of k pays for it (a pre-draft made for the
-        # old k misses), which would make every k tried once look slower than the one in use
+        # steady state only: a step right after a change of k pays for it (a pre-draft made for the old k misses),
+        # which would make every k tried once look slower than the one in use; nor the sequence's first decoding
+        # step (after the prefill, which has no times), nor one after plain steps: cold, the drafter catches up
+        # (served, 6.9-12.3 ms against 4.7-7.6 steady): measured apart, what a try from plain decoding pays
         if wall > 0 and self._prev_k == k:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)
-        # nor is the step after one without times (the prompt's prefill): it is a sequence's first decoding
-        # step, cold (the drafter catches up on the prompt: served, 6.9-12.3 ms against 4.7-7.6 steady)
+        elif wall > 0 and k > 0 and not self._prev_k:
+            costs.observe_cold(batch_size, k, wall + self._start_s)
+            self._start_s = 0.0
         self._prev_k = k if wall > 0 else None
         if k <= 0:
             # plain steps age the evidence slowly (half of it in about 23 of them): text changes, and
-            # speculation tried again after a plain stretch must be judged on what it meets then
+            # speculation tried again after a plain stretch must be judged on what it meets then; the replica's
+            # too, more slowly (half in 350 of its sequences' plain steps): its prior returns to ``prior``
             self.accepted_w *= self.plain_decay
             self.tested_w *= self.plain_decay
             self.positions.age(self.plain_decay)
+            self.costs.acceptance.age(self.replica_plain_decay)
+            self.costs.plain_since_cold += 1  # (see StepCosts.cold_extra_s)
             return
         self.steps += 1
         self.accepted_w = self.decay * self.accepted_w + num_accepted
@@ -307,22 +356,6 @@ class AdaptiveK:
         n, t = self._tokens.get(k, (0.0, 0.0))
         self._tokens[k] = (n + 1, t + num_accepted + 1)
         self.costs.acceptance.observe(k, num_accepted)
-
-
-def monotone(costs: list[float], weights: list[float]) -> list[float]:
-    """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
-    pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
-    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
-    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
-    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
-    blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
-    for c, w in zip(costs[1:], weights[1:]):
-        blocks.append([c, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            c2, w2, n2 = blocks.pop()
-            c1, w1, n1 = blocks[-1]
-            blocks[-1] = [(c1 * w1 + c2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return costs[:1] + [c for c, _, n in blocks for _ in range(n)]
 
 
 @dataclass

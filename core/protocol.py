@@ -31,6 +31,17 @@ def _link(state: bytes, block: list[int]) -> bytes:
     return hashlib.blake2b(state + np.asarray(block, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
+def salt_root(salt: str | None) -> bytes:
+    """The first state of a chain of block hashes shared across requests: a tenant's ``cache_salt``
+    changes every link after it (vLLM's semantics), so salted and unsalted prefixes never match."""
+    return b"" if salt is None else hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest()
+
+
+def block_link(state: bytes, block: list[int]) -> bytes:
+    """The next link of a chain over token blocks: the hash of the previous link and this block."""
+    return _link(state, block)
+
+
 def prefix_hash(tokens: list[int], n: int | None = None, chain: list[bytes] | None = None,
                 stable: int | None = None) -> str:
     """The hash that names tokens[:n] (default: all) in the cache protocol: a chain over blocks of
@@ -99,7 +110,7 @@ class DraftProbs:
     ids: list[list[int]]  # [k][K] token ids
     probs: list[list[float]]  # [k][K] their probabilities; each row sums to 1
 
-    def head(self, k: int) -> "DraftProbs":
+    def head(self, k: int) -> DraftProbs:
         """q of the first k draft positions."""
         return DraftProbs(self.ids[:k], self.probs[:k])
 
@@ -140,6 +151,10 @@ class DraftRequest(CacheAddressed):
     # a structured output's constraint (core.grammar): by hash (``Constraint.ref``), whole on a full
     # call; a replica that has not compiled it answers cache_miss. Drafts are drawn under its masks
     grammar: Constraint | None = None
+    cache_salt: str | None = None  # the tenant's: only prefixes cached under the same salt are shared
+    # the context's first tokens the verifier has kept: a pre-draft's guesses after them may be rolled back,
+    # so blocks shared across requests are made of these only
+    verified: int = 0
 
 
 @dataclass
@@ -179,6 +194,7 @@ class VerifyRequest(CacheAddressed):
     # a structured output's constraint, as in ``DraftRequest``: p at each position is masked by the grammar
     # state reached along the drafts
     grammar: Constraint | None = None
+    cache_salt: str | None = None  # the tenant's: only prefixes cached under the same salt are shared
 
     @property
     def k(self) -> int:
@@ -206,6 +222,7 @@ class VerifyResult:
     # drafts, the emitted last token excluded), [n, len(capture) * hidden], from position aux_start
     aux: torch.Tensor | None = None
     aux_start: int = 0
+    prefix_hit: int = 0  # tokens of this call's sequence read from blocks cached by earlier requests
 
     @property
     def accepted(self) -> list[bool]:
@@ -237,6 +254,7 @@ class StepInfo:
     batch_size: int = 1  # sequences in the verify batch
     done: bool = False  # the sequence is complete after this step
     recomputes: dict[str, int] = field(default_factory=dict)  # cache misses this step: {"drafter": n, "verifier": n}
+    cached_tokens: int = 0  # the prompt's tokens read from the verifier's prefix cache (the sequence's first step)
 
 
 class Drafter(Protocol):

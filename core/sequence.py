@@ -53,7 +53,7 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats"):
+    def merge(self, other: SpecStats):
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):
@@ -73,10 +73,11 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, k: int, tokenizer,
                  eos_ids: set[int], max_len: int, seq_id: str | None = None, logprobs: int | None = None,
-                 output_ids: list[int] = (), constraint: Constraint | None = None):
+                 output_ids: list[int] = (), constraint: Constraint | None = None, cache_salt: str | None = None):
         """``tokenizer`` None: no text is kept (stop strings then belong to the caller);
         ``output_ids``: resume a sequence that already generated these tokens; ``constraint``: a structured
-        output's (``core.grammar``), which both engines apply to every draft and verified position."""
+        output's (``core.grammar``), which both engines apply to every draft and verified position; ``cache_salt``:
+        the tenant's, which the verifier's prefix cache is keyed by."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= max_len:
@@ -113,6 +114,7 @@ class Sequence:
         self.want_logprobs = logprobs  # None: none; n: the emitted token's and the top n alternatives'
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
         self.constraint = constraint
+        self.cache_salt = cache_salt
         # the loop's own matcher (``core.grammar.SequenceMasks``), when forced tokens are drafted for free
         self.forced_masks = None
 
@@ -143,7 +145,8 @@ class Sequence:
         ctx = self.tokens if context is None else context
         self.drafter_asked = True
         kw = dict(k=k, sampling=self.params, seed=self.seed, num_prompt=self.num_prompt, provisional=provisional,
-                  alternatives=alternatives, branches=list(branches))
+                  alternatives=alternatives, branches=list(branches), cache_salt=self.cache_salt,
+                  verified=len(ctx) if context is None else common_prefix_len(self.tokens, ctx))
         if self.capture and self.aux is not None and not provisional:
             kw.update(aux=self.aux, aux_start=self.aux_start)
             self.aux_bytes_sent += self.aux.numel() * self.aux.element_size()
@@ -236,7 +239,7 @@ class Sequence:
         self._verifying = list(drafts)
         kw = dict(draft_tokens=list(drafts), sampling=self.params, seed=self.seed, logprobs=self.want_logprobs,
                   draft_probs=probs if drafts else None, num_prompt=self.num_prompt,
-                  capture=self.capture if capture else ())
+                  capture=self.capture if capture else (), cache_salt=self.cache_salt)
         if full:
             return self._constrained(VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw))
         return self._constrained(VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),

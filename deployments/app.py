@@ -7,15 +7,9 @@ autoscaling, resources) stay in the serve config's ``deployments:`` section.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from configs import AppConfig
-
-if TYPE_CHECKING:
-    from core.dflash import ParallelSpec
-    from core.eagle3 import Eagle3Spec
-
-HEADS = ("eagle3", "dflash", "dspark")  # drafters that read the verifier's hidden states
+from drafter.registry import METHODS, load, method
 
 
 def build_app(args: dict):
@@ -77,7 +71,7 @@ PROJECT_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 def resolve_model_paths(config: AppConfig) -> AppConfig:
     """The config replicas receive: every model reference pinned (``core.hub.pin``): a local directory
     made absolute (against the working directory, else the project root), so replicas find it whatever
-    directory Ray starts them in; a Hugging Face id as ``org/name@commit``. With an eagle3 drafter, the
+    directory Ray starts them in; a Hugging Face id as ``org/name@commit``. With a head drafter, the
     verifier defaults to the one the head's ``speculators_config`` names and k to its default proposal's
     ``speculative_tokens``. Raises ``ValueError``, one line naming the field, for a reference that does
     not resolve."""
@@ -85,11 +79,12 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
 
     bases = (Path.cwd(), PROJECT_ROOT)
     drafter, verifier = config.drafter, config.verifier
-    if drafter.method in ("draft_model", *HEADS):
+    m = method(drafter.method)
+    if m.model:
         drafter = drafter.model_copy(update={"model": pin(drafter.model, "drafter.model", bases)})
     if verifier.model is not None:
         verifier = verifier.model_copy(update={"model": pin(verifier.model, "verifier.model", bases)})
-    if drafter.method in HEADS:
+    if m.head:
         head = head_defaults(local_model(drafter.model))
         if verifier.model is None:
             if not head["verifier"]:
@@ -117,12 +112,12 @@ def local_view(config: AppConfig) -> AppConfig:
     """The pinned config with its references as directories on the building node, for the build-time
     checks: verifier and draft model metadata (config, tokenizer), an eagle3 head with its weights."""
     update = {"verifier": config.verifier.model_copy(update={"model": local_model(config.verifier.model)})}
-    d = config.drafter
-    if d.method == "draft_model":
-        update["drafter"] = d.model_copy(update={"model": local_model(d.model)})
-    elif d.method in HEADS:
+    d, m = config.drafter, method(config.drafter.method)
+    if m.head:
         update["drafter"] = d.model_copy(update={"model": local_model(d.model, weights=True),
                                                  "verifier_model": update["verifier"].model})
+    elif m.model:
+        update["drafter"] = d.model_copy(update={"model": local_model(d.model)})
     return config.model_copy(update=update)
 
 
@@ -140,16 +135,16 @@ def head_defaults(head: str) -> dict:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        cfg = {}  # check_eagle3 says what is wrong with the head
+        cfg = {}  # the method's check says what is wrong with the head
     default = default_proposal(cfg)
     k = default.get("speculative_tokens")
     k = min(int(k), MAX_SPECULATIVE_TOKENS) if isinstance(k, int) and k >= 0 else 4
-    if cfg.get("speculators_model_type") in ("dflash", "dspark"):  # a parallel head: at most its block, else the block
-        from core.dflash import ParallelSpec
+    m = METHODS.get(cfg.get("speculators_model_type"))
+    if m is not None and m.max_k is not None:  # a head with a largest k (a parallel head's block): at most it, else it
         try:
-            block = ParallelSpec.from_config(cfg).max_k
+            block = load(m.max_k)(cfg)
         except (KeyError, TypeError, ValueError):
-            block = k  # check_parallel says what is wrong with the head
+            block = k  # the method's check says what is wrong with the head
         k = min(k if default.get("speculative_tokens") is not None else block, block, MAX_SPECULATIVE_TOKENS)
     return {"verifier": ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
 
@@ -169,22 +164,19 @@ def check_chat(config: AppConfig):
 
 def check_models(config: AppConfig) -> tuple[int, ...]:
     """Fail at build time, with a clear message, on a missing model or a drafter whose tokenizer is not
-    the verifier's (or an EAGLE-3 head that does not fit the verifier: ``check_eagle3``). Tokenizers
+    the verifier's (or a head that does not fit the verifier: its method's ``check``, ``drafter.checks``). Tokenizers
     are compared token by token, not by ``vocab_size``: padded embedding tables of one tokenizer
     differ in size and are compatible; two tokenizers of one size are not. Returns the verifier
-    layers whose input states an EAGLE-3 drafter reads ((): none)."""
+    layers whose input states a head reads ((): none)."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
     paths = [("verifier", config.verifier.model)]
-    if config.drafter.method == "draft_model":
+    m = method(config.drafter.method)
+    if m.lm:
         paths.append(("drafter", config.drafter.model))
-    aux_layers = ()
-    if config.drafter.method == "eagle3":
-        aux_layers = tuple(check_eagle3(config).aux_layer_ids)
-    elif config.drafter.method in HEADS:
-        aux_layers = tuple(check_parallel(config).aux_layer_ids)
+    aux_layers = tuple(load(m.check)(config).aux_layer_ids) if m.check else ()
     sizes = {}
     for role, path in paths:
         if not (Path(path) / "config.json").exists():
@@ -204,77 +196,6 @@ def check_models(config: AppConfig) -> tuple[int, ...]:
         if size < needed:
             raise ValueError(f"{role} model's vocab_size {size} does not cover the tokenizer's {needed} ids")
     return aux_layers
-
-
-def _head_problems(spec, path, verifier_model: str) -> list[str]:
-    """What keeps a head (EAGLE-3, DFlash, DSpark) from fitting a verifier: the hidden size it reads, the
-    vocabulary, layer ids outside the verifier, and the verifier architecture the head records, if any."""
-    import json
-
-    from transformers import AutoConfig
-
-    verifier = AutoConfig.from_pretrained(verifier_model)
-    target = verifier.get_text_config()
-    problems = []
-    if spec.target_hidden_size != target.hidden_size:
-        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
-    if spec.vocab_size != target.vocab_size:
-        problems.append(f"its vocab_size {spec.vocab_size} is not the verifier's {target.vocab_size}")
-    bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
-    if bad:
-        problems.append(f"layer ids {bad} are outside the verifier's 0..{target.num_hidden_layers}")
-    raw = json.loads((path / "config.json").read_text())
-    arch = (raw.get("speculators_config", {}).get("verifier", {}) or {}).get("architectures")
-    if arch and getattr(target, "architectures", None) and set(arch) != set(verifier.architectures or []):
-        problems.append(f"it was trained for {arch}, the verifier is {verifier.architectures}")
-    return problems
-
-
-def check_eagle3(config: AppConfig) -> Eagle3Spec:
-    """An EAGLE-3 head must be one for this verifier: a Speculators eagle3 config, the verifier's
-    hidden size and vocabulary size, layer ids inside the verifier, a backend that returns the states
-    (transformers, or vllm with vLLM running the loop), and the verifier's architecture when the head
-    records it."""
-    from pathlib import Path
-
-    from core.eagle3 import check_head
-
-    path = Path(config.drafter.model)
-    try:
-        spec = check_head(path, config.verifier.model)
-    except (KeyError, TypeError, ValueError, OSError) as e:
-        raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
-    if config.verifier.backend == "vllm" and config.verifier.vllm_loop != "engine":
-        raise ValueError("an eagle3 drafter needs the verifier's hidden states: with verifier.backend vllm use "
-                         "vllm_loop engine (vLLM's loop returns them; per_step does not)")
-    problems = _head_problems(spec, path, config.verifier.model)
-    if problems:
-        raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
-    return spec
-
-
-def check_parallel(config: AppConfig) -> ParallelSpec:
-    """A DFlash or DSpark head must be one for this verifier (``check_eagle3``'s checks), and the verifier must
-    return its states: this package's engine (the vLLM backend's loop feeds vLLM's own drafters)."""
-    from pathlib import Path
-
-    from core.dflash import check_head
-
-    d, path = config.drafter, Path(config.drafter.model)
-    try:
-        spec = check_head(path, config.verifier.model)
-    except (KeyError, TypeError, ValueError, OSError) as e:
-        raise ValueError(f"{d.method} drafter {str(path)!r}: not a usable Speculators {d.method} head: {e}") from None
-    if config.verifier.backend == "vllm":
-        raise ValueError(f"a {d.method} drafter needs the verifier's hidden states on every step: use verifier.backend "
-                         "transformers")
-    problems = _head_problems(spec, path, config.verifier.model)
-    if d.num_speculative_tokens and d.num_speculative_tokens > spec.max_k:
-        problems.append(f"drafter.num_speculative_tokens {d.num_speculative_tokens} exceeds the head's block "
-                        f"({spec.max_k} drafts)")
-    if problems:
-        raise ValueError(f"{d.method} drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
-    return spec
 
 
 def tokenizer_vocab(path: str) -> dict[str, int] | None:

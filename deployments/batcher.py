@@ -6,7 +6,7 @@ decoding) are waited for before the next batch starts, up to a share of the batc
 Without it a batch split once stays split: while one group's batch runs the other group
 queues, and each then runs alone, turn about. Why: served in waves of 16 streams, plain decoding
 ran 1 + 15 and 5 + 11 sequences a cycle after a prompt's lone prefill or a few speculative
-steps, 1.6 ms a token against 1.33 as one batch of 16 (docs/decisions/0031-regrouping.md).
+steps, each token dearer than as one batch of 16 (docs/decisions/0031-regrouping.md).
 
 The engine runs on a single worker thread, off the replica's event loop, so health
 checks, streaming and cancellation stay responsive during a forward pass; ``stalled_s``
@@ -22,7 +22,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")

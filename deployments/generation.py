@@ -57,6 +57,7 @@ class Call:
     prediction: list[int] = field(default_factory=list)  # a chat request's predicted output tokens
     interval_s: float | None = None  # how often the replica sends the steps (None: its stream_interval_ms)
     constraint: Constraint | None = None  # a structured output's (core.grammar)
+    cache_salt: str | None = None  # the tenant's: prefixes are shared in the verifier's cache only under one salt
 
 
 class Generation:
@@ -66,14 +67,16 @@ class Generation:
     itself); ``retry_s``: how long after its last progress a broken stream is resumed;
     ``timing``: the statistics carry the time breakdown; ``predicted``: the request's
     predicted-output counters, shared by its choices; ``phases``: tells whether the output is in
-    its reasoning (``chat.OutputParser``), for acceptance counted apart for reasoning and answer."""
+    its reasoning (``chat.OutputParser``), for acceptance counted apart for reasoning and answer; ``cached``: the
+    request's prompt tokens read from the verifier's prefix cache (usage details), the most of its choices'."""
 
     def __init__(self, pools: tuple, seq: Sequence, call: Call, retry_s: float, timing: bool = False,
                  predicted: dict | None = None, phases=None, meter: ChoiceMeter | None = None,
-                 spec_metrics: str = "none"):
+                 spec_metrics: str = "none", cached: dict | None = None):
         self.drafter, self.verifier = pools
         self.seq, self.call, self.retry_s, self.timing, self.predicted = seq, call, retry_s, timing, predicted
         self.phases = phases
+        self.cached, self.prefilled = cached, False
         # per phase: [speculative steps, drafts, accepted drafts]
         self.by_phase = {"reasoning": [0, 0, 0], "answer": [0, 0, 0]} if phases is not None else None
         self.meter = meter  # vLLM's metric families (GET /metrics)
@@ -128,7 +131,7 @@ class Generation:
         self.ended, self.t_prev = False, time.perf_counter()
         return self.verifier.options(stream=True).speculate.remote(
             c.prompt_ids, c.params, seq.seq_id, c.k, c.max_len, c.logprobs, seq.output_ids, c.k_policy,
-            list(c.prediction), c.interval_s, c.constraint)
+            list(c.prediction), c.interval_s, c.constraint, cache_salt=c.cache_salt)
 
     async def _next(self, stream) -> StepOutput | None:
         """The next stream item (the replica's steps since the last one) applied; None: the stream ended."""
@@ -154,6 +157,10 @@ class Generation:
                                                 num_drafts=info.k,
                                                 logprobs=lps if self.call.logprobs is not None else None))
             self.stats.record(info, wall, len(seq.output_ids))
+            if not self.prefilled:  # the prompt's prefill (a resumed stream's hits are not the prompt's)
+                self.prefilled = True
+                if self.cached is not None:
+                    self.cached["cached_tokens"] = max(self.cached["cached_tokens"], info.cached_tokens)
             if self.by_phase is not None:
                 self._phase(info, new)
             tally_step(seq, info, wall, tally)

@@ -5,13 +5,13 @@ Speculation counters mirror vLLM's ``spec_decode`` names.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
-@lru_cache(maxsize=None)
+@cache
 def metrics():
     from ray.serve import metrics as m
 

@@ -59,7 +59,7 @@ UNSUPPORTED = {
     "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the model "
                              "writes; reasoning_effort and chat_template_kwargs reach the chat template",
     "priority": "no priority scheduling",
-    **dict.fromkeys(("cache_salt", "kv_transfer_params"), "no prefix cache shared across requests"),
+    "kv_transfer_params": "no disaggregated prefill: each verifier replica prefills its own requests",
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
 }
 
@@ -141,7 +141,7 @@ class StructuredOutputs(BaseModel):
         return json_schema_constraint(None, param="structured_outputs.json_object")
 
 
-def request_constraint(body: "_Common") -> Constraint | None:
+def request_constraint(body: _Common) -> Constraint | None:
     """The request's structured output (response_format or structured_outputs), None for free text;
     a malformed one is a 400 naming its field. (Whether it compiles is checked by the caller.)"""
     rf, so = body.response_format, body.structured_outputs
@@ -202,6 +202,10 @@ class _Common(BaseModel):
         False, description="splitspec extension: add the per-step time breakdown to the response's speculation block "
         "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
+    cache_salt: str | None = Field(
+        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt share "
+        "cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at most 128 "
+        "characters, none of @ / \\ or NUL.")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: the output is generated under the schema's grammar.")
     structured_outputs: StructuredOutputs | None = Field(
@@ -211,6 +215,18 @@ class _Common(BaseModel):
     @classmethod
     def _minus_one_disables(cls, v):
         return 0 if v == -1 else v
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _salt(cls, v):  # vLLM's rules (validate_cache_salt), its messages
+        if v is None:
+            return v
+        if not isinstance(v, str) or not v:
+            raise invalid("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
+        if len(v) > 128 or any(c in "@/\\\0" for c in v):
+            raise invalid("cache_salt", "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                          "'@', '/', '\\\\', or NUL.")
+        return v
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -501,7 +517,7 @@ def generation_defaults(model_dir: str) -> dict:
     return out
 
 
-def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
+def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
                        defaults: dict, verification: str, backend: str, vllm_loop: str = "per_step"):
     """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
     its parameter, never an error inside the engine. ``backend`` vllm with ``vllm_loop`` engine:
@@ -533,7 +549,7 @@ def to_sampling_params(body: "_Common", *, prompt_len: int, max_len: int, vocab_
         raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
 
 
-def _max_new(body: "_Common", prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
+def _max_new(body: _Common, prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
     """Tokens to generate at most: the request's (chat: max_completion_tokens first), within the
     server's limit and the context left (clamped to it, as vLLM's)."""
     chat = isinstance(body, ChatCompletionRequest)
@@ -548,7 +564,7 @@ def _max_new(body: "_Common", prompt_len: int, max_len: int, max_tokens_limit: i
     return min(max_new, max_len - prompt_len)
 
 
-def _in_vocabulary(body: "_Common", top_k: int, vocab_size: int):
+def _in_vocabulary(body: _Common, top_k: int, vocab_size: int):
     """Token ids and top_k within the vocabulary."""
     if top_k > vocab_size:
         raise OpenAIError(400, f"top_k {top_k} exceeds the vocabulary of {vocab_size} tokens", param="top_k")
@@ -562,7 +578,7 @@ def _in_vocabulary(body: "_Common", top_k: int, vocab_size: int):
                               param="stop_token_ids")
 
 
-def _backend_limits(body: "_Common", fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
+def _backend_limits(body: _Common, fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
     """What the vllm verifier backend cannot do: a model default dropped, a request's own value a
     400 naming it (``fields`` adjusted in place). Returns the verification to use."""
     given = body.model_fields_set

@@ -30,6 +30,8 @@ class Reply:
     echo: str = ""  # completions with echo: the prompt's text, first in the first choice text
     echo_logprobs: list | None = None  # and the prompt's logprobs, first in its logprobs
     predicted: dict | None = None  # predicted output tokens kept and dropped (usage details)
+    # the prompt's tokens read from the verifier's prefix cache (usage details: OpenAI's field)
+    cached: dict = field(default_factory=lambda: {"cached_tokens": 0})
     parsers: list | None = None  # chat: each choice's output parser (``chat.OutputParser``; None: plain answer)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -94,7 +96,8 @@ class Reply:
     def usage(self, n_out: int) -> dict:
         """The prompt counts once, the completion tokens of every choice add up (as OpenAI's)."""
         n_in = len(self.prompt_ids)
-        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                 "prompt_tokens_details": dict(self.cached)}
         if self.predicted is not None:  # drafted from the prediction and kept / dropped by verification
             usage["completion_tokens_details"] = dict(self.predicted)
         return {"usage": usage}

@@ -39,6 +39,7 @@ from deployments.openai_api import (
 from deployments.responses import Reply, collect
 from deployments.server import within
 from deployments.vllm_metrics import Exporter
+from drafter.registry import method
 
 __all__ = ["Admission", "Router"]
 
@@ -66,7 +67,7 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(vpath)
         self.max_len = context_limit(vpath, self.config.verifier.max_model_len)
         d = self.config.drafter
-        if d.method == "draft_model":
+        if method(d.method).lm:  # a draft model's context bounds the sequence's
             self.max_len = min(self.max_len, context_limit(d.model, d.max_model_len))
         self.eos_ids = eos_token_ids(self.tokenizer, model_dir=vpath)
         from transformers import AutoConfig
@@ -248,11 +249,11 @@ class Router:
         seq = Sequence(reply.prompt_ids, params, k, self.tokenizer, self.eos_ids, self.max_len, seq_id=rid,
                        logprobs=reply.logprobs)
         call = Call(reply.prompt_ids, params, k, self.max_len, reply.logprobs, self.config.k_policy,
-                    list(prediction), interval_s, constraint)
+                    list(prediction), interval_s, constraint, body.cache_salt)
         return Generation((self.drafter, self.verifier), seq, call, self.config.verifier_retry_s, timing,
                           reply.predicted, phases=self._phases(reply, i),
                           meter=self.exporter.choice(len(reply.prompt_ids)),
-                          spec_metrics=self.config.per_request_spec_decode_metrics)
+                          spec_metrics=self.config.per_request_spec_decode_metrics, cached=reply.cached)
 
     @staticmethod
     def _phases(reply: Reply, i: int):

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from deployments.autoscaling import LoadWindow
 from deployments.batcher import ContinuousBatcher
@@ -26,7 +26,7 @@ async def within(response, timeout_s: float):
         return await response
     try:
         return await asyncio.wait_for(result(), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         response.cancel()
         raise TimeoutError(f"no answer within {timeout_s:g} s") from None
 
@@ -87,8 +87,9 @@ class EngineServer:
         self._gauge("cached_seqs", self.engine.num_cached())
 
     def _gauge(self, name: str, value: float):
-        """Set a gauge of this replica's role, unless it holds that value already (a Serve metric call
-        costs about 10 µs on the engine's core: per batch, most of them set what was there)."""
+        """Set a gauge of this replica's role, unless it holds that value already (each Serve metric call
+        costs the engine's core time, and per batch most of them set what was there:
+        docs/decisions/0022-metrics-tally.md)."""
         if self._gauges.get(name) != value:
             metrics()[name].set(value, tags={"role": self.role})
             self._gauges[name] = value

@@ -24,6 +24,7 @@ from core.protocol import StepInfo, VerifyRequest, VerifyResult
 from core.sequence import Sequence
 from deployments.metrics import Tally
 from deployments.server import EngineServer, within
+from drafter.registry import method
 from verifier.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class ReplicaGatedK:
     the whole step: tokens emitted per second of engine steps, with and without.
     See docs/decisions/0016-replica-gate.md."""
 
-    def __init__(self, policy: AdaptiveK, server: "VerifierServer"):
+    def __init__(self, policy: AdaptiveK, server: VerifierServer):
         self.policy, self.server = policy, server
 
     def next_k(self, batch_size: int = 1) -> int:
@@ -103,6 +104,7 @@ class VerifierOptions:
     drafter_timeout_s: float = 2.0
     drafter_transport: str = "direct"
     drafter_aux_layers: tuple[int, ...] = ()  # an EAGLE-3 drafter's: captured in verification
+    drafter_pre_draft: str | None = None  # its method's "tree" or "chain" (``drafter.registry``); None: by the states
     stream_interval_s: float = 0.0  # a stream's steps go to the router at most once per interval (``coalesced``)
     local_drafter: dict | None = None  # drafter_placement verifier: the drafter engine this replica runs itself
     verify_inline: bool = True
@@ -112,6 +114,7 @@ class VerifierOptions:
         return cls(max_batch=app.max_batch, max_queue=app.max_queue, stall_timeout_s=app.stall_timeout_s,
                    pipeline_drafts=app.pipeline_drafts, drafter_timeout_s=app.drafter_timeout_s,
                    drafter_transport=app.drafter_transport, drafter_aux_layers=tuple(aux_layers),
+                   drafter_pre_draft=method(app.drafter.method).pre_draft,
                    stream_interval_s=app.stream_interval_ms / 1000, verify_inline=app.verify_inline,
                    local_drafter=app.drafter.model_dump(mode="json") if app.drafter_placement == "verifier" else None)
 
@@ -171,7 +174,7 @@ class VerifierServer(EngineServer):
         self._in_engine, self._period = 0, []  # calls inside the async engine now; those of this busy period
         # a batch's sequences decoding plain queue their next verify at once: the next batch waits for them up
         # to a quarter of the batch's time, at most 5 ms, so a split batch merges again (batcher). Not for one
-        # that speculated: its next step may wait on a draft (at 2 streams, waiting for those cost 6%)
+        # that speculated: its next step may wait on a draft (waiting for those cost: docs/decisions/0031-regrouping.md)
         super().__init__(engine, engine.verify, o.max_batch, o.max_queue, o.stall_timeout_s, regroup=0.25,
                          at_once=lambda r: not r.draft_tokens)
 
@@ -209,7 +212,7 @@ class VerifierServer(EngineServer):
         in one arm's few measured steps made that arm look slower for as long as its window held them. Nor is
         the step after one (its sequences send their first tokens out), one right after a stream started or
         ended, or one whose streams are more than an eighth off the load its choice is keyed by: the last
-        steps of a wave, a few sequences left at the same fixed cost a step, read plain decoding 1.3x slower
+        steps of a wave, a few sequences left at the same fixed cost a step, read plain decoding slower
         than it was, and the next wave then speculated (docs/decisions/0016-replica-gate.md)."""
         if self.gate is None:
             return
@@ -340,8 +343,8 @@ class VerifierServer(EngineServer):
         """The step costs and acceptance shared by this replica's requests at this request's temperature (to
         0.1). Why apart: a sampled draft is accepted less often than a greedy one (served, HumanEval: 2.3
         tokens a step at k = 3 and T = 0.8 against 2.7 greedy) and its step costs more (the drafter ships its
-        q: 6.4 ms against 5.2), and a replica that served greedy requests first had its sampled ones start
-        from greedy's rates at k = 4-8, where k = 3 pays best."""
+        q), and a replica that served greedy requests first had its sampled ones start from greedy's rates at
+        k = 4-8, where k = 3 pays best (docs/decisions/0033-costs-per-temperature.md)."""
         if constrained:  # a grammar's forced punctuation is accepted far more often: its own table
             return self.step_costs.setdefault((round(params.temperature, 1), "constrained"), StepCosts())
         return self.step_costs.setdefault(round(params.temperature, 1), StepCosts())
@@ -349,18 +352,20 @@ class VerifierServer(EngineServer):
     async def speculate(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int = 0,
                         max_len: int | None = None, logprobs: int | None = None, output_ids: list[int] = (),
                         k_policy: str = "fixed", prediction: list[int] = (), interval_s: float | None = None,
-                        constraint: Constraint | None = None):
+                        constraint: Constraint | None = None, cache_salt: str | None = None):
         """A request's whole speculative loop on this replica (``_steps``), streamed as lists of its
         steps, each (new token ids, their logprobs, ``StepInfo``): at most one list per
         ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
-        the last at once. ``constraint``: a structured output's (``core.grammar``)."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint)
+        the last at once. ``constraint``: a structured output's (``core.grammar``); ``cache_salt``: the
+        tenant's, which the prefix cache is keyed by."""
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint,
+                            cache_salt)
         async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
                      max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = (),
-                     constraint: Constraint | None = None):
+                     constraint: Constraint | None = None, cache_salt: str | None = None):
         """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
         each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
         network (to the drafter pool, overlapped with verification by pre-drafting); verification
@@ -372,7 +377,7 @@ class VerifierServer(EngineServer):
         client's predicted output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
         if self.vllm_loop:
-            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids,
+            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, cache_salt,
                                                    constraint):
                 yield item
             return
@@ -380,8 +385,8 @@ class VerifierServer(EngineServer):
         if constraint is not None:  # a structured output's, compiled off the engine's thread: it holds no batch
             await asyncio.to_thread(eng.masks.grammars.compile, constraint)
         seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
-                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint)
-        policy = ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constraint is not None)), self) if k_policy == "adaptive" else FixedK(k)
+                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint, cache_salt=cache_salt)
+        policy = self._policy(k, k_policy, params, constraint is not None, params.max_tokens - len(output_ids))
         if self.drafter is None and self.local is None:
             policy = FixedK(0)
         elif k > 0:
@@ -406,7 +411,8 @@ class VerifierServer(EngineServer):
             async for new, lps, info in speculate(seq, self._propose, verify, policy, Breaker(), self.pipeline_drafts,
                                                   self.drafter_timeout_s, recompute_aux=recompute_aux,
                                                   alternatives=PRE_DRAFT_ALTERNATIVES, narrow=self._narrow,
-                                                  predicted=PredictedOutput(prediction) if prediction else None):
+                                                  predicted=PredictedOutput(prediction) if prediction else None,
+                                                  pre_draft=self.options.drafter_pre_draft):
                 if info.done:  # (its last verify: the next batch need not wait for it)
                     self.batcher.arrived([seq_id])
                 yield new, lps, info
@@ -418,6 +424,13 @@ class VerifierServer(EngineServer):
             # call; one resumed here may have drafted on the replica it left)
             await self._release_drafts(seq_id, k > 0 and (seq.drafter_asked or bool(output_ids)))
             await self.release([seq_id])
+
+    def _policy(self, k: int, k_policy: str, params: SamplingParams, constrained: bool, left: int):
+        """A request's k policy: ``fixed``, or the adaptive one on this replica's tables for its temperature, under
+        the replica's gate, knowing the ``left`` tokens it may emit (a try's cold step is paid over them)."""
+        if k_policy != "adaptive":
+            return FixedK(k)
+        return ReplicaGatedK(AdaptiveK(k, costs=self.costs_for(params, constrained), horizon=left), self)
 
     async def _release_drafts(self, seq_id: str, drafted: bool) -> None:
         """Free a finished sequence's drafter cache, if it may hold one."""
@@ -434,7 +447,8 @@ class VerifierServer(EngineServer):
             seq.forced_masks = SequenceMasks(self.engine.masks.grammars)
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
-                              logprobs: int | None, output_ids, constraint: Constraint | None = None):
+                              logprobs: int | None, output_ids, cache_salt: str | None = None,
+                              constraint: Constraint | None = None):
         """``speculate`` on vLLM's own loop: one engine request for the rest of the sequence; vLLM
         verifies, and drafts through splitspec's proposer in its worker (``verifier.vllm_proposer``),
         which calls the drafter pool directly. k is per request (at most the engine's
@@ -472,9 +486,10 @@ class VerifierServer(EngineServer):
         self._streams += 1
         t_prev = time.perf_counter()
         drafted = accepted = 0  # as reported so far
+        cached = {"tokens": 0}  # the prompt's tokens vLLM read from its prefix cache
         try:
             first = True
-            async for ids, lps, spec in eng.generate(tokens, sp, f"{seq_id}-{next(self._vllm_ids)}"):
+            async for ids, lps, spec in eng.generate(tokens, sp, f"{seq_id}-{next(self._vllm_ids)}", cache_salt, cached):
                 if not ids and spec is None:
                     continue
                 now = time.perf_counter()
@@ -484,9 +499,11 @@ class VerifierServer(EngineServer):
                 if spec is not None:
                     k_i = max(0, spec.num_draft_tokens - drafted)
                     a_i = max(0, sum(j * c for j, c in enumerate(spec.histogram)) - accepted)
+                c_i = cached["tokens"] if first else 0
                 drafted, accepted, first = drafted + k_i, accepted + a_i, False
                 yield ids, lps or [], StepInfo(k=k_i, accepted=a_i, step_s=now - t_prev, batch_size=eng.inflight,
-                                               done=spec is not None)  # (else the stream's end sends it at once)
+                                               done=spec is not None,  # (else the stream's end sends it at once)
+                                               cached_tokens=c_i)
                 t_prev = now
         finally:
             self._streams -= 1

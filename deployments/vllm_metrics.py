@@ -263,8 +263,8 @@ class ChoiceMeter:
             self.x.waiting -= 1
             self.x.running += 1
             d.inc("vllm:prompt_tokens", self.prompt_len)
-            d.inc("vllm:prefix_cache_queries", self.prompt_len)  # no cache shared across requests: no hits
-            d.inc("vllm:prefix_cache_hits", 0)
+            d.inc("vllm:prefix_cache_queries", self.prompt_len)
+            d.inc("vllm:prefix_cache_hits", info.cached_tokens)  # read from the verifier's prefix cache
             d.observe("vllm:time_to_first_token_seconds", time.perf_counter() - self.t0)
         else:  # as vLLM: one inter-token latency per engine step, whatever the tokens it emitted
             d.observe("vllm:inter_token_latency_seconds", wall_s)

@@ -15,7 +15,7 @@ cache miss: the caller resends the whole sequence with every state. A pre-draft 
 the states of the block being verified do not exist yet) is declined, and trees are not drafted.
 
 q. Positions of a DFlash block are drafted independently, each from its own q_i(. | context) (its
-row's logits through the request's processors, ``ModelDrafter._draw``); a DSpark position's logits
+row's logits through the request's processors, ``BatchedDrafter._draw``); a DSpark position's logits
 add the Markov bias of the token actually drafted at i - 1, so the block is drawn left to right and
 each q_i is conditioned on the drafts before it. Either way the draft at i is a sample of the q_i that
 travels with it, which is all rejection sampling needs to stay lossless; greedy draws are argmaxes
@@ -25,17 +25,15 @@ travels with it, which is all rejection sampling needs to stay lossless; greedy 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from core.dflash import ParallelHead, load_head
-from core.grammar import screened
 from core.models import DTYPES, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
-from drafter.model_drafter import ModelDrafter
+from drafter.base import HeadDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import ParallelHeadConfig
@@ -98,9 +96,18 @@ class _Cache:
                 used -= self.slots.pop(seq_id).nbytes()
 
 
-class ParallelDrafter(ModelDrafter):
-    """Drafts a block per call with a DFlash or DSpark head; sampling, penalties and q are the model
-    drafter's (``ModelDrafter._draw``) over the head's target-vocabulary logits."""
+class Block(NamedTuple):
+    """A sequence whose context rows are in place, to draft in the call's one batched pass."""
+
+    request: DraftRequest
+    tokens: list[int]  # its context; the last one (the anchor) has no row yet
+    n: int  # context rows held: positions 0..n-1
+    k: int  # drafts wanted from its block
+
+
+class ParallelDrafter(HeadDrafter):
+    """Drafts a block per call with a DFlash or DSpark head: ``BatchedDrafter``'s loop and q (``_draw``) over
+    the head's target-vocabulary logits, every sequence's block in one batched pass."""
 
     def __init__(self, config: ParallelHeadConfig, head: ParallelHead | None = None, eos_ids: set[int] | None = None):
         name = self._init_head(config, head, load_head, eos_ids)
@@ -111,44 +118,34 @@ class ParallelDrafter(ModelDrafter):
         self.confidence_stop = getattr(config, "confidence_stop", None)
         self.stats = {"passes": 0, "drafts": 0, "stopped": 0}  # DSpark's confidence stops, for the measurement
 
-    @torch.inference_mode()
-    @screened
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        t0 = time.perf_counter()
-        out: dict[str, Proposal] = {}
-        pinned = self._pinned(requests)
-        ready = []  # (request, tokens, n, k): sequences whose rows are in place, drafted in one batched pass
-        for r in requests:
-            if r.branches:
-                out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
-                continue
-            if r.provisional:  # no states for the guessed block: the caller drafts once they exist
-                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
-                continue
-            try:
-                entry = self._rows(r)
-            except Exception as e:  # noqa: BLE001 - this sequence decodes without drafts (still lossless)
-                self._failed(r, e, out)
-                continue
-            if isinstance(entry, Proposal):
-                out[r.seq_id] = entry
-                continue
-            out[r.seq_id] = self._proposal(r, cached=entry[2])
-            if entry[3] > 0:
-                ready.append(entry)
-        for entry, (rows, base) in self._blocks(ready, out):
-            r = entry[0]
-            try:
-                self._sample(r, entry[1], entry[3], rows, base, out[r.seq_id])
-            except Exception as e:  # noqa: BLE001
-                self._failed(r, e, out)
-        self.cache.fit(pinned)
-        dt = time.perf_counter() - t0
-        for p in out.values():
-            p.draft_s = dt
-        return [out[r.seq_id] for r in requests]
+    def _admit(self, r: DraftRequest, pinned: set[str], out: dict) -> Block | None:
+        if r.branches:
+            out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
+            return None
+        if r.provisional:  # no states for the guessed block: the caller drafts once they exist
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+            return None
+        try:
+            entry = self._rows(r)
+        except Exception as e:  # noqa: BLE001 - this sequence decodes without drafts (still lossless)
+            self._fail(r, e, out)
+            return None
+        if isinstance(entry, Proposal):
+            out[r.seq_id] = entry
+            return None
+        out[r.seq_id] = self._proposal(r, cached=entry.n)
+        return entry if entry.k > 0 else None
 
-    def _failed(self, r: DraftRequest, e: Exception, out: dict) -> None:
+    def _draft(self, entries: list[Block], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
+        for e, (rows, base) in self._batched(entries, self._blocks, out):
+            try:
+                self._sample(e.request, e.tokens, e.k, rows, base, out[e.request.seq_id])
+            except Exception as exc:  # noqa: BLE001
+                self._fail(e.request, exc, out)
+        self.cache.fit(pinned)
+
+    def _fail(self, r: DraftRequest, e: Exception, out: dict) -> None:
+        """A sequence that failed: its rows released, and no drafts (a block's are drawn together)."""
         log.warning("sequence %s failed drafting: %r", r.seq_id, e)
         self.cache.release(r.seq_id)
         out[r.seq_id] = Proposal(r.seq_id, [])
@@ -180,41 +177,30 @@ class ParallelDrafter(ModelDrafter):
             slot.append(torch.stack([k for k, _ in kv]).to(self.kv_dtype), torch.stack([v for _, v in kv]).to(self.kv_dtype))
         slot.cut(n)
         slot.tokens = tokens[:n]
-        return r, tokens, n, max(0, min(r.k, s.max_k, self.max_len - len(tokens)))
+        return Block(r, tokens, n, max(0, min(r.k, s.max_k, self.max_len - len(tokens))))
 
-    def _blocks(self, ready: list, out: dict) -> list:
-        """One batched pass over the sequences' blocks (contexts padded to the longest) -> [(entry, (rows [k, H],
-        base draft-vocabulary logits [k, Vd]))]. If it raises, each sequence runs alone; one that still fails
-        decodes without drafts."""
-        if not ready:
-            return []
+    def _blocks(self, ready: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One batched pass over the sequences' blocks (contexts padded to the longest) -> per entry (rows [k, H],
+        base draft-vocabulary logits [k, Vd])."""
         s, dev = self.spec, self.config.device
-        try:
-            slots = [self.cache.slots[e[0].seq_id] for e in ready]
-            ns = [e[2] for e in ready]
-            S, B = max(ns), len(ready)
-            ctx = []
-            for i in range(s.num_layers):
-                K = slots[0].k.new_zeros(B, S, s.num_key_value_heads, s.head_dim)
-                V = torch.zeros_like(K)
-                for b, (slot, n) in enumerate(zip(slots, ns)):
-                    K[b, :n], V[b, :n] = slot.k[i, :n], slot.v[i, :n]
-                ctx.append((K, V))
-            pos = torch.arange(S, device=dev).expand(B, S)
-            valid = pos < torch.tensor(ns, device=dev).unsqueeze(1)
-            ids = self.head.block_ids(torch.tensor([e[1][-1] for e in ready], device=dev))
-            hidden = self.head.block(ids, torch.tensor(ns, device=dev), ctx, pos, valid if min(ns) < S else None)
-            rows = self.head.draft_rows(hidden)  # [B, max_k, H]
-            base = self.head.logits(rows).float()
-            self.stats["passes"] += 1
-            if self.on_progress:
-                self.on_progress()
-            return [(e, (rows[b, : e[3]], base[b, : e[3]])) for b, e in enumerate(ready)]
-        except Exception as e:  # noqa: BLE001
-            if len(ready) == 1:
-                self._failed(ready[0][0], e, out)
-                return []
-            return [pair for entry in ready for pair in self._blocks([entry], out)]
+        slots = [self.cache.slots[e.request.seq_id] for e in ready]
+        ns = [e.n for e in ready]
+        S, B = max(ns), len(ready)
+        ctx = []
+        for i in range(s.num_layers):
+            K = slots[0].k.new_zeros(B, S, s.num_key_value_heads, s.head_dim)
+            V = torch.zeros_like(K)
+            for b, (slot, n) in enumerate(zip(slots, ns)):
+                K[b, :n], V[b, :n] = slot.k[i, :n], slot.v[i, :n]
+            ctx.append((K, V))
+        pos = torch.arange(S, device=dev).expand(B, S)
+        valid = pos < torch.tensor(ns, device=dev).unsqueeze(1)
+        ids = self.head.block_ids(torch.tensor([e.tokens[-1] for e in ready], device=dev))
+        hidden = self.head.block(ids, torch.tensor(ns, device=dev), ctx, pos, valid if min(ns) < S else None)
+        rows = self.head.draft_rows(hidden)  # [B, max_k, H]
+        base = self.head.logits(rows).float()
+        self.stats["passes"] += 1
+        return [(rows[b, : e.k], base[b, : e.k]) for b, e in enumerate(ready)]
 
     def _sample(self, r: DraftRequest, tokens: list[int], k: int, rows: torch.Tensor, base: torch.Tensor,
                 prop: Proposal) -> None:

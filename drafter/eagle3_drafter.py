@@ -25,27 +25,19 @@ no longer has them). q is exact over the target's vocabulary (zero outside the d
 
 from __future__ import annotations
 
-import logging
-import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from core.eagle3 import EagleHead, load_head, sdpa, window_mask
-from core.grammar import screened
-from core.kv_cache import CacheFull, PagedKVCache, batched_forward
-from core.models import (
-    DTYPES,
-    resolve_kv_dtype,
-)
+from core.kv_cache import CacheFull, PagedKVCache, Slot, batched_forward
+from core.models import DTYPES, resolve_kv_dtype
 from core.protocol import DraftRequest, Proposal, prefix_hash
-from drafter.model_drafter import ModelDrafter
+from drafter.base import HeadDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import Eagle3Config
-
-log = logging.getLogger(__name__)
 
 
 class HeadRunner:
@@ -105,9 +97,21 @@ class HeadRunner:
         return logits, {"out": state}
 
 
-class Eagle3Drafter(ModelDrafter):
-    """Drafts with an EAGLE-3 head; sampling, penalties, q and failure handling are the model
-    drafter's (``ModelDrafter._draw``), over the head's target-vocabulary logits."""
+class Chain(NamedTuple):
+    """A sequence in a drafting pass of the head."""
+
+    request: DraftRequest
+    slot: Slot
+    feed: list[int]  # the tokens this pass feeds
+    k: int
+    hidden: torch.Tensor  # the head's second input for the fed rows [len(feed), H]: fc(g) or its own output
+    real: int  # rows computed from the target's states (those after them are the head's own, provisional)
+    forced: list[int]  # a pre-draft's guessed tokens still to feed, one per pass, before drafting
+
+
+class Eagle3Drafter(HeadDrafter):
+    """Drafts with an EAGLE-3 head: ``BatchedDrafter``'s loop and q (``_draw``), over the head's
+    target-vocabulary logits, one chain per sequence in batched one-token passes."""
 
     def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
         name = self._init_head(config, head, load_head, eos_ids)
@@ -118,67 +122,57 @@ class Eagle3Drafter(ModelDrafter):
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
         self.runner = HeadRunner(self.head, self.max_len)
 
-    @torch.inference_mode()
-    @screened
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        t0 = time.perf_counter()
-        out: dict[str, Proposal] = {}
-        pinned = self._pinned(requests)
-        active = []  # (request, slot, feed, k, hidden_in [len(feed), H], real rows, tokens still to feed)
-        for r in requests:
-            if r.branches:  # a head continues one chain from its own rows (provisional), not trees
-                out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
-                continue
-            if r.provisional:
-                entry = self._continuation(r, pinned)
-                if entry is None:  # nothing to continue from: the caller drafts once the states exist
-                    out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
-                    continue
-                out[r.seq_id] = self._proposal(r, cached=entry[5])
-                active.append(entry)
-                continue
-            held = self.cache.slots.get(r.seq_id)
-            if held is not None and len(held.tokens) > held.real:
-                held.cut(held.real)  # provisional rows never pass for the target's
-            claimed = self._claim(r, pinned, out)
-            if claimed is None:
-                continue
-            slot, feed = claimed
-            if not feed and slot.tokens:  # the same context again: recompute its last row for its output
-                feed = [slot.tokens[-1]]
-                slot.cut(len(slot.tokens) - 1)
-            c, n = len(slot.tokens), len(slot.tokens) + len(feed)
-            hidden = self._hidden_in(r, c, n)
-            if hidden is None or not feed:  # the states for these rows did not come: resend with all of them
-                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True, cached=c)
-                continue
-            k = max(0, min(r.k, self.max_len - n + 1))
-            try:
-                self.cache.reserve(r.seq_id, n + max(k - 1, 0), pinned)
-            except (CacheFull, ValueError):  # no drafts is still lossless
-                out[r.seq_id] = Proposal(r.seq_id, [])
-                continue
-            out[r.seq_id] = self._proposal(r, cached=n)
-            slot.real = n  # once this call's first pass has written them (a failed pass releases the slot)
-            active.append((r, slot, feed, k, hidden, n, []))
+    def _admit(self, r: DraftRequest, pinned: set[str], out: dict) -> Chain | None:
+        if r.branches:  # a head continues one chain from its own rows (provisional), not trees
+            out[r.seq_id] = Proposal(r.seq_id, [], branches=[])
+            return None
+        if r.provisional:
+            entry = self._continuation(r, pinned)
+            if entry is None:  # nothing to continue from: the caller drafts once the states exist
+                out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+                return None
+            out[r.seq_id] = self._proposal(r, cached=entry.real)
+            return entry
+        held = self.cache.slots.get(r.seq_id)
+        if held is not None and len(held.tokens) > held.real:
+            held.cut(held.real)  # provisional rows never pass for the target's
+        claimed = self._claim(r, pinned, out)
+        if claimed is None:
+            return None
+        slot, feed = claimed
+        if not feed and slot.tokens:  # the same context again: recompute its last row for its output
+            feed = [slot.tokens[-1]]
+            slot.cut(len(slot.tokens) - 1)
+        c, n = len(slot.tokens), len(slot.tokens) + len(feed)
+        hidden = self._hidden_in(r, c, n)
+        if hidden is None or not feed:  # the states for these rows did not come: resend with all of them
+            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True, cached=c)
+            return None
+        k = max(0, min(r.k, self.max_len - n + 1))
+        try:
+            self.cache.reserve(r.seq_id, n + max(k - 1, 0), pinned)
+        except (CacheFull, ValueError):  # no drafts is still lossless
+            out[r.seq_id] = Proposal(r.seq_id, [])
+            return None
+        out[r.seq_id] = self._proposal(r, cached=n)
+        slot.real = n  # once this call's first pass has written them (a failed pass releases the slot)
+        return Chain(r, slot, feed, k, hidden, n, [])
 
+    def _draft(self, entries: list[Chain], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
+        active = entries
         while active:
             still = []
-            for (r, slot, _, k, _, n, forced), (lg, h) in self._forward(active, out):
-                slot.tail = (len(slot.tokens), h)
-                if forced:  # a pre-draft's guessed tokens, fed one by one after the head's own output
-                    still.append((r, slot, forced[:1], k, h, n, forced[1:]))
+            for e, (lg, h) in self._batched(active, self._pass, out):
+                e.slot.tail = (len(e.slot.tokens), h)
+                if e.forced:  # a pre-draft's guessed tokens, fed one by one after the head's own output
+                    still.append(e._replace(feed=e.forced[:1], hidden=h, forced=e.forced[1:]))
                     continue
-                if len(out[r.seq_id].tokens) >= k:
+                if len(out[e.request.seq_id].tokens) >= e.k:
                     continue
-                token = self._next_draft(r, lg, slot.tokens, out)
-                if token is not None and len(out[r.seq_id].tokens) < k:
-                    still.append((r, slot, [token], k, h, n, []))
+                token = self._next_draft(e.request, lg, e.slot.tokens, out)
+                if token is not None and len(out[e.request.seq_id].tokens) < e.k:
+                    still.append(e._replace(feed=[token], hidden=h))
             active = still
-        dt = time.perf_counter() - t0
-        for p in out.values():
-            p.draft_s = dt
-        return [out[r.seq_id] for r in requests]
 
     def _continuation(self, r: DraftRequest, pinned: set[str]):
         """A pre-draft's entry: the sequence's rows through its provisional ones are kept and the
@@ -201,7 +195,7 @@ class Eagle3Drafter(ModelDrafter):
         except (CacheFull, ValueError):
             return None
         self.cache.slots.move_to_end(r.seq_id)
-        return (r, slot, forced[:1], k, tail[1], real, forced[1:])
+        return Chain(r, slot, forced[:1], k, tail[1], real, forced[1:])
 
     def _hidden_in(self, r: DraftRequest, c: int, n: int) -> torch.Tensor | None:
         """The head's second input for rows c..n-1: fc(g_{t-1}) for row t >= 1, zeros for row 0.
@@ -219,17 +213,8 @@ class Eagle3Drafter(ModelDrafter):
             rows = torch.cat([torch.zeros(1, H, dtype=rows.dtype, device=rows.device), rows])
         return rows
 
-    def _forward(self, active, out):
-        """One batched pass -> [(entry, (logits [1, V], the head's output at the last row [1, H]))]."""
-        try:
-            logits, hidden = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
-                                             [1] * len(active), capture=("out",),
-                                             hidden_in=[a[4] for a in active])
-            if self.on_progress:
-                self.on_progress()
-            return list(zip(active, [(lg, h["out"][-1:]) for lg, h in zip(logits, hidden)]))
-        except Exception as e:  # noqa: BLE001
-            if len(active) == 1:
-                self._fail(active[0][0], e, out)
-                return []
-            return [pair for a in active for pair in self._forward([a], out)]
+    def _pass(self, active: list[Chain]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One batched pass -> per entry (logits [1, V], the head's output at the last row [1, H])."""
+        logits, hidden = batched_forward(self.runner, self.cache, [a.slot for a in active], [a.feed for a in active],
+                                         [1] * len(active), capture=("out",), hidden_in=[a.hidden for a in active])
+        return [(lg, h["out"][-1:]) for lg, h in zip(logits, hidden)]

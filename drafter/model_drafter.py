@@ -8,90 +8,46 @@ its q is exactly sparse and only those entries travel to the verifier.
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from core.grammar import Grammars, SequenceMasks, apply_bitmask, screened
 from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
-from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype
-from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import History, NoiseCache, Stream, perturbed, processed_probs, sample_inverse_cdf, target_logits, uniform
+from core.models import eos_token_ids
+from core.protocol import DraftRequest, Proposal
+from core.sampling import perturbed, processed_probs
+from drafter.base import BatchedDrafter
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig
 
-log = logging.getLogger(__name__)
+
+class Feed(NamedTuple):
+    """A sequence in a drafting pass: its request, its slot (a ``BranchSlot`` for a tree's branch), the tokens
+    the pass feeds it, its k, and the proposal its drafts go to."""
+
+    request: DraftRequest
+    slot: Slot | BranchSlot
+    feed: list[int]
+    k: int
+    proposal: Proposal
 
 
-class ModelDrafter:
-    # the tokenizer structured outputs compile against; None: the target's (verifier_model) or the draft model's
-    grammar_tokenizer = None
-    _gmasks: SequenceMasks | None = None  # made at the first constrained draft
-    # q as sent: the drafter's masked distribution, the one its drafts are drawn from. False only as the
-    # distribution tests' negative control: the drafts stay masked, q goes out unmasked (its values at the
-    # same entries), which rejection sampling cannot correct for
-    q_masked = True
+class ModelDrafter(BatchedDrafter):
+    """A draft model: ``BatchedDrafter``'s loop, drafting chains in batched one-token passes, and pre-draft trees."""
 
     def __init__(self, config: DraftModelConfig, model=None):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        pin_process(config.cpu_affinity)
-        self.config = config
+        self._setup(config)
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
-        self.on_progress = None  # called after each forward pass (the serving layer's stall watchdog)
-        self.noise = NoiseCache()  # Gumbel noise rows its draws reuse (trees overlap, steps redraw)
         # seq_id -> (a pre-draft tree's context length, the one branch (n, c) still wanted, or None: none)
         self.narrowed: dict[str, tuple[int, tuple[int, int] | None]] = {}
 
-    def _init_head(self, config, head, load_head, eos_ids: set[int] | None) -> str:
-        """What every head drafter (EAGLE-3, DFlash, DSpark) sets up alike: threads and pinning, the head
-        (loaded for the verifier's model unless given) in the configured dtype, its limits, and the
-        verifier's end-of-sequence ids (a head has no tokenizer of its own). Returns the dtype's name."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        pin_process(config.cpu_affinity)
-        self.config = config
-        name = resolve_dtype(config.dtype, config.device)
-        self.dtype = DTYPES[name]
-        if head is None:
-            head = load_head(config.model, verifier=config.verifier_model)
-        self.head = head.to(device=config.device, dtype=self.dtype).eval()
-        self.spec = self.head.spec
-        self.aux_layers = tuple(self.spec.aux_layer_ids)
-        self.max_len = config.max_model_len or self.spec.max_position_embeddings
-        self.model = None
-        if eos_ids is None:
-            eos_ids = eos_token_ids(None, model_dir=config.verifier_model) if config.verifier_model else set()
-        self.eos_ids = eos_ids
-        self.on_progress = None
-        self.noise = NoiseCache()  # (_draw's Gumbel noise rows)
-        self.narrowed = {}  # (narrow: a head drafts chains or blocks, never trees, so nothing reads it)
-        return name
-
-    def _masked(self, r: DraftRequest, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        """logits [1, V] after ``tokens`` (the context and earlier drafts) masked by the constraint's grammar
-        state there: q is the drafter's distribution under the grammar, so every draft is legal."""
-        if r.grammar is None:
-            return logits
-        if self._gmasks is None:
-            from transformers import AutoTokenizer
-
-            tok = self.grammar_tokenizer or AutoTokenizer.from_pretrained(
-                getattr(self.config, "verifier_model", None) or self.config.model)
-            self._gmasks = SequenceMasks(Grammars(tok, logits.shape[-1], self.eos_ids))
-        return apply_bitmask(logits, self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1), uniform_fallback=True)
-
     def release(self, seq_id: str) -> bool:
-        if self._gmasks is not None:
-            self._gmasks.release(seq_id)
         self.narrowed.pop(seq_id, None)
-        return self.cache.release(seq_id)
+        return super().release(seq_id)
 
     def narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:
         """The block a sequence's pre-draft tree was drafted for is verified: of the tree drafted after
@@ -101,67 +57,31 @@ class ModelDrafter:
         running yet, or done, is narrowed when it runs, or not at all)."""
         self.narrowed[seq_id] = (context_len, None if branch is None else tuple(branch))
 
-    def num_cached(self) -> int:
-        return len(self.cache)
-
-    @staticmethod
-    def _pinned(requests: list[DraftRequest]) -> set[str]:
-        """The batch's sequences (none may be evicted while it runs); each may appear once."""
-        pinned = {r.seq_id for r in requests}
-        if len(pinned) != len(requests):
-            raise ValueError("a sequence appears twice in one batch")
-        return pinned
-
-    @staticmethod
-    def _proposal(r: DraftRequest, cached: int = 0) -> Proposal:
-        """An empty proposal for r, with room for q when its verification needs one (rejection
-        sampling; gumbel coupling and greedy need none)."""
-        sends_q = not r.sampling.greedy and r.sampling.verification == "rejection"
-        return Proposal(r.seq_id, [], DraftProbs([], []) if sends_q else None, cached=cached,
-                        alts=[] if r.alternatives else None)
-
-    def _claim(self, r: DraftRequest, pinned: set[str], out: dict):
-        """(the sequence's slot, the tokens to feed it), or None after answering a cache miss."""
-        try:
-            slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
-        except CacheMiss:
-            out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
+    def _admit(self, r: DraftRequest, pinned: set[str], out: dict) -> Feed | None:
+        claimed = self._claim(r, pinned, out)
+        if claimed is None:
             return None
-        return slot, (r.new_tokens[len(slot.tokens):] if r.full else list(r.new_tokens))
+        slot, feed = claimed
+        # feeding context + k-1 drafts must fit in the drafter's context (a tree drafts off the slot)
+        k = 0 if r.branches else max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
+        try:
+            self.cache.reserve(r.seq_id, len(slot.tokens) + len(feed) + max(k - 1, 0), pinned)
+        except (CacheFull, ValueError):  # no drafts is still lossless: the verifier decodes one token
+            out[r.seq_id] = Proposal(r.seq_id, [])
+            return None
+        out[r.seq_id] = self._proposal(r)
+        if r.branches:  # a pre-draft tree (``_trees``): its context is fed with the others' first pass
+            out[r.seq_id].branches = []
+        if k > 0 or (r.branches and feed):
+            return Feed(r, slot, feed, k, out[r.seq_id])
+        out[r.seq_id].cached = len(slot.tokens)
+        return None
 
-    @screened
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        t0 = time.perf_counter()
-        out: dict[str, Proposal] = {}
-        pinned = self._pinned(requests)
-        active = []  # (request, slot, feed, k, the proposal its drafts go to)
-        trees = []  # requests for pre-draft trees: their context is fed with the others' first pass
-        for r in requests:
-            claimed = self._claim(r, pinned, out)
-            if claimed is None:
-                continue
-            slot, feed = claimed
-            # feeding context + k-1 drafts must fit in the drafter's context (a tree drafts off the slot)
-            k = 0 if r.branches else max(0, min(r.k, self.max_len - len(slot.tokens) - len(feed) + 1))
-            try:
-                self.cache.reserve(r.seq_id, len(slot.tokens) + len(feed) + max(k - 1, 0), pinned)
-            except (CacheFull, ValueError):  # no drafts is still lossless: the verifier decodes one token
-                out[r.seq_id] = Proposal(r.seq_id, [])
-                continue
-            out[r.seq_id] = self._proposal(r)
-            if r.branches:
-                trees.append(r)
-            if k > 0 or (r.branches and feed):
-                active.append((r, slot, feed, k, out[r.seq_id]))
-            else:
-                out[r.seq_id].cached = len(slot.tokens)
-        self._run(active, out)
+    def _draft(self, entries: list[Feed], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
+        self._run(entries, out)
+        trees = [r for r in requests if r.branches and out[r.seq_id].branches is not None]
         if trees:
             self._trees(trees, pinned, out)
-        dt = time.perf_counter() - t0
-        for p in out.values():
-            p.draft_s = dt
-        return [out[r.seq_id] for r in requests]
 
     def _run(self, active, out, wanted=None) -> None:
         """Batched passes until every entry has its k drafts: the first pass feeds each entry's new
@@ -184,7 +104,7 @@ class ModelDrafter:
                 if token is None:
                     continue
                 if step + 1 < k:
-                    still.append((r, slot, [token], k, prop))
+                    still.append(Feed(r, slot, [token], k, prop))
                 elif not r.branches:  # (a branch's proposal holds its branch point, set when it was made)
                     prop.cached = len(slot.tokens)  # the context and the first k-1 drafts
             active = still
@@ -221,11 +141,11 @@ class ModelDrafter:
                 if not ok:
                     continue
                 points[id(bprop)] = (r.seq_id, held, (n, c))
-                active.append((r, BranchSlot(slot, n, rows[i * r.k:(i + 1) * r.k]), [c], r.k, bprop))
+                active.append(Feed(r, BranchSlot(slot, n, rows[i * r.k:(i + 1) * r.k]), [c], r.k, bprop))
                 i += 1
 
-        def wanted(entry) -> bool:
-            seq_id, context_len, point = points[id(entry[4])]
+        def wanted(entry: Feed) -> bool:
+            seq_id, context_len, point = points[id(entry.proposal)]
             narrowed = self.narrowed.get(seq_id)
             return narrowed is None or narrowed[0] != context_len or narrowed[1] == point
 
@@ -275,76 +195,10 @@ class ModelDrafter:
                 out[i] = (drafts[j], alts[j][: r.alternatives] if alts and r.alternatives else None)
         return out
 
-    def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict,
-                    prop: Proposal | None = None, drawn: tuple[int, list[int] | None] | None = None) -> int | None:
-        """Draw r's next draft (``_draw``, or ``drawn``: (draft, alternatives) from ``_batched_draws``) and
-        append it to its proposal (default: r's); None when drawing failed (the sequence keeps the
-        drafts it has)."""
-        prop = out[r.seq_id] if prop is None else prop
-        if drawn is not None:
-            if drawn[1] is not None:
-                prop.alts.append(drawn[1])
-            prop.tokens.append(drawn[0])
-            return drawn[0]
-        try:
-            token = self._draw(r, logits, slot_tokens, prop)
-        except Exception as e:  # noqa: BLE001 - this sequence keeps the drafts it has
-            self._fail(r, e, out)
-            return None
-        prop.tokens.append(token)
-        return token
+    def _forward(self, active: list[Feed], out: dict):
+        """One batched pass over the active sequences -> [(entry, logits [1, V])] (``BatchedDrafter._batched``:
+        a sequence that fails alone stops drafting)."""
+        return self._batched(active, self._pass, out)
 
-    def _forward(self, active, out):
-        """One batched pass over the active sequences -> [(entry, logits [1, V])]. If it raises, each
-        sequence runs alone and one that still fails stops drafting (fewer drafts: still lossless)."""
-        try:
-            logits = batched_forward(self.runner, self.cache, [a[1] for a in active], [a[2] for a in active],
-                                     [1] * len(active))
-            if self.on_progress:
-                self.on_progress()
-            return list(zip(active, logits))
-        except Exception as e:  # noqa: BLE001
-            if len(active) == 1:
-                self._fail(active[0][0], e, out)
-                return []
-            return [pair for a in active for pair in self._forward([a], out)]
-
-    def _fail(self, r: DraftRequest, e: Exception, out: dict) -> None:
-        log.warning("sequence %s failed drafting alone: %r", r.seq_id, e)
-        self.cache.release(r.seq_id)
-        out[r.seq_id].cached = 0
-
-    def _draw(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], prop: Proposal) -> int:
-        """Draw the draft token after ``slot_tokens`` (the context and earlier drafts) from q (logits [1, V])."""
-        position = len(slot_tokens)
-        raw, logits = logits, self._masked(r, logits, slot_tokens)
-        # q gets the target's processors too (penalties over the context and earlier drafts), so it tracks p
-        history = None
-        if r.sampling.processed:
-            stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else self.eos_ids)
-            history = History(slot_tokens, r.num_prompt, frozenset(stop))
-        if r.sampling.greedy:
-            x = target_logits(logits, r.sampling, history)[0]  # [V]
-            if r.alternatives:
-                prop.alts.append(x.topk(min(r.alternatives, x.shape[0])).indices.tolist())
-            return int(x.argmax())
-        q = processed_probs(logits, r.sampling, history)[0]  # [V]
-        if r.sampling.verification == "gumbel":  # the verifier's noise at this position: accepted when they agree
-            scores = perturbed(q.unsqueeze(0), self.noise.row(r.seed, position, q.shape[0]))[0]  # [V]
-            if r.alternatives:
-                prop.alts.append(scores.topk(min(r.alternatives, q.shape[0])).indices.tolist())
-            return int(scores.argmax())
-        if r.alternatives:
-            prop.alts.append(q.topk(min(r.alternatives, q.shape[0])).indices.tolist())
-        K = min(self.config.draft_top_k, q.shape[0])
-        vals, ids = q.topk(K)  # [K]
-        keep = vals > 0
-        vals, ids = vals[keep], ids[keep]
-        vals = vals / vals.sum()
-        u = torch.tensor([uniform(r.seed, position, Stream.DRAFT)])
-        token = int(ids[sample_inverse_cdf(vals.unsqueeze(0), u)[0]])
-        if not self.q_masked and r.grammar is not None:
-            vals = processed_probs(raw, r.sampling, history)[0][ids]
-        prop.probs.ids.append(ids.tolist())
-        prop.probs.probs.append(vals.tolist())
-        return token
+    def _pass(self, active: list[Feed]) -> list[torch.Tensor]:
+        return batched_forward(self.runner, self.cache, [a.slot for a in active], [a.feed for a in active], [1] * len(active))

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
+from drafter.registry import method
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import NgramConfig
@@ -75,6 +76,11 @@ class NgramDrafter:
         self.seqs: OrderedDict[str, NgramIndex] = OrderedDict()  # least recently used first
         self.budget = int(config.cache_budget_mb * 2**20)
         self.bytes = 0
+
+    @property
+    def pre_draft(self) -> str:
+        """How this drafter pre-drafts: its method's (``drafter.registry``)."""
+        return method(self.config.method).pre_draft
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         out = []

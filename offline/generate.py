@@ -13,30 +13,31 @@ import json
 import time
 from pathlib import Path
 
-from configs import DraftModelConfig, Eagle3Config, NgramConfig, ParallelHeadConfig, SamplingParams, VerifierConfig
+from configs import DraftModelConfig, SamplingParams, VerifierConfig
 from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
 from core.sequence import Sequence
 from drafter.build import build_drafter
+from drafter.registry import METHODS, heads, load
 from verifier.engine import VerifierEngine
-
-HEADS = {"eagle3": Eagle3Config, "dflash": ParallelHeadConfig, "dspark": ParallelHeadConfig}
 
 
 def drafter_config(ref: str, target: str, k: int, **engine):
-    """The drafter config ``ref`` names: ``ngram``; a Speculators head (its config's ``speculators_model_type``:
-    eagle3, dflash or dspark) for the verifier ``target``, as the app builder configures it; else a draft model.
-    ``engine``: engine fields (dtype, num_threads, cache_budget_mb, max_model_len) of a model drafter."""
-    if ref == "ngram":
-        return NgramConfig(num_speculative_tokens=k)
+    """The drafter config ``ref`` names: a method without a model by its name (``ngram``); a head (its config's
+    ``speculators_model_type``: eagle3, dflash or dspark) for the verifier ``target``, as the app builder
+    configures it; else a draft model. ``engine``: engine fields (dtype, num_threads, cache_budget_mb,
+    max_model_len) of a model drafter."""
+    if ref in METHODS and not METHODS[ref].model:
+        return load(METHODS[ref].config)(method=ref, num_speculative_tokens=k)
     path = Path(local_dir(ref, field="--drafter"))
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    method = cfg.get("speculators_model_type")
-    if method in HEADS:
-        return HEADS[method](method=method, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
-    if method is not None:
-        raise SystemExit(f"--drafter {ref}: speculators_model_type {method!r}; this runs {', '.join(HEADS)} heads")
+    name = cfg.get("speculators_model_type")
+    if name in heads():  # (``drafter.registry``: a head's config class, by the method its config.json names)
+        config = load(METHODS[name].config)
+        return config(method=name, model=str(path), num_speculative_tokens=k, verifier_model=target, **engine)
+    if name is not None:
+        raise SystemExit(f"--drafter {ref}: speculators_model_type {name!r}; this runs {', '.join(heads())} heads")
     return DraftModelConfig(model=str(path), num_speculative_tokens=k, **engine)
 
 

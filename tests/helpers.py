@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -11,7 +11,7 @@ TINY_TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__
              "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, 'é', \"日本\")\n") * 4
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny_tokenizer(vocab_size: int = 320):
     """A byte-level BPE tokenizer with BOS/EOS/PAD, like the shipped one but tiny."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -88,7 +88,7 @@ CHAT_FAMILIES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def chat_tokenizer(family: str):
     """The tiny tokenizer with the family's special tokens and its published chat template."""
     from pathlib import Path

@@ -5,7 +5,9 @@
 Starts its own Ray cluster and the splitspec app (2 drafter and 2 verifier replicas) on the
 shipped model pair, then runs ``--clients`` streaming clients in a loop. Every
 ``--kill-every`` seconds one replica (drafter and verifier in turn) is killed; Serve replaces
-it. Every request is greedy or seeded Gumbel-coupled sampling, whose exact tokens are known
+it. Half the prompts share a prefix (a system prompt), and requests come with and without a
+``cache_salt``: the verifiers' prefix caches hit across requests (``cached_tokens`` in the report).
+Every request is greedy or seeded Gumbel-coupled sampling, whose exact tokens are known
 in advance (computed in this process by plain decoding with the same engine code, no Ray),
 so each completed stream is checked token for token (in float32: in bf16 the target has exact
 top-2 ties, where a different batch composition may round the other way). Prints a JSON report and exits non-zero
@@ -62,7 +64,10 @@ def main(argv=None) -> int:
 
     from offline.training.corpus import held_out_prompts
 
+    # and conversations' next turns: the others after the first as a shared system prompt, sent by tenants with and
+    # without a cache_salt (prefix-cache hits across requests, isolated by salt)
     prompts = held_out_prompts(8, prompt_chars=300)
+    prompts += [prompts[0] + "\n" + p for p in prompts[1:]]
     modes = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 17, "verification": "gumbel"}]
     t0 = time.monotonic()
     expected = references(args.target, prompts, modes, args.max_tokens)
@@ -89,13 +94,16 @@ def main(argv=None) -> int:
               name="soak", route_prefix="/")
 
     report = {"sent": 0, "completed": 0, "failed": 0, "mismatches": 0, "kills": {"Drafter": 0, "Verifier": 0},
-              "errors": [], "latency_s": [], "tokens": 0, "degraded_steps": 0, "verifier_recomputes": 0}
+              "errors": [], "latency_s": [], "tokens": 0, "degraded_steps": 0, "verifier_recomputes": 0,
+              "cached_tokens": 0}
     stop_at = time.monotonic() + 60 * args.minutes
 
     async def one(client: httpx.AsyncClient, rng: random.Random):
         pi, mi = rng.randrange(len(prompts)), rng.randrange(len(modes))
         body = {"model": "soak", "prompt": prompts[pi], "max_tokens": args.max_tokens, "ignore_eos": True,
-                "stream": True, "return_token_ids": True, **modes[mi]}
+                "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}, **modes[mi]}
+        if salt := rng.choice((None, "tenant-a", "tenant-b")):
+            body["cache_salt"] = salt
         report["sent"] += 1
         ids, error, spec, t = [], None, {}, time.monotonic()
         try:
@@ -108,8 +116,11 @@ def main(argv=None) -> int:
                         if "error" in chunk:
                             error = chunk["error"]["message"]
                             break
-                        ids += chunk["choices"][0].get("token_ids", [])
-                        spec = chunk["choices"][0].get("speculation") or spec
+                        if chunk.get("usage"):
+                            report["cached_tokens"] += chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        if chunk["choices"]:
+                            ids += chunk["choices"][0].get("token_ids", [])
+                            spec = chunk["choices"][0].get("speculation") or spec
         except Exception as e:  # noqa: BLE001 - any transport failure is a failed request
             error = repr(e)
         if error:

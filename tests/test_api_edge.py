@@ -187,7 +187,8 @@ def test_stop_string_inside_a_block_counts_only_kept_tokens(serve_app):
     lps = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
            for t in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert ids == ch["token_ids"] and lps == ch["logprobs"]["token_logprobs"]
-    assert events[-1]["usage"] == body["usage"]
+    # (the prompt tokens each found in the prefix cache may differ: the second request finds the first's)
+    assert {**events[-1]["usage"], "prompt_tokens_details": None} == {**body["usage"], "prompt_tokens_details": None}
 
 
 def test_streamed_logprobs_equal_non_streamed_without_token_ids(serve_app):

@@ -7,7 +7,7 @@ the drafter pool's engine (``drafter.eagle3_drafter``, the paged cache) compute 
 from the same inputs (its draft steps as one native call and as eager layers), and the head resolves the
 same verifier layers vLLM captured.
 
-Configs: each published style passes the app builder's check (``deployments.app.check_eagle3``, which
+Configs: each published style passes the app builder's check (``drafter.checks.check_eagle3``, which
 ``build_app`` runs before anything starts); each field this project cannot run fails there with one
 line naming the field and its value.
 """
@@ -89,7 +89,8 @@ def test_draft_logits_equal_vllms(name):
 # ------------------------------------------------------------------ configs at build time
 def app_check(head_dir: Path, verifier: Path = VERIFIER):
     from configs import AppConfig
-    from deployments.app import check_eagle3, resolve_model_paths
+    from deployments.app import resolve_model_paths
+    from drafter.checks import check_eagle3
 
     config = AppConfig.model_validate({"verifier": {"model": str(verifier)},
                                        "drafter": {"method": "eagle3", "model": str(head_dir)}})
@@ -276,7 +277,7 @@ def test_greedy_with_a_published_style_head_is_the_targets(tmp_path, llama_verif
     from core.loop import speculate_local
     from core.policy import FixedK
     from core.sequence import Sequence
-    from deployments.app import check_eagle3
+    from drafter.checks import check_eagle3
     from drafter.eagle3_drafter import Eagle3Drafter
     from tests.test_processors import hf_greedy
     from verifier.engine import VerifierEngine

@@ -34,6 +34,9 @@ PROTOCOL = [
     ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("chat", {"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ("chat", {"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ("completions", {"cache_salt": ""}, "cache_salt"),
+    ("chat", {"cache_salt": "tenant/1"}, "cache_salt"),
+    ("completions", {"cache_salt": "x" * 129}, "cache_salt"),
 ]
 # vLLM's SamplingParams._verify_args, on fields both servers take
 SAMPLING = [
@@ -53,6 +56,8 @@ ACCEPTED = [
     ("chat", {"tool_choice": "none"}),
     ("chat", {"max_tokens": 8, "max_completion_tokens": 4}),  # max_completion_tokens wins
     ("completions", {"top_k": -1}),
+    ("chat", {"cache_salt": "tenant-1"}),
+    ("completions", {"cache_salt": "x" * 128}),
 ]
 
 

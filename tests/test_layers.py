@@ -125,6 +125,14 @@ def test_the_policy_and_the_router_stay_under_400_lines():
     assert not big, big
 
 
+def test_the_benchmarks_stay_few_tools_of_short_functions():
+    """bench/ holds at most 8 entry points (modules run as ``python -m bench.X``), each function within a screen."""
+    long = _long_functions(ROOT / "bench", MAX_FUNCTION_LINES)
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
+    tools = [p.stem for p in sorted((ROOT / "bench").glob("*.py")) if 'if __name__ == "__main__":' in p.read_text()]
+    assert len(tools) <= 8, tools
+
+
 def broken_links(paths) -> list[str]:
     broken = []
     for md in paths:

@@ -98,7 +98,7 @@ def test_a_new_request_starts_from_what_the_replica_measured():
 
     costs = StepCosts()
     first = AdaptiveK(8, costs=costs)
-    for i in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
+    for _ in range(60):  # predictable text, a step costs 10 ms + 0.2 ms per draft, plain 8 ms
         k = first.next_k()
         first.observe(k, k, draft_s=0.0005 * k, verify_s=0.006, step_s=(0.010 + 0.0002 * k) if k else 0.008)
     assert costs.measured(1) >= first.min_steps
@@ -134,11 +134,12 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
     it could save (here each draft costs 6 ms, a plain step 5), speculation loses at any acceptance:
     the replica's sequences then wait until a recheck's cost (a step's measured time beyond plain
     steps' for its expected tokens, for a run of steps) is ``recheck_budget`` of the wait: at k = 1,
-    3 x (11 - 5 x 1.05) / (0.02 x 5), about 170 steps."""
+    3 x (11 - 5 x 1.05) / (0.02 x 5), about 170 steps. A later request on the replica, which the replica's
+    evidence keeps plain from its start, tries only once that evidence has aged for hundreds of plain steps."""
     from core.policy import StepCosts
 
-    def drive(extra_s, steps=2000):
-        costs = StepCosts()
+    def drive(extra_s, steps=2000, costs=None):
+        costs = costs or StepCosts()
         p, ks = AdaptiveK(4, recheck_steps=8, costs=costs), []
         for _ in range(steps):
             k = p.next_k()
@@ -147,9 +148,11 @@ def test_rechecks_from_plain_decoding_back_off_while_they_fail():
         starts = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
         return p, ks, starts, [b - a for a, b in itertools.pairwise(starts)]
 
-    p, ks, starts, gaps = drive(lambda k: 0.004 * (k > 0))  # 9 ms a step at any k: acceptance decides
+    p, ks, starts, gaps = drive(lambda k: 0.004 * (k > 0), 1000)  # 9 ms a step at any k: acceptance decides
     assert len(gaps) >= 4 and all(a < b for a, b in itertools.pairwise(gaps)), gaps
     assert p.costs.recheck_in == 0 and max(gaps) <= p.max_recheck_steps + p.run, gaps
+    late, ks, starts, _ = drive(lambda k: 0.004 * (k > 0), 1000, p.costs)
+    assert ks[0] == 0 and starts and starts[0] > 250, starts  # (plain from its start: no try on the evidence)
     p, ks, starts, gaps = drive(lambda k: 0.006 * k)  # no acceptance pays
     assert len(gaps) >= 4 and min(gaps[2:]) >= 150, gaps  # (once the steps at k are measured)
     spent = sum(0.006 * k for k in ks[starts[0]:] if k > 0)  # beyond plain decoding, the first try aside
@@ -474,8 +477,8 @@ def test_a_drafter_slowed_until_drafting_cannot_pay_is_left_for_plain_decoding(t
 
 
 def test_a_step_with_more_drafts_is_never_read_as_cheaper():
-    """Per-k step costs measured where each k happened to run are noisy and biased (served: k = 1 read
-    5.4 ms beside k = 2's 4.1, k = 3 7.2 ms beside k = 5's 6.2): the policy pools adjacent violators,
+    """Per-k step costs measured where each k happened to run are noisy and biased (served, lower ks read
+    dearer than higher ones: docs/decisions/0032-policy-cold-start.md): the policy pools adjacent violators,
     weighted by their steps, so its costs never fall as k grows."""
     from core.policy import StepCosts
 
@@ -521,13 +524,78 @@ def test_a_cold_replica_measures_a_spread_of_k_once():
 
 def test_a_sequences_first_decoding_step_is_not_read_as_a_steady_step():
     """The prompt's prefill reports no times, and the step after it is cold (the drafter catches up on
-    the prompt): neither is a cost of k, for the replica or the request."""
+    the prompt): neither is a steady cost of k, for the replica or the request. The cold step, with the
+    drafting the prefill waited for, and the first speculative step after plain ones are the replica's cold
+    steps (what a try from plain decoding pays)."""
     p = AdaptiveK(4)
-    p.observe(2, 1)  # the prefill: acceptance only
+    p.observe(2, 1, start_s=0.006)  # the prefill: acceptance, and the drafting it waited for (the drafter's prompt)
     p.observe(2, 1, 0.003, 0.004, 0.012, 1)  # the first decoding step
     assert not p.costs.row(1) and not p.own.row(1)
+    assert list(p.costs.cold[1]) == [(2, pytest.approx(0.018))]  # cold: with the prefill's drafting
     p.observe(2, 2, 0.0, 0.004, 0.005, 1)
     assert list(p.costs.row(1)[2]) == [0.005] and list(p.own.row(1)[2]) == [0.005]
+    p.observe(0, 0, 0.0, 0.004, 0.004, 1)
+    p.observe(2, 0, 0.002, 0.004, 0.011, 1)  # the first after plain steps: cold too
+    assert [s for _, s in p.costs.cold[1]] == [pytest.approx(0.018), 0.011] and len(p.costs.row(1)[2]) == 1
+
+
+def _serve_sampled(costs, cold_extra_s: float, requests: int, seed: int = 0, accept: float = 0.45,
+                   horizon: int | None = None) -> list[list[int]]:
+    """Requests of 128 steps on one replica's tables: each draft accepted with chance ``accept`` (sampled text), a
+    plain step 4 ms, a steady one at k 4.5 + 0.8 k ms, a cold one (a sequence's first speculative step, or the
+    first after plain steps) ``cold_extra_s`` more. Each request's ks, its prompt's prefill first."""
+    import random
+
+    rng, out = random.Random(seed), []
+    for _ in range(requests):
+        p = AdaptiveK(4, costs=costs, horizon=horizon)
+        ks = [p.next_k()]
+        p.observe(ks[0], next((j for j in range(ks[0]) if rng.random() >= accept), ks[0]))  # the prefill
+        for _ in range(127):
+            k = p.next_k()
+            cold = k > 0 and ks[-1] == 0 or len(ks) == 1
+            wall = 0.004 if k == 0 else 0.0045 + 0.0008 * k + (cold_extra_s if cold else 0.0)
+            p.observe(k, next((j for j in range(k) if rng.random() >= accept), k), 0.0005 * k, 0.004, wall)
+            ks.append(k)
+        out.append(ks)
+    return out
+
+
+def test_a_new_request_starts_from_the_acceptance_the_replica_measured():
+    """A new request's prior is the acceptance the replica's sequences measured at its temperature (shrunk
+    towards ``prior`` while they have tested little), not the neutral prior: served at T = 0.8 the replica
+    measured 0.35-0.45 while every new request assumed 0.6."""
+    from core.policy import StepCosts
+
+    costs = StepCosts()
+    _serve_sampled(costs, 0.0, 2)
+    measured = sum(costs.acceptance.accepted) / sum(costs.acceptance.tested)
+    late, alone = AdaptiveK(4, costs=costs), AdaptiveK(4)
+    assert measured < 0.5 and late.acceptance < alone.acceptance - 0.1, (measured, late.acceptance)
+    assert measured <= late.acceptance and alone.acceptance == pytest.approx(alone.prior)
+    assert late.expected_tokens(4)[4] < alone.expected_tokens(4)[4] - 0.3
+
+
+def test_a_try_from_plain_decoding_pays_for_its_cold_step():
+    """The step tables hold steady steps only; a try from plain decoding (a request's first, a recheck) also
+    pays a cold step (the drafter catches up on the prompt or the tokens decoded plain; the pre-draft is gone),
+    which the replica measures apart (``StepCosts.cold``) and charges to the try, over the tokens the request
+    may still speculate on. On sampled text where a steady k pays a little (0.7 a draft), with cold steps 11 ms
+    dearer, the replica's later requests of a few tokens decode plain from their first step and make no try in
+    128 steps, while long ones try; where cold steps cost what steady ones do, every request tries. Where
+    no steady k pays on what the replica measured (0.3 a draft), not even a long request tries."""
+    from core.policy import StepCosts
+
+    dear, cheap, hard = StepCosts(), StepCosts(), StepCosts()
+    _serve_sampled(dear, 0.011, 3, accept=0.7)
+    _serve_sampled(cheap, 0.0, 3, accept=0.7)
+    _serve_sampled(hard, 0.0, 3, accept=0.3)
+    assert dear.cold_extra_s(1, [0.0045 + 0.0008 * k for k in range(5)]) == pytest.approx(0.011, abs=0.002)
+    later = _serve_sampled(dear, 0.011, 4, seed=1, accept=0.7, horizon=4)
+    assert all(sum(k > 0 for k in ks) == 0 for ks in later), [sum(k > 0 for k in ks) for ks in later]
+    assert all(ks[0] > 0 for ks in _serve_sampled(dear, 0.011, 4, seed=1, accept=0.7, horizon=2000))
+    assert all(ks[0] > 0 for ks in _serve_sampled(cheap, 0.0, 4, seed=1, accept=0.7, horizon=4))
+    assert all(ks[0] == 0 for ks in _serve_sampled(hard, 0.0, 4, seed=1, accept=0.3, horizon=2000))
 
 
 def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
@@ -571,3 +639,25 @@ def test_greedy_and_sampled_requests_measure_apart(tiny_engines):
     asyncio.run(constrained())
     assert server.costs_for(greedy, True) is not g and server.costs_for(greedy, True).acceptance.tested
     assert g.acceptance.tested == tested and g.measured(1) == measured
+
+
+def test_rechecks_stop_while_the_replicas_rechecks_fail():
+    """Where a text defeats the drafter at a temperature it stays so (sampled: noise, not a change of text), and
+    each recheck costs a cold step and a run: a request that left speculation skips its rechecks while fewer
+    than a quarter of the replica's recent ones resumed speculation, and rechecks as before where they win.
+    A skip ages the evidence, so a recheck still comes now and then."""
+    from core.policy import StepCosts
+
+    def rechecks(costs):
+        p, ks = AdaptiveK(4, costs=costs), []
+        for i in range(600):  # predictable for 30 steps, then text the drafter never guesses
+            k = p.next_k()
+            ks.append(k)
+            p.observe(k, k if i < 30 else 0, draft_s=0.001 * k, verify_s=0.005, step_s=0.009 if k else 0.005)
+        return sum(1 for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0)
+
+    assert rechecks(StepCosts(rechecks=(6.0, 8.0))) >= 4 and rechecks(StepCosts()) >= 4
+    assert rechecks(StepCosts(rechecks=(0.0, 8.0))) == 0
+    asked = [StepCosts(rechecks=(0.0, 8.0))] * 12
+    won = [costs.rechecks_win() for costs in asked]  # (one replica's, asked at 12 recheck points)
+    assert not won[0] and any(won), won  # skipped rechecks age the evidence until one goes ahead

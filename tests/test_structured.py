@@ -32,6 +32,7 @@ from core.grammar import (
 )
 from core.loop import generate
 from core.sampling import processed_probs
+from drafter.base import BatchedDrafter
 from drafter.dflash_drafter import ParallelDrafter
 from drafter.eagle3_drafter import Eagle3Drafter
 from drafter.model_drafter import ModelDrafter
@@ -63,7 +64,7 @@ def _engines(target, tok, drafter):
     ver.eos_ids = {EOS}  # (the tiny models leave EOS unset; the grammar ends with it)
     if hasattr(drafter, "eos_ids"):
         drafter.eos_ids = {EOS}
-    if isinstance(drafter, ModelDrafter):
+    if isinstance(drafter, BatchedDrafter):
         drafter.grammar_tokenizer = tok
     return ver
 
@@ -96,7 +97,7 @@ def drafters(tok, target, names=("draft_model", "ngram", "eagle3", "dflash", "ds
     out = {}
     for name in names:
         d = make[name]()
-        if isinstance(d, ModelDrafter):
+        if isinstance(d, BatchedDrafter):
             d.grammar_tokenizer = tok
         out[name] = d
     return out

@@ -115,7 +115,7 @@ def test_constraints_that_cannot_be_served_are_400s_naming_the_field_and_others_
             return refusals, [await f for f in flight]
 
     refusals, others = asyncio.run(run())
-    for (path, body, param), r in zip(bad, refusals):
+    for (_path, body, param), r in zip(bad, refusals):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body.keys(), r.text[:300])
     assert "structured_outputs.json" in refusals[-2].json()["error"]["message"]  # the replacement, named
     assert all(o.status_code == 200 and o.json()["choices"][0]["text"] == alone for o in others)

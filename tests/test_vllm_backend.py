@@ -360,22 +360,6 @@ def test_sampled_outputs_follow_target_distribution_end_to_end(vllm_app):
     assert chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue > 1e-3
 
 
-@SERVED_VLLM
-def test_prefix_benchmark_smoke(vllm_app):
-    """The prefix-caching benchmark (``python -m bench.vllm prefix``) in tiny settings, through the replica."""
-    from bench.vllm import measure_prefix
-
-    h = verifier_handle()
-
-    async def verify(reqs):
-        return await h.verify.remote(reqs)
-
-    rows = asyncio.run(measure_prefix(verify, lengths=[40, 200], repeats=3, k=3, seed=0, vocab=300))
-    assert [r["length"] for r in rows] == [40, 200]
-    for r in rows:
-        assert r["median_ms"] > 0 and r["cache_misses"] == 0
-
-
 def test_serve_vllm_config_and_bounds():
     from pathlib import Path
 

@@ -45,7 +45,7 @@ def test_modes_and_refusals():
     from pydantic import ValidationError
 
     from configs import AppConfig
-    from deployments.app import check_eagle3
+    from drafter.checks import check_eagle3
 
     base = {"verifier": VERIFIER, "drafter": HEAD_CFG}
     assert check_eagle3(AppConfig.model_validate(base)).aux_layer_ids == [2, 4, 5]

@@ -115,7 +115,8 @@ class VerifierEngine:
                 if r.draft_probs is not None:
                     r.draft_probs = r.draft_probs.head(room)
             try:
-                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned)
+                slot = self.cache.claim(r.seq_id, r.start, r.prefix, r.new_tokens if r.full else None, pinned,
+                                        r.cache_salt, self._shares(r), tuple(r.capture))
                 # the sequence through its drafts: blocks for them now, so a full pool fails this sequence only
                 self.cache.reserve(r.seq_id, (0 if r.full else r.start) + len(r.new_tokens) + r.k, pinned)
             except CacheMiss:
@@ -133,6 +134,25 @@ class VerifierEngine:
         for res in out:
             res.engine_s = dt
         return out
+
+    def _shares(self, r: VerifyRequest) -> bool:
+        """Whether a sequence may start from blocks cached by other requests: not one whose traffic is recorded
+        (from its first position). A head's states are kept beside the blocks (``_head_states``)."""
+        return not (self.capture is not None and self.capture.wants(r))
+
+    def _head_states(self, r: VerifyRequest, slot, res: VerifyResult, start: int) -> None:
+        """The slot's states for a head (``Slot.kept``), for its blocks' later hits; after a hit, the
+        result's states start with the cached prefix's, kept beside its blocks."""
+        if not r.capture:
+            slot.kept = None  # a gap: no block is made from it
+            return
+        if slot.kept is not None and slot.kept_from <= start <= slot.kept_from + slot.kept.shape[0]:
+            slot.kept = torch.cat([slot.kept[: start - slot.kept_from], res.aux])
+        else:
+            slot.kept, slot.kept_from = res.aux, start
+        if slot.prefix_hit and start == slot.prefix_hit:
+            res.aux = torch.cat([self.cache.states_of(slot.blocks[: start // self.cache.block_size]), res.aux])
+            res.aux_start = 0
 
     def _verify_group(self, group, results: dict) -> None:
         """One forward pass for the group, then each sequence's decision. A sequence that makes either
@@ -175,7 +195,10 @@ class VerifierEngine:
                 res.aux_start = starts[i]
             # keep the accepted drafts' K/V; the recovered/bonus token was never fed
             slot.cut(len(slot.tokens) - r.k + res.num_accepted)
-            res.cached = len(slot.tokens)
+            if self.cache.prefix_caching:
+                self._head_states(r, slot, res, starts[i])
+            self.cache.commit(slot, layers=tuple(r.capture))  # its full blocks, now final, for later requests
+            res.cached, res.prefix_hit = len(slot.tokens), slot.prefix_hit
             if states is not None and self.capture is not None and self.capture.wants(r):
                 self.capture.record(r, slot.tokens, starts[i], states[i])
             results[r.seq_id] = res

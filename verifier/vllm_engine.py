@@ -32,6 +32,7 @@ Two ways to get the distributions, both costing work proportional to the new tok
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import os
@@ -45,6 +46,9 @@ from core.grammar import Constraint
 from core.models import eos_token_ids, pin_process, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
+
+# the cache_salt of the verify call a task serves (each call of a batch runs in a task of its own)
+_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cache_salt", default=None)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import VerifierConfig
@@ -241,6 +245,7 @@ class VllmVerifierEngine:
 
     async def _verify_one(self, r: VerifyRequest) -> VerifyResult:
         t_call = time.perf_counter()
+        _SALT.set(r.cache_salt)  # its engine requests read vLLM's prefix cache under the tenant's salt
         room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
         if room < 0:
             return VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
@@ -281,9 +286,9 @@ class VllmVerifierEngine:
     async def _run(self, seq_id: str, prompt: list[int], params):
         from vllm import TokensPrompt
 
-        out = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                           f"{seq_id}-{next(self._ids)}"):
+        out, salt = None, _SALT.get()
+        prompt_in = TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {}))
+        async for out in self.llm.generate(prompt_in, params, f"{seq_id}-{next(self._ids)}"):  # noqa: B007 (returned)
             pass
         self.stats["engine_requests"] += 1
         self.stats["prompt_tokens"] += len(prompt)
@@ -363,15 +368,20 @@ class VllmVerifierEngine:
             output_kind=RequestOutputKind.DELTA, extra_args=extra,
             structured_outputs=None if constraint is None else structured_outputs(constraint))
 
-    async def generate(self, tokens: list[int], params, request_id: str):
+    async def generate(self, tokens: list[int], params, request_id: str, cache_salt: str | None = None,
+                       cached: dict | None = None):
         """Stream (new token ids, their logprobs or None, vLLM's speculation counts for the request or
-        None) from vLLM's loop for one request; the counts come with the last output."""
+        None) from vLLM's loop for one request; the counts come with the last output. ``cache_salt``: the
+        tenant's, for vLLM's prefix cache; ``cached["tokens"]``: the prompt tokens it read from that cache."""
         from vllm import TokensPrompt
 
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
+        prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": cache_salt} if cache_salt else {}))
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id):
+                if cached is not None and out.num_cached_tokens is not None:
+                    cached["tokens"] = out.num_cached_tokens
                 o = out.outputs[0]
                 lps = None
                 if params.logprobs is not None and o.logprobs is not None:

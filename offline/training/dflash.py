@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.dflash import ParallelHead, ParallelSpec, load_head, save_head
+from core.dflash import FORMATS, ParallelHead, ParallelSpec, load_head, save_head
 from core.eagle3 import aux_states, draft_vocabulary, kl_to_target
 
 
@@ -105,6 +105,7 @@ def new_head(target, method: str, block: int, mask_token: int, counts: torch.Ten
     heads = tc.num_attention_heads
     rope = dict(getattr(tc, "rope_parameters", None) or {"rope_theta": getattr(tc, "rope_theta", 10000.0)})
     rope.setdefault("rope_type", "default")
+    markov = FORMATS[method].markov  # DSpark: a Markov head and a confidence head
     spec = ParallelSpec(method=method, hidden_size=tc.hidden_size, num_attention_heads=heads,
                         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
                         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
@@ -112,8 +113,8 @@ def new_head(target, method: str, block: int, mask_token: int, counts: torch.Ten
                         max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
                         draft_vocab_size=min(draft_vocab, tc.vocab_size), target_hidden_size=tc.hidden_size,
                         aux_layer_ids=sorted(aux_layers), block_size=block, mask_token_id=mask_token, num_layers=layers,
-                        rope_parameters=rope, markov_rank=markov_rank if method == "dspark" else 0,
-                        confidence_head=method == "dspark", confidence_with_markov=method == "dspark")
+                        rope_parameters=rope, markov_rank=markov_rank if markov else 0,
+                        confidence_head=markov, confidence_with_markov=markov)
     head = ParallelHead(spec)
     d2t, t2d = draft_vocabulary(counts, spec.draft_vocab_size)
     with torch.no_grad():
