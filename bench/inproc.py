@@ -69,6 +69,31 @@ class Reference:
                 "output_ids": seq.output_ids}
 
 
+    def structured(self, prompt_ids: list[int], max_tokens: int, k: int, drafter: str, schema: dict,
+                   forced: bool) -> dict:
+        """One greedy request under a JSON schema on the served loop in process (``speculate_local``: pre-drafting,
+        fixed k), ``forced``: the grammar's forced tokens drafted for free (a head: never, docs/decisions/0034)."""
+        import asyncio
+
+        from configs import NgramConfig, SamplingParams
+        from core.grammar import json_schema_constraint
+        from core.loop import speculate_local
+        from core.policy import FixedK
+        from core.sequence import Sequence
+        from drafter.ngram import NgramDrafter
+
+        if drafter == "ngram" and not hasattr(self, "ngram"):
+            self.ngram = NgramDrafter(NgramConfig())
+        dr = {"draft_model": self.drafter, "eagle3": self.eagle3, "ngram": getattr(self, "ngram", None)}[drafter]
+        v = self.verifier
+        seq = Sequence(list(prompt_ids), SamplingParams(temperature=0, max_tokens=max_tokens), k, v.tokenizer,
+                       v.eos_ids, v.max_len, constraint=json_schema_constraint(schema))
+        t0 = time.perf_counter()
+        asyncio.run(speculate_local(seq, dr if k > 0 else None, v, FixedK(k), forced=forced))
+        return {"wall_s": time.perf_counter() - t0, "tokens": seq.num_output, "steps": seq.stats.steps,
+                "output_ids": seq.output_ids}
+
+
 class Transformers:
     """transformers ``generate``: plain, and assisted generation (``assistant_model=``) with a
     constant number of assistant tokens k (the heuristic schedule and the confidence cut-off

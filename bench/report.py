@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
 
-SCENARIOS = ("latency", "breakdown", "load", "acceptance", "plan_check", "plan")
+SCENARIOS = ("latency", "breakdown", "load", "acceptance", "plan_check", "plan", "vllm_structured")
 # Example prices per replica-hour: an H100-class GPU for the verifier pool, an L4-class one for the drafter pool
 # (on-demand list prices' order of magnitude in 2025); the throughput is this machine's, so the cost says what the
 # ratio of the two modes costs, not what a GPU deployment would
@@ -272,6 +272,19 @@ def acceptance_section(acc: dict | None) -> list[str]:
     return L + ["", "![acceptance.png](acceptance.png)", ""]
 
 
+def structured_section(st: dict | None) -> list[str]:
+    """``bench.vllm structured``: JSON answers under a schema each, per system."""
+    if not st:
+        return []
+    c = st["config"]
+    return ["## Structured outputs (JSON schemas)", "", _cmd(st),
+            f"{st['workload']['prompts']} prompts, a schema each, greedy, at most {c['max_tokens']} tokens, k = {c['k']}, "
+            "one thread; `_forced`: the grammar's forced tokens drafted for free; vLLM's steps: tokens - accepted drafts.",
+            "", "| system | tokens / step | ms / token | median ms / token | same tokens as off |", "|---|---|---|---|---|"] + [
+        f"| {n} | {_f(r['tokens_per_step'])} | {_f(r['ms_per_token'])} | {_f(r['median_ms_per_token'])} | "
+        f"{_f(r['same_tokens_as_off'])} |" for n, r in st["systems"].items()] + [""]
+
+
 def latency_section(lat: dict | None) -> list[str]:
     """bench.latency's tables per temperature, each with its zero-overhead bound."""
     if not lat:
@@ -409,6 +422,7 @@ def markdown(data: dict, plots: list[str], m: dict | None = None) -> str:
           "section names the command that measured it.", ""]
     L += workload_section(data)
     L += acceptance_section(data.get("acceptance"))
+    L += structured_section(data.get("vllm_structured"))
     if data.get("plan_check"):
         from bench.plan import check_markdown
 

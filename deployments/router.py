@@ -175,8 +175,10 @@ class Router:
         if c is None:
             return None
         param = c.param.split(".")[0]
-        if self.config.verifier.backend == "vllm":
-            raise OpenAIError(400, f"{param} is not supported with the vllm verifier backend", param=param)
+        v = self.config.verifier
+        if v.backend == "vllm" and v.vllm_loop != "engine":  # (vLLM's own loop masks p with its structured outputs)
+            raise OpenAIError(400, f"{param} is not supported with the vllm verifier backend's per-step loop "
+                              "(vllm_loop: per_step); vllm_loop: engine serves it", param=param)
         if body.ignore_eos:
             raise OpenAIError(400, "ignore_eos cannot be combined with a structured output, which ends where its "
                               "grammar does", param="ignore_eos")

@@ -366,18 +366,18 @@ class VerifierServer(EngineServer):
     async def _steps(self, prompt_ids: list[int], params: SamplingParams, seq_id: str, k: int,
                      max_len: int | None, logprobs: int | None, output_ids, k_policy: str, prediction: list[int] = (),
                      constraint: Constraint | None = None, cache_salt: str | None = None):
-        """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding
-        each step's new token ids, their logprobs and a ``StepInfo``. Only drafting crosses the
-        network (to the drafter pool, overlapped with verification by pre-drafting); verification
-        shares the batched forward passes with every other sequence here. k = 0 (or no drafter
-        pool) is plain decoding. It stops at EOS, max_tokens or the context limit; stop strings
-        and text stay with the caller, which closes the stream when it is done, and which can
-        resume the sequence on any replica from its tokens (``output_ids``): randomness is keyed
-        by position, so a seeded request continues exactly as it would have. ``prediction``: the
-        client's predicted output, drafted from where it continues the sequence."""
+        """A request's whole speculative loop on this replica (``core.loop.speculate``), yielding each step's new
+        token ids, their logprobs and a ``StepInfo``. Only drafting crosses the network (to the drafter pool,
+        overlapped with verification by pre-drafting); verification shares the batched forward passes with every
+        other sequence here. k = 0 (or no drafter pool) is plain decoding. It stops at EOS, max_tokens or the
+        context limit; stop strings and text stay with the caller, which closes the stream when it is done, and
+        which can resume the sequence on any replica from its tokens (``output_ids``): randomness is keyed by
+        position, so a seeded request continues exactly as it would have. ``prediction``: the client's predicted
+        output, drafted from where it continues the sequence."""
         from deployments.batcher import Overloaded
         if self.vllm_loop:
-            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, cache_salt):
+            async for item in self._speculate_vllm(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids,
+                                                   cache_salt, constraint):
                 yield item
             return
         eng = self.engine
@@ -446,14 +446,12 @@ class VerifierServer(EngineServer):
             seq.forced_masks = SequenceMasks(self.engine.masks.grammars)
 
     async def _speculate_vllm(self, prompt_ids, params: SamplingParams, seq_id: str, k: int, max_len: int | None,
-                              logprobs: int | None, output_ids, cache_salt: str | None = None):
-        """``speculate`` on vLLM's own loop: one engine request for the rest of the sequence; vLLM
-        verifies, and drafts through splitspec's proposer in its worker (``verifier.vllm_proposer``),
-        which calls the drafter pool directly. k is per request (at most the engine's
-        ``vllm_num_speculative_tokens``); the adaptive policy is not available here (vLLM
-        schedules k), so a request speculates its k every step. Each stream item is what one engine
-        step emitted (vLLM coalesces steps when the stream is read late: then ``accepted`` is capped
-        at k)."""
+                              logprobs: int | None, output_ids, cache_salt: str | None = None, constraint=None):
+        """``speculate`` on vLLM's own loop: one engine request for the rest of the sequence; vLLM verifies, and drafts
+        through splitspec's proposer in its worker (``verifier.vllm_proposer``), which calls the drafter pool. k is per
+        request (at most ``vllm_num_speculative_tokens``), no adaptive policy (vLLM schedules k). Each stream item is what
+        one engine step emitted (vLLM coalesces steps when the stream is read late: then ``accepted`` is capped at k).
+        ``constraint``: vLLM's structured outputs mask p, the drafter pool q."""
         from deployments.batcher import Overloaded
 
         eng = self.engine
@@ -468,6 +466,8 @@ class VerifierServer(EngineServer):
         limit = min(max_len or eng.max_len, eng.max_len)
         if len(tokens) >= limit:
             raise ValueError(f"{len(tokens)} tokens reach the context limit {limit}")
+        if constraint is not None and output_ids:  # vLLM's grammar starts where its request does
+            raise ValueError("a structured output cannot resume part-way on vLLM's loop")
         max_tokens = min(params.max_tokens - len(output_ids), limit - len(tokens))
         if max_tokens <= 0:
             return
@@ -476,7 +476,7 @@ class VerifierServer(EngineServer):
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         # a resumed stream has emitted output_ids already: they count towards min_tokens
         params = params.model_copy(update={"min_tokens": max(0, params.min_tokens - len(output_ids))})
-        sp = eng.sampling_params(params, k, seq_id, seed, len(prompt_ids), max_tokens, logprobs)
+        sp = eng.sampling_params(params, k, seq_id, seed, len(prompt_ids), max_tokens, logprobs, constraint)
         if not self._streams:  # autoscaling load: busy while any stream runs in the engine
             self.load.begin()
         self._streams += 1

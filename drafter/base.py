@@ -37,6 +37,10 @@ class BatchedDrafter(ABC):
     # the tokenizer structured outputs compile against; None: the target's (verifier_model) or the draft model's
     grammar_tokenizer = None
     _gmasks: SequenceMasks | None = None  # made at the first constrained draft
+    # q as sent: the drafter's masked distribution, the one its drafts are drawn from. False only as the
+    # distribution tests' negative control: the drafts stay masked, q goes out unmasked (its values at the
+    # same entries), which rejection sampling cannot correct for
+    q_masked = True
     inference_mode = False  # propose under torch.inference_mode (the heads; a draft model's passes enter it themselves)
 
     def _setup(self, config) -> None:
@@ -167,7 +171,7 @@ class BatchedDrafter(ABC):
     def _draw(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], prop: Proposal) -> int:
         """Draw the draft token after ``slot_tokens`` (the context and earlier drafts) from q (logits [1, V])."""
         position = len(slot_tokens)
-        logits = self._masked(r, logits, slot_tokens)
+        raw, logits = logits, self._masked(r, logits, slot_tokens)
         # q gets the target's processors too (penalties over the context and earlier drafts), so it tracks p
         history = None
         if r.sampling.processed:
@@ -193,6 +197,8 @@ class BatchedDrafter(ABC):
         vals = vals / vals.sum()
         u = torch.tensor([uniform(r.seed, position, Stream.DRAFT)])
         token = int(ids[sample_inverse_cdf(vals.unsqueeze(0), u)[0]])
+        if not self.q_masked and r.grammar is not None:
+            vals = processed_probs(raw, r.sampling, history)[0][ids]
         prop.probs.ids.append(ids.tolist())
         prop.probs.probs.append(vals.tolist())
         return token

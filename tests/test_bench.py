@@ -440,3 +440,18 @@ def test_acceptance_measures_the_users_own_models_and_says_how_many_prompts(tmp_
     assert row["num_drafts"] > 0 and row["prompts"] == 2
     with pytest.raises(SystemExit):
         acceptance.parse(["--config", str(config), "--drafter", "ngram"])
+
+
+def test_the_report_renders_the_structured_workload(tmp_path):
+    """``bench.vllm structured`` writes vllm_structured.json; the report renders its table of systems."""
+    from bench import report
+
+    row = {"tokens_per_step": 4.1, "ms_per_token": 1.5, "median_ms_per_token": 1.4, "same_tokens_as_off": 1.0}
+    (tmp_path / "vllm_structured.json").write_text(json.dumps({
+        "scenario": "vllm_structured", "config": {"max_tokens": 64, "k": 4}, "workload": {"prompts": 20},
+        "systems": {"off": {**row, "tokens_per_step": 1.0}, "draft_model_forced": row},
+        "environment": {"command": "python -m bench.vllm structured --prompts 20"}}))
+    report.render(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Structured outputs (JSON schemas)" in md and "`python -m bench.vllm structured --prompts 20`" in md
+    assert "| off | 1.00 | 1.50 | 1.40 | 1.00 |" in md and "| draft_model_forced | 4.10 | 1.50 | 1.40 | 1.00 |" in md

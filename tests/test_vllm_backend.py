@@ -8,9 +8,12 @@ protocol is answered by the same engine. Skipped when vLLM is not installed (``p
 """
 
 import asyncio
+import json
 import random
+import re
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -377,6 +380,83 @@ def test_serve_vllm_config_and_bounds():
     args = cfg["applications"][0]["args"]
     with pytest.raises(ValidationError, match="vllm_num_speculative_tokens"):  # vLLM's loop verifies at most that many
         AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm_num_speculative_tokens": 2}})
+
+
+@SERVED_VLLM
+def test_structured_outputs_on_vllms_loop(vllm_app):
+    """vLLM's structured outputs mask p, the drafter pool draws its drafts under the same grammar: greedy
+    with a schema is the same with speculation on and off, and validates; seeded sampled outputs (T = 0.8,
+    k = 4) under the schema, a regex and a choice all match; sampled requests still send q."""
+    from tests.test_structured import CHOICES, REGEX, SCHEMA
+
+    base, *_ = vllm_app
+    h = verifier_handle()
+    before = h.stats.remote().result()["proposer"][0]
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+
+    def complete(prompt, k, **kw):
+        r = httpx.post(f"{base}/v1/completions", timeout=180, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 200, "num_speculative_tokens": k, "return_token_ids": True,
+            **kw})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        return choice
+
+    for prompt in ("def add(a, b):", "class Point:\n", "for i in range(10):"):
+        on, off = (complete(prompt, k, temperature=0, response_format=rf) for k in (4, 0))
+        assert on["token_ids"] == off["token_ids"], (on["text"], off["text"])
+        assert on["speculation"]["num_draft_tokens"] > 0
+        jsonschema.validate(json.loads(on["text"]), SCHEMA)
+    for seed in range(8):
+        text = complete("def add(a, b):", 4, temperature=0.8, seed=seed, response_format=rf)["text"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        so = {"regex": REGEX} if seed % 2 else {"choice": CHOICES}
+        text = complete("x = ", 4, temperature=0.8, seed=seed, structured_outputs=so)["text"]
+        assert (re.fullmatch(REGEX, text) if seed % 2 else text in CHOICES), text
+    after = h.stats.remote().result()["proposer"][0]
+    assert after["q_rows"] > before["q_rows"] and after["failures"] == 0, after
+
+
+def test_constraints_go_to_vllms_structured_outputs_and_the_drafter_pool():
+    """Each kind of constraint becomes vLLM's StructuredOutputsParams; the proposer's drafter calls carry it
+    by hash, whole on a full resend; the per-step loop refuses one with a 400 naming the field; and vLLM's
+    scheduler still drops the drafts its grammar forbids (the proposer's lossless argument rests on it)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from configs import AppConfig
+    from core.grammar import Constraint, choice_constraint, json_schema_constraint
+    from deployments.openai_api import CompletionRequest, OpenAIError
+    from deployments.router import Router
+    from verifier.vllm_engine import structured_outputs
+    from verifier.vllm_proposer import SplitspecProposer
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    so = structured_outputs(json_schema_constraint(schema))
+    assert json.loads(so.json) == schema
+    assert structured_outputs(json_schema_constraint(None)).json_object is True
+    assert structured_outputs(choice_constraint(["x", "y"])).choice == ["x", "y"]
+    assert structured_outputs(Constraint("regex", "[a-z]+")).regex == "[a-z]+"
+    assert structured_outputs(Constraint("grammar", 'root ::= "a"')).grammar == 'root ::= "a"'
+    c = Constraint("regex", "[a-z]+")
+    prop = SplitspecProposer.__new__(SplitspecProposer)
+    prop.tree, prop.aux_layers, prop.ctx, prop.chains, prop.held = 1, (), {}, {}, {}
+    ex = {"seq": "s", "k": 2, "seed": 0, "num_prompt": 1, "grammar": [c.kind, c.spec],
+          "sampling": __import__("pickle").dumps(SamplingParams(temperature=0.8))}
+    t = (0, "s", [5, 6, 7], 2, ex)
+    by_hash, whole = prop._request(t), prop._request(t, full=True)
+    assert by_hash.grammar == c.ref() and whole.grammar == c  # by hash, then whole
+    assert prop._request((0, "s", [5, 6, 7], 2, {**ex, "grammar": None})).grammar is None
+    app = AppConfig.model_validate({"verifier": {"model": "m", "backend": "vllm", "vllm_loop": "per_step"},
+                                    "drafter": {"method": "ngram"}})
+    router = SimpleNamespace(config=app, chat=None)
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(Router._constraint(router, CompletionRequest(prompt="x", structured_outputs={"regex": "a+"})))
+    assert e.value.status == 400 and e.value.param == "structured_outputs" and "per_step" in str(e.value)
+    assert "validate_tokens" in inspect.getsource(Scheduler.update_draft_token_ids)
 
 
 @SERVED_VLLM  # and waits out drafter replica restarts

@@ -92,3 +92,19 @@ def test_the_unseen_code_workload_is_in_no_training_text(tok):
     corpus = "\n".join(s.text for s in [*train, *held])
     for text, ids in w.prompts:
         assert ids and text.splitlines()[-1].strip() and text[:60] not in corpus
+
+
+def test_the_structured_workload_pairs_each_prompt_with_a_schema_that_compiles(tok):
+    """``structured-json``: 20 or more code openings, each with its own JSON schema (the structured benchmark's
+    requests), every schema one the grammar engine compiles; a subset keeps each prompt's schema."""
+    from core.grammar import Grammars, json_schema_constraint
+
+    w = workloads.load(workloads.STRUCTURED, None, tok)
+    schemas = w.info["schemas"]
+    assert len(w.prompts) >= 20 and len(schemas) == len(w.prompts)
+    assert len({json.dumps(s, sort_keys=True) for s in schemas}) == len(schemas)  # no two alike
+    g = Grammars(tok, len(tok), {tok.eos_token_id})
+    for s in schemas:
+        assert g.compile(json_schema_constraint(s)) is not None
+    part = workloads.load(workloads.STRUCTURED, 5, tok, seed=3)
+    assert part.info["schemas"] == [schemas[i] for i in part.info["indices"]]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import json
 import os
 import time
 from collections import OrderedDict
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.grammar import Constraint
 from core.models import eos_token_ids, pin_process, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
@@ -113,12 +115,31 @@ def _engine_args(config: VerifierConfig, max_len: int, enable_prefix_caching: bo
         kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
         max_num_batched_tokens=max(config.max_batch_tokens, max_len),
         max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
-        skip_tokenizer_init=True,  # token ids in, log-probabilities out: nothing to detokenise
+        # token ids in and out, nothing detokenised (detokenize=False); the tokenizer is for structured outputs,
+        # whose grammars vLLM compiles as core.grammar does: xgrammar, compact JSON
+        structured_outputs_config=_structured_outputs_config(),
         enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
         tensor_parallel_size=config.tensor_parallel_size,
         # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
         distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
         per_request_spec_decode_metrics=spec_metrics)
+
+
+def _structured_outputs_config():
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+
+
+def structured_outputs(c: Constraint):
+    """vLLM's StructuredOutputsParams for a constraint (``core.grammar``): vLLM masks p itself, in its loop."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if c.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if c.kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(c.spec))
+    return StructuredOutputsParams(**{c.kind: c.spec})
 
 
 def _speculate(args, config: VerifierConfig, speculative: bool, aux_layers: tuple[int, ...],
@@ -319,10 +340,12 @@ class VllmVerifierEngine:
         return await self.llm.collective_rpc("splitspec_status", args=(consume,))
 
     def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,
-                        logprobs: int | None):
+                        logprobs: int | None, constraint: Constraint | None = None):
         """vLLM's SamplingParams for a request (``configs.SamplingParams`` ``params``), with splitspec's
-        settings for the proposer in ``extra_args``. EOS is a stop token id here: the engine has no
-        tokenizer (token ids in and out), so vLLM's own EOS check would not know it."""
+        settings for the proposer in ``extra_args``. EOS is a stop token id here: token ids in and out,
+        vLLM's own EOS check is off (``ignore_eos``). ``constraint``: a structured output's, which vLLM's
+        structured outputs apply to p at every position (the drafts' and the bonus); the proposer has the
+        drafter pool draw under the same grammar, so that q is what the drafts were drawn from."""
         import pickle
 
         from vllm import SamplingParams as VllmParams
@@ -333,7 +356,8 @@ class VllmVerifierEngine:
                              "loop (vLLM's rejection sampler); use rejection or vllm_loop: per_step")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         extra = {"splitspec": {"seq": seq_id, "k": int(k), "seed": int(seed), "num_prompt": int(num_prompt),
-                               "sampling": pickle.dumps(params.model_copy(update={"stop": ()}))}} if k > 0 else None
+                               "sampling": pickle.dumps(params.model_copy(update={"stop": ()})),
+                               "grammar": None if constraint is None else [constraint.kind, constraint.spec]}} if k > 0 else None
         return VllmParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p, seed=params.seed,
@@ -341,7 +365,8 @@ class VllmVerifierEngine:
             presence_penalty=params.presence_penalty, logit_bias=dict(params.logit_bias) or None,
             min_tokens=min(params.min_tokens, max_tokens), ignore_eos=True, stop_token_ids=sorted(stops),
             logprobs=logprobs, detokenize=False, skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+            output_kind=RequestOutputKind.DELTA, extra_args=extra,
+            structured_outputs=None if constraint is None else structured_outputs(constraint))
 
     async def generate(self, tokens: list[int], params, request_id: str, cache_salt: str | None = None,
                        cached: dict | None = None):

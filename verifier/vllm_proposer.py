@@ -48,6 +48,13 @@ What vLLM's hook lacks, and how it is filled in:
 Lossless: vLLM's rejection sampler accepts draft x with probability min(1, p(x) / q(x)) and
 otherwise samples max(p - q, 0) (greedy: the argmax), which gives p exactly for any q the drafts
 were really drawn from; the drafter draws them from q (greedy drafts: one-hot q).
+
+Structured outputs: vLLM masks p with the request's grammar (its ``structured_outputs``) at every
+position, and its scheduler drops the drafts from the first one the grammar forbids, sampling that
+position from p instead of the residual max(p - q, 0). That is exact for one-hot q (an n-gram's
+drafts, greedy), not for a sampled q that gave the forbidden draft mass; so the drafter is told the
+grammar (``extra_args["splitspec"]["grammar"]``, to ``DraftRequest.grammar``) and draws under its
+masks: every draft is legal and q is what it was drawn from.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import torch
 
 from core.channel import ChannelClient, Endpoint
 from core.gate import BatchSpeculation
+from core.grammar import Constraint
 from core.policy import Breaker
 from core.proposers import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
 from core.protocol import DraftRequest, Proposal, common_prefix_len
@@ -323,10 +331,11 @@ class SplitspecProposer:
                     self._keep(i, seq, ctx, k, p, ex)
 
     def _draft_kw(self, ex: dict, k: int) -> dict:
-        """A drafter call's fields for a request: k drafts, its sampling, seed and prompt length, and
-        the alternatives a pre-draft tree needs."""
+        """A drafter call's fields for a request: k drafts, its sampling, seed and prompt length, the
+        alternatives a pre-draft tree needs, and a structured output's constraint (by hash)."""
+        c = _constraint(ex)
         return dict(k=k, sampling=_params(ex), seed=ex["seed"], num_prompt=ex.get("num_prompt", 0),
-                    alternatives=self.tree + 1 if self.tree > 0 else 0)
+                    alternatives=self.tree + 1 if self.tree > 0 else 0, grammar=None if c is None else c.ref())
 
     def _request(self, t, full: bool = False) -> DraftRequest:
         _, seq, ctx, k, ex = t
@@ -334,6 +343,7 @@ class SplitspecProposer:
         kw = self._draft_kw(ex, k + 1 if self.tree >= 0 else k)
         if full:
             req = DraftRequest(seq, 0, None, list(ctx), full=True, **kw)  # (ctx grows in place next step)
+            req.grammar = _constraint(ex)  # whole: the replica may not have compiled it
         else:
             req = DraftRequest.for_tokens(seq, ctx, self._held_prefix(seq, ctx), self.chains.setdefault(seq, [b""]),
                                           len(ctx), **kw)
@@ -503,6 +513,23 @@ def _params(ex: dict):
             _PARAMS.clear()
         p = _PARAMS[blob] = pickle.loads(blob)
     return p
+
+
+_CONSTRAINTS: dict[tuple[str, str], Constraint] = {}
+
+
+def _constraint(ex: dict) -> Constraint | None:
+    """The request's structured output (see the module docstring), hashed once per distinct value."""
+    g = ex.get("grammar")
+    if g is None:
+        return None
+    key = (g[0], g[1])
+    c = _CONSTRAINTS.get(key)
+    if c is None:
+        if len(_CONSTRAINTS) > 1024:
+            _CONSTRAINTS.clear()
+        c = _CONSTRAINTS[key] = Constraint(*key)
+    return c
 
 
 def fix_cpu_expand_kernel() -> bool:
