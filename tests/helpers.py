@@ -184,10 +184,11 @@ class ScriptedVerifier:
         return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
 
     async def speculate(self, prompt_ids, params, seq_id, k=0, max_len=None, logprobs=None, output_ids=(),
-                        k_policy="fixed", prediction=(), interval_s=None, constraint=None):
+                        k_policy="fixed", prediction=(), interval_s=None, constraint=None, cache_salt=None):
         from core.protocol import StepInfo
 
-        # the script is the output: a constraint (the verifier's grammar) is taken, as the real replica's signature, and not run
+        # the script is the output: a constraint (the verifier's grammar) and a cache salt are taken, as the real
+        # replica's signature, and not used
         script, at = self.output(prompt_ids), len(output_ids)
         end = min(len(script), len(output_ids) + params.max_tokens) if params.max_tokens else len(script)
         while at < end:
