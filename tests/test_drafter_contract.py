@@ -361,21 +361,25 @@ def _sampling_world(name: str):
                                      model=noisy_copy(target, 0.5))
 
 
-@pytest.mark.heavy  # 2000 sampled sequences through the loop per method
-@pytest.mark.parametrize("name", NAMES)
-def test_sampled_output_at_t08_is_the_targets_distribution(name):
+def sampled_p_value(target, ver, dr, prompt: list[int], n: int = 2000) -> tuple[float, int]:
+    """n seeded T = 0.8 sequences of 4 tokens after ``prompt`` through the loop at k = 3, verified by rejection
+    sampling: (the chi-square p-value of their tokens against the target's exact distribution, drafts made)."""
     from tests.test_eagle3_serving import _exact
     from tests.test_rejection import min_p_value_of
 
-    target, ver, dr = _sampling_world(name)
-    n = 2000
     params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s, verification="rejection")
               for s in range(n)]
-    prompt = [0, 3, 5, 0, 3]  # (a repeat: the n-gram drafter finds it)
     seqs = generate([prompt] * n, params, 3, dr, ver)
     drafted = sum(s.stats.num_draft_tokens for s in seqs)
+    return min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4)), drafted
+
+
+@pytest.mark.heavy  # 2000 sampled sequences through the loop per method
+@pytest.mark.parametrize("name", NAMES)
+def test_sampled_output_at_t08_is_the_targets_distribution(name):
+    n = 2000
+    p, drafted = sampled_p_value(*_sampling_world(name), [0, 3, 5, 0, 3], n)  # (a repeat: the n-gram drafter finds it)
     assert drafted > n // 2, drafted
-    p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
     assert p > 1e-3, p
 
 

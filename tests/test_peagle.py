@@ -389,20 +389,13 @@ def sampling_world():
 def test_sampled_output_at_t08_is_the_targets_distribution(control):
     """At T = 0.8 the output is the target's exact distribution (chi-square); a control that reports a q other than
     the one each position was drawn from (uniform over the same support) fails it."""
-    from configs import SamplingParams
-    from core.loop import generate
     from tests.test_dflash import _WrongQ
-    from tests.test_eagle3_serving import _exact
-    from tests.test_rejection import min_p_value_of
+    from tests.test_drafter_contract import sampled_p_value
 
     target, ver, dr = sampling_world()
     n = 2000
-    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=s, verification="rejection")
-              for s in range(n)]
-    prompt = [0, 3]
-    seqs = generate([prompt] * n, params, 3, _WrongQ(dr) if control else dr, ver)
-    assert sum(s.stats.num_draft_tokens for s in seqs) > n
-    p = min_p_value_of(torch.tensor([s.output_ids for s in seqs]), _exact(target, params[0], prompt, 4))
+    p, drafted = sampled_p_value(target, ver, _WrongQ(dr) if control else dr, [0, 3], n)
+    assert drafted > n
     assert (p < 1e-3) if control else (p > 1e-3), p
 
 
