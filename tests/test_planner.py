@@ -260,7 +260,7 @@ def test_the_engine_probe_times_every_width_and_k():
     assert set(e["loop_overhead_ms"]) == {"plain", "speculative"}
 
 
-@pytest.mark.heavy  # the GPU kit's CPU-capable parts at tiny shapes, about 15 s
+@pytest.mark.heavy  # the GPU kit's CPU-capable parts at tiny shapes
 def test_the_planner_reads_the_gpu_kits_output(tmp_path):
     """The kit's output, made by running the kit (tiny shapes, on this CPU, one forward, the shipped pair's
     acceptance on one HumanEval prompt): the check sets every pass and loop row beside a projection, and the

