@@ -111,7 +111,8 @@ def test_a_larger_load_starts_plain_where_a_smaller_one_chose_plain():
     loses = {(4, True): (8, 0.020), (4, False): (4, 0.008), (16, True): (32, 0.040), (16, False): (16, 0.014)}
     gate, used = run(loses, [4, 16])
     assert min(gate.choices.items())[1].best is False
-    assert sum(used[16][:120]) == 0, [i for i, a in enumerate(used[16]) if a]  # no speculation before the first try is due
+    # no speculation before the first try is due
+    assert sum(used[16][:120]) == 0, [i for i, a in enumerate(used[16]) if a]
     assert sum(used[16]) <= 2 * 16 + 4  # the tries, nothing more
     fresh, fresh_used = run(loses, [16])
     assert sum(fresh_used[16][:64]) >= 12  # measured afresh: speculation tried at once
