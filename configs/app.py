@@ -126,23 +126,23 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _vllm_loop_fits_k(self):
-        v, k = self.verifier, self.drafter.num_speculative_tokens
-        if v.backend == "vllm" and v.vllm_loop == "engine" and k is not None and k > v.vllm_num_speculative_tokens:
-            raise ValueError(f"drafter.num_speculative_tokens {self.drafter.num_speculative_tokens} exceeds "
-                             f"verifier.vllm_num_speculative_tokens {v.vllm_num_speculative_tokens}, the most drafts "
-                             "vLLM's loop verifies per step: raise the latter")
+        opts, k = self.verifier.vllm, self.drafter.num_speculative_tokens
+        if opts is not None and opts.loop == "engine" and k is not None and k > opts.num_speculative_tokens:
+            raise ValueError(f"drafter.num_speculative_tokens {k} exceeds verifier.vllm.num_speculative_tokens "
+                             f"{opts.num_speculative_tokens}, the most drafts vLLM's loop verifies per step: raise "
+                             "the latter")
         return self
 
     @model_validator(mode="after")
     def _colocated_drafter_fits(self):
         if self.drafter_placement != "verifier":
             return self
-        if self.verifier.backend == "vllm":
+        if self.verifier.vllm is not None:
             # vLLM runs an EAGLE-3 head in its own engine (its eagle3 speculative method); its other drafters here
             # are a draft model or n-grams served by splitspec, which reach vLLM's loop only from a drafter pool
-            if self.drafter.method != "eagle3" or self.verifier.vllm_loop != "engine":
+            if self.drafter.method != "eagle3" or self.verifier.vllm.loop != "engine":
                 raise ValueError("drafter_placement verifier with verifier.backend vllm runs vLLM's own EAGLE-3 in "
-                                 "the engine: it needs drafter.method eagle3 and verifier.vllm_loop engine (use "
+                                 "the engine: it needs drafter.method eagle3 and verifier.vllm.loop engine (use "
                                  "drafter_placement pool for the other drafters)")
             return self
         if getattr(self.drafter, "cpu_affinity", None):

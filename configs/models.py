@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger(__name__)
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -242,6 +246,48 @@ class CaptureConfig(_Config):
         return self
 
 
+# the vLLM options' former flat names in VerifierConfig (``vllm_<name>``): accepted with a deprecation warning
+# (``VerifierConfig._flat_vllm_fields``)
+# the backends with options of their own, nested under the backend's name (``verifier.vllm``)
+BACKEND_OPTIONS = ("vllm",)
+FLAT_VLLM_FIELDS = ("kv_cache_gib", "block_size", "max_num_seqs", "tracked_sequences", "enforce_eager", "loop",
+                    "num_speculative_tokens", "speculate")
+
+
+class VllmOptions(_Config):
+    """The vllm verifier backend's settings (``verifier.vllm``; docs/vllm.md)."""
+
+    kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description=(
+        "Memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it "
+        "explicitly: vLLM's CPU default reserves a share of all RAM per engine."))
+    block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description=(
+        "Tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial "
+        "last block; the CPU backend prefers multiples of 32."))
+    max_num_seqs: int = Field(64, ge=1, le=4096, description=(
+        "Most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1)."))
+    tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description=(
+        "Sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a "
+        "forgotten sequence's next call is a cache miss."))
+    enforce_eager: bool | None = Field(None, description=(
+        "Run the model eagerly (no torch.compile or CUDA graphs). Default (None): eager on CPU, where compiling "
+        "takes minutes; compiled with CUDA graphs on GPUs."))
+    loop: Literal["engine", "per_step"] = Field("engine", description=(
+        "engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through "
+        "splitspec's proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); "
+        "per_step: splitspec's verifier-side loop, each verify step one vLLM engine request (splitspec's own "
+        "rejection sampler: gumbel verification, the adaptive policy; far slower per step: "
+        "docs/decisions/0019-vllm-runs-the-loop.md)."))
+    num_speculative_tokens: int = Field(8, ge=1, le=32, description=(
+        "Engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped "
+        "by it."))
+    speculate: Literal["measured", "always"] = Field("measured", description=(
+        "Engine loop: whether an engine step speculates. measured (default): per batch size (powers of two), by "
+        "the tokens per second each choice measures in engine steps, each arm measured once it has run a few steps "
+        "in a row (a switch costs the drafter its warm state); speculation goes off where verification saturates "
+        "or the drafter pool cannot keep up, and is retried now and then. always: every step drafts for every "
+        "request that asks. Pre-draft trees run only while at most 4 requests do."))
+
+
 class VerifierConfig(_EngineConfig):
     """The target model that verifies drafts."""
 
@@ -258,37 +304,14 @@ class VerifierConfig(_EngineConfig):
         "Share full KV blocks across requests by a chained hash of their tokens and the request's cache_salt: a request prefills only "
         "what no earlier request on the replica left cached (transformers backend; docs/serving.md, Prefix caching)."))
     backend: Literal["transformers", "vllm"] = Field("transformers", description=(
-        "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged attention, continuous batching, "
-        "prefix caching), one per replica, with the same verify protocol and guarantees."))
-    vllm_kv_cache_gib: float = Field(1.0, gt=0, le=100_000, description=(
-        "vllm backend: memory for vLLM's paged KV cache in GiB (kv_cache_memory_bytes; replaces cache_budget_mb). Set it explicitly: vLLM's CPU "
-        "default reserves a share of all RAM per engine."))
-    vllm_block_size: int = Field(32, ge=16, le=1024, multiple_of=16, description=(
-        "vllm backend: tokens per KV cache block. Prefix caching reuses whole blocks, so each step also recomputes the partial last block; the CPU "
-        "backend prefers multiples of 32."))
-    vllm_max_num_seqs: int = Field(64, ge=1, le=4096, description=(
-        "vllm backend: most engine requests in one vLLM step (a sampled verify step of k drafts uses k + 1)."))
-    vllm_tracked_sequences: int = Field(4096, ge=1, le=10_000_000, description=(
-        "vllm backend: sequences whose token ids the replica remembers (least recently used forgotten) to rebuild prompts; a forgotten sequence's "
-        "next call is a cache miss."))
-    vllm_enforce_eager: bool | None = Field(None, description=(
-        "vllm backend: run the model eagerly (no torch.compile or CUDA graphs). Default (None): eager on CPU, where compiling takes minutes; compiled "
-        "with CUDA graphs on GPUs."))
-    vllm_loop: Literal["engine", "per_step"] = Field("engine", description=(
-        "vllm backend: engine: vLLM runs the speculative loop (its scheduler, batching and rejection sampler) and drafts through splitspec's "
-        "proposer, which calls the drafter pool from vLLM's worker (verifier/vllm_proposer.py); per_step: splitspec's verifier-side loop, each verify "
-        "step one vLLM engine request (splitspec's own rejection sampler: gumbel verification, the adaptive policy; far slower per step: "
-        "docs/decisions/0019-vllm-runs-the-loop.md)."))
-    vllm_num_speculative_tokens: int = Field(8, ge=1, le=32, description=(
-        "vllm backend, engine loop: the most drafts vLLM verifies per step (its num_speculative_tokens); a request's k is capped by it."))
-    vllm_speculate: Literal["measured", "always"] = Field("measured", description=(
-        "vllm backend, engine loop: whether an engine step speculates. measured (default): per batch size (powers of two), by the tokens per second "
-        "each choice measures in engine steps, each arm measured once it has run a few steps in a row (a switch costs the drafter its warm state); "
-        "speculation goes off where verification saturates or the drafter pool cannot keep up, and is retried now and then. always: every step drafts "
-        "for every request that asks. Pre-draft trees run only while at most 4 requests do."))
+        "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged "
+        "attention, continuous batching, prefix caching), one per replica, with the same verify protocol and "
+        "guarantees, set up by the `vllm` options."))
+    vllm: VllmOptions | None = Field(None, description=(
+        "backend vllm: vLLM's settings (defaults filled in when left out); not allowed with another backend."))
     tensor_parallel_size: int = Field(1, ge=1, le=64, description=(
-        "vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the Verifier deployment a placement group "
-        "of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
+        "vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the "
+        "Verifier deployment a placement group of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
     capture: CaptureConfig | None = Field(None, description=(
         "Record served traffic for training a draft head (off by default; user data on disk: docs/training.md). transformers backend only."))
     chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
@@ -304,6 +327,45 @@ class VerifierConfig(_EngineConfig):
         "needs enable_auto_tool_choice."))
     enable_auto_tool_choice: bool = Field(False, description=(
         "Serve tools with tool_choice auto, the model deciding when to call one (vLLM's --enable-auto-tool-choice); needs tool_call_parser."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_vllm_fields(cls, data):
+        """A backend's options filled in with their defaults when left out; the vLLM options' former flat fields
+        (``vllm_loop`` ...) accepted with a warning and moved under ``vllm`` (ignored with another backend, as
+        before), so a config written for an earlier version still deploys unchanged."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        backend = data.get("backend", "transformers")
+        if backend in BACKEND_OPTIONS and data.get(backend) is None:
+            data[backend] = {}
+        flat = {n: data.pop(f"vllm_{n}") for n in FLAT_VLLM_FIELDS if f"vllm_{n}" in data}
+        for name in flat:
+            msg = f"VerifierConfig.vllm_{name} is deprecated: write it as verifier.vllm.{name}"
+            warnings.warn(msg, DeprecationWarning, stacklevel=2)
+            log.warning(msg)
+        nested = data.get("vllm")
+        if flat and not isinstance(nested, dict):
+            log.warning("verifier.vllm_%s ignored: verifier.backend is %s", ", vllm_".join(flat), backend)
+        elif flat:
+            both = sorted(flat.keys() & nested.keys())
+            if both:
+                raise ValueError(f"verifier.vllm_{both[0]} and verifier.vllm.{both[0]} are both set: keep "
+                                 f"verifier.vllm.{both[0]}")
+            data["vllm"] = {**nested, **flat}
+        return data
+
+    @model_validator(mode="after")
+    def _check_backend_options(self):
+        for name in BACKEND_OPTIONS:
+            if getattr(self, name) is not None and self.backend != name:
+                raise ValueError(f"verifier.{name} sets the {name} backend's options, but verifier.backend is "
+                                 f"{self.backend!r}: set backend {name}, or leave {name} out")
+        if self.tensor_parallel_size > 1 and self.vllm is None:
+            raise ValueError(f"verifier.tensor_parallel_size {self.tensor_parallel_size} needs backend vllm: "
+                             f"backend {self.backend!r} runs a replica on one device")
+        return self
 
     @model_validator(mode="after")
     def _check_capture(self):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from configs.models import MAX_SPECULATIVE_TOKENS
+from core.backends import Capabilities
 from core.grammar import Constraint, GrammarError, choice_constraint, json_schema_constraint
 
 MAX_STOP_CHARS = 1024  # per stop string: each one is searched in the output at every step
@@ -518,10 +519,10 @@ def generation_defaults(model_dir: str) -> dict:
 
 
 def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
-                       defaults: dict, verification: str, backend: str, vllm_loop: str = "per_step"):
+                       defaults: dict, verification: str, capabilities: Capabilities):
     """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
-    its parameter, never an error inside the engine. ``backend`` vllm with ``vllm_loop`` engine:
-    vLLM's own loop and sampler (rejection sampling only; penalties applied by vLLM)."""
+    its parameter, never an error inside the engine, nor one the verifier backend cannot serve
+    (its ``capabilities``)."""
     from pydantic import ValidationError
 
     from configs import SamplingParams
@@ -535,7 +536,7 @@ def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_si
     _in_vocabulary(body, fields["top_k"], vocab_size)
     if body.min_tokens > max_new:
         raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
-    verification = _backend_limits(body, fields, backend, vllm_loop, verification)
+    verification = _backend_limits(body, fields, capabilities, verification)
     try:
         return SamplingParams(
             **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
@@ -578,30 +579,22 @@ def _in_vocabulary(body: _Common, top_k: int, vocab_size: int):
                               param="stop_token_ids")
 
 
-def _backend_limits(body: _Common, fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
-    """What the vllm verifier backend cannot do: a model default dropped, a request's own value a
+def _backend_limits(body: _Common, fields: dict, caps: Capabilities, verification: str) -> str:
+    """What the verifier backend cannot do (its ``caps``): a model default dropped, a request's own value a
     400 naming it (``fields`` adjusted in place). Returns the verification to use."""
     given = body.model_fields_set
-    engine_loop = backend == "vllm" and vllm_loop == "engine"
-    if engine_loop:  # vLLM's rejection sampler is the only verification there
+    if not caps.gumbel:  # rejection sampling is the only verification there
         if body.verification == "gumbel":
-            raise OpenAIError(400, "verification 'gumbel' is not supported with the vllm verifier backend's engine "
-                              "loop (vLLM's rejection sampler); use 'rejection'", param="verification")
+            raise OpenAIError(400, f"verification 'gumbel' is not supported with {caps.label}; use 'rejection'",
+                              param="verification")
         verification = "rejection"
-        # vLLM 0.32 refuses min_p and logit_bias in an engine that speculates: a model default is
-        # not imposed, a request's own value is a 400 naming it
-        if "min_p" not in given:
-            fields["min_p"] = 0.0
-        if fields["min_p"] > 0:
-            raise OpenAIError(400, "min_p is not supported with the vllm verifier backend's engine loop "
-                              "(vLLM 0.32 speculative decoding)", param="min_p")
-        if body.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported with the vllm verifier backend's engine loop "
-                              "(vLLM 0.32 speculative decoding)", param="logit_bias")
-    if backend == "vllm" and not engine_loop and "repetition_penalty" not in given:
-        fields["repetition_penalty"] = 1.0  # a model default the vLLM backend cannot apply: not imposed
-    if backend == "vllm" and not engine_loop and fields["repetition_penalty"] != 1.0:
-        # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
-        raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",
-                          param="repetition_penalty")
+    # a sampling parameter the backend cannot apply: a model default is not imposed, a request's own value is a
+    # 400 naming it
+    for name, off, served in (("min_p", 0.0, caps.min_p), ("repetition_penalty", 1.0, caps.repetition_penalty)):
+        if not served and name not in given:
+            fields[name] = off
+        if not served and fields[name] != off:
+            raise OpenAIError(400, f"{name} is not supported with {caps.label}", param=name)
+    if body.logit_bias and not caps.logit_bias:
+        raise OpenAIError(400, f"logit_bias is not supported with {caps.label}", param="logit_bias")
     return verification

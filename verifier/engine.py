@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.backends import backend
 from core.grammar import Grammars, SequenceMasks, apply_bitmask
 from core.kv_cache import CacheFull, batched_forward
 from core.llama import EngineModel, capture_states
@@ -28,7 +29,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def build(config: VerifierConfig, *, drafting: bool = False, aux_layers: tuple[int, ...] = (),
+          head: tuple[str, int] | None = None) -> VerifierEngine:
+    """The transformers backend's engine (``core.backends``). It verifies what the replica's loop sends and
+    captures the states each request asks for, so it needs none of the loop's settings."""
+    return VerifierEngine(config)
+
+
 class VerifierEngine:
+    """This package's engine (``backend: transformers``); its verify runs on the replica's batcher thread."""
+
     def __init__(self, config: VerifierConfig, model=None, tokenizer=None):
         from transformers import AutoTokenizer
 
@@ -36,6 +46,7 @@ class VerifierEngine:
             torch.set_num_threads(config.num_threads)
         pin_process(config.cpu_affinity)
         self.config = config
+        self.capabilities = backend("transformers").capabilities
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if tokenizer is None else tokenizer
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.device, self.max_len = (
