@@ -16,11 +16,14 @@ MAX_SPECULATIVE_TOKENS = 16
 
 # Fields that model configs without a common base share, each defined once: its type, bounds and description.
 Forward = Annotated[Literal["auto", "native", "compact", "transformers"], Field(description=(
-    "Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ call, core/csrc/decoder.cpp, "
-    "built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's own modules, any "
+    "Decoder forward for Llama-family models (llama, mistral, qwen2, qwen3): native (the compact forward as one C++ "
+    "call, core/csrc/decoder.cpp, "
+    "built once per machine; CPU only), compact (the same forward as eager PyTorch ops), or transformers (the model's "
+    "own modules, any "
     "architecture). auto: native on CPUs where it builds, else compact, and transformers for other architectures."))]
 DraftTopK = Annotated[int, Field(ge=1, le=1_000_000, description=(
-    "The drafter samples from its own top draft_top_k tokens (a head's mapped to the target's vocabulary), so q is exactly sparse and only these "
+    "The drafter samples from its own top draft_top_k tokens (a head's mapped to the target's vocabulary), so q is "
+    "exactly sparse and only these "
     "entries travel to the verifier."))]
 _DTYPE = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -33,17 +36,24 @@ class _EngineConfig(_Config):
     """What every model engine runs with: a drafter's model or head, the verifier's target."""
 
     dtype: _DTYPE = Field("auto", description=(
-        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere (logged at start)."))
+        "Compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX), float32 elsewhere "
+        "(logged at start)."))
     kv_cache_dtype: _DTYPE = Field("auto", description=(
-        "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype elsewhere."))
+        "KV cache dtype; auto: float32 on CPUs (bf16 attention kernels are slower there), the compute dtype "
+        "elsewhere."))
     device: str = Field("cpu", description="torch device the model (or the head) runs on.")
     max_model_len: int | None = Field(None, ge=2, le=1_000_000, description=(
         "Longest sequence (prompt + output); default: the model's (or the head's) max_position_embeddings."))
-    num_threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads; default: leave torch's setting.")
-    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(None, min_length=1, max_length=4096, description=(
-        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS schedules. For one machine running "
-        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its threads (VLLM_CPU_OMP_THREADS_BIND); "
-        "pre-draft trees then run beside the verify forward instead of slowing it (docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
+    num_threads: int | None = Field(None, ge=1, le=1024, description=(
+        "torch intra-op threads; default: leave torch's setting."))
+    cpu_affinity: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(
+        None, min_length=1, max_length=4096, description=(
+        "Linux: the CPU cores (ids) this pool's replica processes run on, every thread of them; default: the OS "
+        "schedules. For one machine running "
+        "both pools (a laptop): disjoint cores for the verifier and the drafter, as vLLM's CPU backend binds its "
+        "threads (VLLM_CPU_OMP_THREADS_BIND); "
+        "pre-draft trees then run beside the verify forward instead of slowing it "
+        "(docs/decisions/0015-whole-replica-pinning.md). On a cluster leave "
         "it unset."))
 
 
@@ -52,7 +62,8 @@ class _HeadConfig(_EngineConfig):
 
     draft_top_k: DraftTopK = 64
     verifier_model: str | None = Field(None, description=(
-        "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); the app builder sets it from "
+        "The target's reference (its EOS ids, for penalties in q; its embedding or lm_head when the head has none); "
+        "the app builder sets it from "
         "verifier.model."))
 
 
@@ -60,25 +71,34 @@ class SamplingParams(_Config):
     """How one request samples. The verifier applies these to its logits to get p; the
     drafter applies the same to its own logits to get q, so that q approximates p."""
 
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 means greedy (argmax) decoding.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description=(
+        "Softmax temperature; 0 means greedy (argmax) decoding."))
     top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
         "Nucleus sampling: keep the smallest set of most likely tokens whose probability sums to at least top_p."))
     top_k: int = Field(0, ge=0, le=1_000_000, description="Keep only the top_k most likely tokens; 0 disables the cut.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
-        "Seed of the request's random numbers; the same seed, prompt and parameters give the same output whatever else is batched with it."))
-    max_tokens: int = Field(256, ge=1, le=1_000_000, description="Most tokens to generate (the context limit may end generation earlier).")
-    stop: tuple[str, ...] = Field((), max_length=16, description="Strings that end generation; the returned text excludes them.")
+        "Seed of the request's random numbers; the same seed, prompt and parameters give the same output whatever "
+        "else is batched with it."))
+    max_tokens: int = Field(256, ge=1, le=1_000_000, description=(
+        "Most tokens to generate (the context limit may end generation earlier)."))
+    stop: tuple[str, ...] = Field((), max_length=16, description=(
+        "Strings that end generation; the returned text excludes them."))
     ignore_eos: bool = Field(False, description="Keep generating after an end-of-sequence token.")
     stop_token_ids: tuple[int, ...] = Field((), max_length=256, description=(
         "Token ids that end generation like EOS (even with ignore_eos); the id is returned, its text is not."))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description=(
-        "Generate at least this many tokens: EOS and stop_token_ids are masked out, and stop strings are not searched, before then."))
-    logit_bias: dict[int, float] = Field(default_factory=dict, description="Added to the logits of these token ids (each in [-100, 100]) before the penalties.")
+        "Generate at least this many tokens: EOS and stop_token_ids are masked out, and stop strings are not "
+        "searched, before then."))
+    logit_bias: dict[int, float] = Field(default_factory=dict, description=(
+        "Added to the logits of these token ids (each in [-100, 100]) before the penalties."))
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description=(
         "Divides positive (multiplies negative) logits of tokens already in the prompt or the output; 1 is off."))
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it occurs in the output.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token that occurs in the output.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="After temperature, drop tokens whose probability is below min_p times the most likely token's.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "Subtracted from a token's logit once per time it occurs in the output."))
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "Subtracted from the logit of every token that occurs in the output."))
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "After temperature, drop tokens whose probability is below min_p times the most likely token's."))
     verification: Literal["rejection", "gumbel"] = Field(
         "rejection", description="How sampled drafts are verified. rejection: Leviathan/Chen rejection sampling, the "
         "highest acceptance; a seeded request repeats exactly only when the same drafts happen. gumbel: Gumbel-max "
@@ -87,7 +107,8 @@ class SamplingParams(_Config):
         "somewhat lower. Both emit tokens distributed exactly as the target's p; greedy ignores this.")
 
     capture: bool = Field(True, description=(
-        "Whether the verifier's traffic capture (VerifierConfig.capture, when configured) may record this request; the OpenAI API's "
+        "Whether the verifier's traffic capture (VerifierConfig.capture, when configured) may record this request; "
+        "the OpenAI API's "
         "`store: false` sets it false."))
 
     @property
@@ -122,13 +143,16 @@ class DraftModelConfig(_EngineConfig):
 
     method: Literal["draft_model"] = Field("draft_model", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(
-        "A Hugging Face causal LM with the target's vocabulary: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model "
+        "A Hugging Face causal LM with the target's vocabulary: a local directory, or a Hub repo id "
+        "`org/name[@revision]` (docs/serving.md, Model "
         "references)."))
-    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step (0 turns speculation off).")
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the most draft tokens proposed per step (0 turns speculation off)."))
     draft_top_k: DraftTopK = 64
     forward: Forward = "auto"
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
-        "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is "
+        "Memory for the drafter's paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the "
+        "least recently used sequence is "
         "evicted when full."))
     prefix_caching: bool = Field(True, description=(
         "Share the draft model's full KV blocks across requests, as the verifier's (docs/serving.md, Prefix caching)."))
@@ -139,11 +163,13 @@ class NgramConfig(_Config):
     sequence's last n tokens. No model, no q (treated as one-hot, which stays lossless)."""
 
     method: Literal["ngram"] = Field("ngram", description="Selects this drafter type.")
-    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description="k: the most draft tokens proposed per step.")
+    num_speculative_tokens: int = Field(4, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
+        "k: the most draft tokens proposed per step."))
     min_n: int = Field(1, ge=1, le=64, description="Shortest suffix n-gram to match.")
     max_n: int = Field(4, ge=1, le=64, description="Longest suffix n-gram to match (tried first).")
     cache_budget_mb: float = Field(256, gt=0, le=1_000_000, description=(
-        "Memory for the sequences' tokens and n-gram indexes (estimated); the least recently used sequence is dropped when full."))
+        "Memory for the sequences' tokens and n-gram indexes (estimated); the least recently used sequence is dropped "
+        "when full."))
 
     @model_validator(mode="after")
     def _n_range(self):
@@ -158,13 +184,16 @@ class Eagle3Config(_HeadConfig):
 
     method: Literal["eagle3"] = Field("eagle3", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(
-        "A Speculators eagle3 head (config.json with speculators_model_type eagle3, safetensors weights) trained for the verifier's model: a local "
+        "A Speculators eagle3 head (config.json with speculators_model_type eagle3, safetensors weights) trained for "
+        "the verifier's model: a local "
         "directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references)."))
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
-        "k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method "
+        "k: the most draft tokens proposed per step (0 turns speculation off). Default: the speculative_tokens of the "
+        "head's default proposal method "
         "(its speculators_config), else 4; the app builder sets it."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
-        "Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is evicted when full."))
+        "Memory for the head's paged KV cache (one layer; blocks of 16 tokens); the least recently used sequence is "
+        "evicted when full."))
 
 
 class ParallelHeadConfig(_HeadConfig):
@@ -172,15 +201,20 @@ class ParallelHeadConfig(_HeadConfig):
     reads the target's hidden states, which the verifier sends with each draft request, and it drafts a whole
     block in one forward pass (docs/parallel-drafters.md)."""
 
-    method: Literal["dflash", "dspark"] = Field(..., description="Selects this drafter type: dflash, or dspark (DFlash with a Markov head).")
+    method: Literal["dflash", "dspark"] = Field(..., description=(
+        "Selects this drafter type: dflash, or dspark (DFlash with a Markov head)."))
     model: str = Field(..., min_length=1, description=(
-        "A Speculators dflash or dspark head (config.json with speculators_model_type dflash or dspark, safetensors weights) trained for the "
-        "verifier's model: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model references)."))
+        "A Speculators dflash or dspark head (config.json with speculators_model_type dflash or dspark, safetensors "
+        "weights) trained for the "
+        "verifier's model: a local directory, or a Hub repo id `org/name[@revision]` (docs/serving.md, Model "
+        "references)."))
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
-        "k: the most draft tokens proposed per step (0 turns speculation off), at most the head's block (block_size - 1 mask positions). Default: "
+        "k: the most draft tokens proposed per step (0 turns speculation off), at most the head's block (block_size - "
+        "1 mask positions). Default: "
         "the speculative_tokens of the head's default proposal method, else the block's; the app builder sets it."))
     confidence_stop: float | None = Field(None, ge=0.0, le=1.0, description=(
-        "dspark with a confidence head: end a block at the first position (after the first) whose confidence is below this; default: draft the "
+        "dspark with a confidence head: end a block at the first position (after the first) whose confidence is below "
+        "this; default: draft the "
         "whole block (docs/decisions/0029-dspark-whole-blocks.md)."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
         "Memory for the sequences' context keys and values; the least recently used sequence is evicted when full."))
@@ -192,10 +226,13 @@ class PEagleConfig(_HeadConfig):
 
     method: Literal["peagle"] = Field("peagle", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(
-        "A P-EAGLE head: a Speculators peagle config, or vLLM's EAGLE-3 layout with a mask token (ptd_token_id, pard_token or mask_token_id) "
-        "and mask_hidden in its weights, trained for the verifier's model: a local directory, or a Hub repo id `org/name[@revision]`."))
+        "A P-EAGLE head: a Speculators peagle config, or vLLM's EAGLE-3 layout with a mask token (ptd_token_id, "
+        "pard_token or mask_token_id) "
+        "and mask_hidden in its weights, trained for the verifier's model: a local directory, or a Hub repo id "
+        "`org/name[@revision]`."))
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
-        "k: the drafts of one pass (0 turns speculation off). Default: the speculative_tokens of the head's default proposal method, else 4; "
+        "k: the drafts of one pass (0 turns speculation off). Default: the speculative_tokens of the head's default "
+        "proposal method, else 4; "
         "a head drafts best up to the k it was trained for."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
         "Memory for the head's paged KV cache; the least recently used sequence is evicted when full."))
@@ -208,7 +245,8 @@ class MtpConfig(_HeadConfig):
 
     method: Literal["mtp"] = Field("mtp", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(
-        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe or deepseek_v3): normally verifier.model itself."))
+        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe or deepseek_v3): normally "
+        "verifier.model itself."))
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "k: the MTP layer is applied k times, each draft fed back (0 turns speculation off). Default 4."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(
@@ -220,21 +258,30 @@ DrafterConfig = Annotated[DraftModelConfig | NgramConfig | Eagle3Config | Parall
 
 
 class CaptureConfig(_Config):
-    """Recording served traffic for training a draft head (docs/training.md): for the sampled requests that do not opt out
-    (`store: false`), the tokens and the target's states an EAGLE-3 head reads, written as shards on the verifier replica's disk
-    (verifier/capture.py). This is user data on disk: the prompts and outputs of the requests recorded."""
+    """Recording served traffic for training a draft head (docs/training.md): for the sampled requests that do not
+    opt out (`store: false`), the tokens and the target's states an EAGLE-3 head reads, written as shards on the
+    verifier replica's disk (verifier/capture.py). This is user data on disk: the prompts and outputs of the requests
+    recorded."""
 
-    dir: str = Field(..., min_length=1, description="Directory of the shards (created if missing), on each verifier replica's node.")
+    dir: str = Field(..., min_length=1, description=(
+        "Directory of the shards (created if missing), on each verifier replica's node."))
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=16, description=(
-        "The aux layers recorded (vLLM's layer ids: the residual stream entering layer L), those of the head to be trained; default vLLM's "
-        "(2, N // 2, N - 3). The last layer's output, from which the trainer computes the target's distribution, is always recorded."))
+        "The aux layers recorded (vLLM's layer ids: the residual stream entering layer L), those of the head to be "
+        "trained; default vLLM's "
+        "(2, N // 2, N - 3). The last layer's output, from which the trainer computes the target's distribution, is "
+        "always recorded."))
     sample_rate: float = Field(1.0, ge=0.0, le=1.0, description="The share of requests recorded (drawn per request).")
-    max_bytes: int = Field(..., ge=1, description="The byte budget of all shards in dir: the oldest shards are deleted to stay within it.")
+    max_bytes: int = Field(..., ge=1, description=(
+        "The byte budget of all shards in dir: the oldest shards are deleted to stay within it."))
     shard_bytes: int = Field(64 * 2**20, ge=1, description=(
-        "A shard is written once the finished requests buffered in memory hold this many bytes (or flush_interval_s passed)."))
-    flush_interval_s: float = Field(60.0, ge=0.0, description="A shard is written once its oldest buffered request is this old (0: at each request's end).")
-    max_shards: int | None = Field(None, ge=1, description="Retention: the most shards kept (the oldest deleted first); default no limit.")
-    max_age_s: float | None = Field(None, gt=0, description="Retention: shards older than this are deleted; default no limit.")
+        "A shard is written once the finished requests buffered in memory hold this many bytes (or flush_interval_s "
+        "passed)."))
+    flush_interval_s: float = Field(60.0, ge=0.0, description=(
+        "A shard is written once its oldest buffered request is this old (0: at each request's end)."))
+    max_shards: int | None = Field(None, ge=1, description=(
+        "Retention: the most shards kept (the oldest deleted first); default no limit."))
+    max_age_s: float | None = Field(None, gt=0, description=(
+        "Retention: shards older than this are deleted; default no limit."))
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="The dtype the states are stored in.")
 
     @model_validator(mode="after")
@@ -292,16 +339,21 @@ class VerifierConfig(_EngineConfig):
     """The target model that verifies drafts."""
 
     model: str | None = Field(None, min_length=1, description=(
-        "A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id `org/name[@revision]`, pinned to a "
-        "commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the verifier the head's "
+        "A Hugging Face causal LM (config, safetensors weights, tokenizer): a local directory, or a Hub repo id "
+        "`org/name[@revision]`, pinned to a "
+        "commit when the app is built (docs/serving.md, Model references). Default: with an eagle3 drafter, the "
+        "verifier the head's "
         "speculators_config names; required otherwise."))
     forward: Forward = "auto"
     cache_budget_mb: float = Field(1024, gt=0, le=10_000_000, description=(
-        "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least recently used sequence is evicted when "
+        "Memory for the paged KV cache (blocks of 16 tokens; sequences are bounded by tokens held); the least "
+        "recently used sequence is evicted when "
         "full."))
-    max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="Most (padded) tokens in one forward pass; larger batches are split.")
+    max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description=(
+        "Most (padded) tokens in one forward pass; larger batches are split."))
     prefix_caching: bool = Field(True, description=(
-        "Share full KV blocks across requests by a chained hash of their tokens and the request's cache_salt: a request prefills only "
+        "Share full KV blocks across requests by a chained hash of their tokens and the request's cache_salt: a "
+        "request prefills only "
         "what no earlier request on the replica left cached (transformers backend; docs/serving.md, Prefix caching)."))
     backend: Literal["transformers", "vllm"] = Field("transformers", description=(
         "transformers: this package's engine (per-sequence KV slots, batched forward); vllm: vLLM's AsyncLLM (paged "
@@ -313,20 +365,27 @@ class VerifierConfig(_EngineConfig):
         "vllm backend: GPUs one verifier replica shards the target over (vLLM's tensor parallelism). Give the "
         "Verifier deployment a placement group of that many GPU bundles (configs/serve_gpu_vllm.yaml)."))
     capture: CaptureConfig | None = Field(None, description=(
-        "Record served traffic for training a draft head (off by default; user data on disk: docs/training.md). transformers backend only."))
+        "Record served traffic for training a draft head (off by default; user data on disk: docs/training.md). "
+        "transformers backend only."))
     chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
-        "The chat template the router applies in place of the tokenizer's: a Jinja template, or the path of a file holding one (vLLM's "
+        "The chat template the router applies in place of the tokenizer's: a Jinja template, or the path of a file "
+        "holding one (vLLM's "
         "--chat-template). Default: the model's own."))
     trust_request_chat_template: bool = Field(False, description=(
-        "Let a chat request carry its own chat_template (vLLM's --trust-request-chat-template); off: such a request is a 400."))
+        "Let a chat request carry its own chat_template (vLLM's --trust-request-chat-template); off: such a request "
+        "is a 400."))
     reasoning_parser: str | None = Field(None, min_length=1, max_length=64, description=(
-        "vLLM's name of the parser that splits the model's reasoning from its answer (vLLM's --reasoning-parser: qwen3, deepseek_r1, "
-        "openai_gptoss ...): responses then carry message.reasoning, streams delta.reasoning (docs/serving.md, Reasoning and tools)."))
+        "vLLM's name of the parser that splits the model's reasoning from its answer (vLLM's --reasoning-parser: "
+        "qwen3, deepseek_r1, "
+        "openai_gptoss ...): responses then carry message.reasoning, streams delta.reasoning (docs/serving.md, "
+        "Reasoning and tools)."))
     tool_call_parser: str | None = Field(None, min_length=1, max_length=64, description=(
-        "vLLM's name of the parser that reads tool calls from the model's output (vLLM's --tool-call-parser: hermes, llama3_json, openai ...); "
+        "vLLM's name of the parser that reads tool calls from the model's output (vLLM's --tool-call-parser: hermes, "
+        "llama3_json, openai ...); "
         "needs enable_auto_tool_choice."))
     enable_auto_tool_choice: bool = Field(False, description=(
-        "Serve tools with tool_choice auto, the model deciding when to call one (vLLM's --enable-auto-tool-choice); needs tool_call_parser."))
+        "Serve tools with tool_choice auto, the model deciding when to call one (vLLM's --enable-auto-tool-choice); "
+        "needs tool_call_parser."))
 
     @model_validator(mode="before")
     @classmethod
@@ -376,7 +435,8 @@ class VerifierConfig(_EngineConfig):
     @model_validator(mode="after")
     def _check_tools(self):
         if self.enable_auto_tool_choice and not self.tool_call_parser:  # as vLLM refuses to start
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the name of vLLM's parser for the model's tool calls")
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the name of vLLM's parser for the "
+                             "model's tool calls")
         return self
 
 

@@ -42,7 +42,8 @@ def invalid(param: str, message: str) -> PydanticCustomError:
 # vLLM request fields this server does not serve, and why: a 400 that says so, never a silent ignore
 UNSUPPORTED = {
     # the guided decoding fields vLLM 0.32 removed: each names its replacement
-    **{f"guided_{kind}": f"removed in vLLM 0.32: use structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar")},
+    **{f"guided_{kind}": f"removed in vLLM 0.32: use structured_outputs.{kind}"
+       for kind in ("json", "regex", "choice", "grammar")},
     "guided_decoding_backend": "removed in vLLM 0.32: the grammar engine is xgrammar",
     "guided_whitespace_pattern": "removed in vLLM 0.32: JSON is generated compact",
     "structural_tag": "use structured_outputs.structural_tag",
@@ -57,8 +58,8 @@ UNSUPPORTED = {
     **dict.fromkeys(("truncate_prompt_tokens", "truncation_side"),
                     "prompts are never truncated: one beyond the context is a 400"),
     **dict.fromkeys(("echo", "add_special_tokens"), "the chat template's prompt, tokenized as it is"),
-    "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the model "
-                             "writes; reasoning_effort and chat_template_kwargs reach the chat template",
+    "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the "
+                             "model writes; reasoning_effort and chat_template_kwargs reach the chat template",
     "priority": "no priority scheduling",
     "kv_transfer_params": "no disaggregated prefill: each verifier replica prefills its own requests",
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
@@ -175,18 +176,22 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000, description="vLLM extension; 0 or -1 disables; at most the vocabulary.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens below min_p x the top token's probability.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "vLLM extension: drop tokens below min_p x the top token's probability."))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension; 1 is off.")
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description="Token id (as a string) -> bias in [-100, 100].")
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description=(
+        "Token id (as a string) -> bias in [-100, 100]."))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension: generate at least this many tokens.")
-    stop_token_ids: list[int] | None = Field(None, max_length=256, description="vLLM extension: token ids that end generation.")
+    stop_token_ids: list[int] | None = Field(None, max_length=256, description=(
+        "vLLM extension: token ids that end generation."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=16, description="Choices per request, each its own speculative sequence (choice i seeded seed + i).")
+    n: int = Field(1, ge=1, le=16, description=(
+        "Choices per request, each its own speculative sequence (choice i seeded seed + i)."))
     logprobs: bool | int | None = None
     return_token_ids: bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating after EOS.")
@@ -204,9 +209,9 @@ class _Common(BaseModel):
         "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
     cache_salt: str | None = Field(
-        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt share "
-        "cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at most 128 "
-        "characters, none of @ / \\ or NUL.")
+        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt "
+        "share cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at "
+        "most 128 characters, none of @ / \\ or NUL.")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: the output is generated under the schema's grammar.")
     structured_outputs: StructuredOutputs | None = Field(
@@ -314,7 +319,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = Field(None, max_length=256)
-    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="An assistant's calls, rendered by the template.")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description=(
+        "An assistant's calls, rendered by the template."))
     tool_call_id: str | None = Field(None, max_length=256, description="A tool message's answer to this call.")
     reasoning: str | None = Field(None, description="An assistant's reasoning, for templates that render it.")
     reasoning_content: str | None = Field(None, description="Deprecated name of reasoning (vLLM's).")
@@ -325,7 +331,8 @@ class ChatMessage(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="OpenAI's function names (and vLLM's dots and colons).")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description=(
+        "OpenAI's function names (and vLLM's dots and colons)."))
     description: str | None = Field(None, max_length=100_000)
     parameters: dict | None = Field(None, description="The arguments' JSON Schema.")
     strict: bool | None = None
@@ -371,8 +378,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Needs logprobs true, as vLLM's.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opening (vLLM's).")
     continue_final_message: bool = Field(False, description=(
-        "The final (assistant) message is left open for the model to continue (vLLM's); not with add_generation_prompt."))
-    documents: list[dict[str, str]] | None = Field(None, max_length=1024, description="Documents for templates that render them (RAG).")
+        "The final (assistant) message is left open for the model to continue (vLLM's); not with "
+        "add_generation_prompt."))
+    documents: list[dict[str, str]] | None = Field(None, max_length=1024, description=(
+        "Documents for templates that render them (RAG)."))
     chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
         "A template for this request only: served where the app sets verifier.trust_request_chat_template."))
     chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=64, description=(
@@ -388,17 +397,21 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
         "auto (the default with tools), none, required, or a named function (these two constrain the output to "
         "calls matching the tools' schemas)."))
-    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call in a response (the first).")
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "false: at most one tool call in a response (the first)."))
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
     modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description="Only [\"text\"].")
     store: bool | None = Field(None, description=(
-        "Only false: this server stores no completions; false also keeps the request out of the verifier's traffic capture "
+        "Only false: this server stores no completions; false also keeps the request out of the verifier's traffic "
+        "capture "
         "(VerifierConfig.capture, docs/training.md)."))
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Accepted and ignored (OpenAI keeps it with stored completions).")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description=(
+        "Accepted and ignored (OpenAI keeps it with stored completions)."))
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
         None, description="Accepted; every request is served alike.")
-    prompt_cache_key: str | None = Field(None, max_length=1024, description="Accepted; prefix caching here is per sequence, automatic.")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description=(
+        "Accepted; prefix caching here is per sequence, automatic."))
     safety_identifier: str | None = Field(None, max_length=1024, description="Accepted and ignored, as user.")
     prediction: PredictionContent | None = Field(
         None, description="Predicted Outputs: text the answer is expected to mostly repeat; where it continues the "
@@ -437,7 +450,8 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _one_prompt_ending(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise invalid("continue_final_message", "continue_final_message needs add_generation_prompt false (as vLLM)")
+            raise invalid("continue_final_message",
+                          "continue_final_message needs add_generation_prompt false (as vLLM)")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise invalid("continue_final_message", "continue_final_message needs an assistant message last")
         return self
@@ -547,7 +561,8 @@ def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_si
     except ValidationError as e:  # a generation_config default out of bounds, or a combination
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
+        msg = f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}"
+        raise OpenAIError(400, msg, param=param) from None
 
 
 def _max_new(body: _Common, prompt_len: int, max_len: int, max_tokens_limit: int) -> int:

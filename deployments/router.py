@@ -83,7 +83,8 @@ class Router:
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
         # vLLM's metric families, summed over the router replicas by the hub (GET /metrics)
-        self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub, where().get("replica_id", ""))
+        self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub,
+                                 where().get("replica_id", ""))
         self._grammars = None  # structured outputs' compiled grammars (core.grammar), made at the first such request
 
     # ---------------------------------------------------------------- HTTP
@@ -225,7 +226,8 @@ class Router:
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
         reply = Reply(rid, endpoint, body, prompt_ids, self.tokenizer, self.model_name, logprobs,
                       # predicted output tokens verified and kept / dropped, every choice's (OpenAI's usage details)
-                      predicted={"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0} if prediction else None)
+                      predicted={"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+                      if prediction else None)
         if endpoint == "chat":  # each choice's output read by its own parser (vLLM's parsers keep state)
             reply.parsers = [self.chat.output(body, prompt_ids) for _ in range(body.n)]
         if endpoint == "completions" and body.echo:
@@ -245,7 +247,8 @@ class Router:
             params = params.model_copy(update={"seed": (params.seed + i) % 2**63})
         k = self.config.drafter.num_speculative_tokens
         if body.num_speculative_tokens is not None:
-            k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
+            asked = body.num_speculative_tokens
+            k = min(k, asked) if self.config.clamp_speculative_tokens else asked
         # a non-streaming request's tokens are needed only at its end: its replica sends them in fewer,
         # larger chunks (unless the router must find stop strings in them as they come)
         interval_s = None if body.stream or params.stop else self.config.collect_interval_ms / 1000

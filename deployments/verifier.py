@@ -168,8 +168,8 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
         ``interval_s`` (``coalesced``; None: the replica's ``stream_interval_s``), the first step and
         the last at once. ``constraint``: a structured output's (``core.grammar``); ``cache_salt``: the
         tenant's, which the prefix cache is keyed by."""
-        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction, constraint,
-                            cache_salt)
+        steps = self._steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids, k_policy, prediction,
+                            constraint, cache_salt)
         async for group in coalesced(steps, self.stream_interval_s if interval_s is None else interval_s):
             yield group
 
@@ -193,8 +193,9 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
         eng = self.engine
         if constraint is not None:  # a structured output's, compiled off the engine's thread: it holds no batch
             await asyncio.to_thread(eng.masks.grammars.compile, constraint)
-        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids, min(max_len or eng.max_len, eng.max_len),
-                       seq_id=seq_id, logprobs=logprobs, output_ids=output_ids, constraint=constraint, cache_salt=cache_salt)
+        seq = Sequence(prompt_ids, params.model_copy(update={"stop": ()}), k, None, eng.eos_ids,
+                       min(max_len or eng.max_len, eng.max_len), seq_id=seq_id, logprobs=logprobs,
+                       output_ids=output_ids, constraint=constraint, cache_salt=cache_salt)
         policy = self._policy(k, k_policy, params, constraint is not None, params.max_tokens - len(output_ids))
         if self.drafter is None and self.local is None:
             policy = FixedK(0)

@@ -379,7 +379,7 @@ def test_serve_vllm_config_and_bounds():
             VerifierConfig(model="m", backend="vllm", vllm=bad)
     for bad in ({"backend": "sglang"}, {"tensor_parallel_size": 0}):
         with pytest.raises(ValidationError):
-            VerifierConfig(model="m", backend="vllm", **bad)
+            VerifierConfig.model_validate({"model": "m", "backend": "vllm", **bad})
     args = cfg["applications"][0]["args"]
     with pytest.raises(ValidationError, match="vllm.num_speculative_tokens"):  # vLLM's loop verifies at most that many
         AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm": {"num_speculative_tokens": 2}}})

@@ -116,7 +116,8 @@ class VerifierEngine:
         for r in requests:
             room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
             if room < 0:  # the router never sends this; fail this sequence only, not the batch
-                results[r.seq_id] = VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
+                error = f"{self.max_len - room} tokens exceed the context limit {self.max_len}"
+                results[r.seq_id] = VerifyResult(r.seq_id, error=error)
                 continue
             if r.grammar is not None and not self.masks.has(r.grammar):  # resent with the constraint's spec
                 results[r.seq_id] = VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)

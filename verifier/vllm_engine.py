@@ -195,7 +195,8 @@ class VllmVerifierEngine:
         self.config = config
         self.capabilities = capabilities(config)
         # the most drafts vLLM's loop verifies per step (its own EAGLE-3's k, with the head in the engine)
-        self.max_k = min(eagle3[1], config.vllm.num_speculative_tokens) if eagle3 else config.vllm.num_speculative_tokens
+        k_max = config.vllm.num_speculative_tokens
+        self.max_k = min(eagle3[1], k_max) if eagle3 else k_max
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         text = AutoConfig.from_pretrained(config.model).get_text_config()
         self.vocab_size = text.vocab_size
@@ -343,7 +344,8 @@ class VllmVerifierEngine:
     async def bind(self, config: dict) -> list[dict]:
         """Push the drafter endpoints (and the proposer's settings, with ``vllm.speculate``) to every worker's
         proposer."""
-        return await self.llm.collective_rpc("splitspec_bind", args=({"speculate": self.config.vllm.speculate, **config},))
+        config = {"speculate": self.config.vllm.speculate, **config}
+        return await self.llm.collective_rpc("splitspec_bind", args=(config,))
 
     async def proposer_status(self, consume: bool = False) -> list[dict]:
         """Each worker's proposer: counters, and the endpoints that failed (since the last consuming call);
@@ -370,7 +372,8 @@ class VllmVerifierEngine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         extra = {"splitspec": {"seq": seq_id, "k": int(k), "seed": int(seed), "num_prompt": int(num_prompt),
                                "sampling": pickle.dumps(params.model_copy(update={"stop": ()})),
-                               "grammar": None if constraint is None else [constraint.kind, constraint.spec]}} if k > 0 else None
+                               "grammar": None if constraint is None else [constraint.kind, constraint.spec]}}
+        extra = extra if k > 0 else None
         return VllmParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p, seed=params.seed,
@@ -418,7 +421,8 @@ class VllmVerifierEngine:
 
     def engine_stats(self) -> dict:
         return {**self.stats, "vllm_max_running": self._stats_cls.seen["max_running"],
-                "vllm_steps": self._stats_cls.seen["steps"], "vllm_max_scheduled": self._stats_cls.seen["max_scheduled"]}
+                "vllm_steps": self._stats_cls.seen["steps"],
+                "vllm_max_scheduled": self._stats_cls.seen["max_scheduled"]}
 
     def shutdown(self):
         self.llm.shutdown()

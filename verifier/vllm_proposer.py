@@ -390,7 +390,8 @@ class SplitspecProposer:
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
         req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), self.chains.setdefault(seq, [b""]),
-                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
+                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches],
+                                      **self._draft_kw(ex, k + 1))
         ep = self.bound[seq]
         self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, "propose", [req]))
         self.pending[seq].endpoint = ep
@@ -484,7 +485,8 @@ class SplitspecProposer:
             self.chains.pop(seq, None)
             self.states.pop(seq, None)
             if ep is not None:
-                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
+                # best effort: an unreleased cache is evicted
+                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())
 
 
 _PARAMS: dict[bytes, object] = {}
