@@ -184,7 +184,6 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
         which can resume the sequence on any replica from its tokens (``output_ids``): randomness is keyed by
         position, so a seeded request continues exactly as it would have. ``prediction``: the client's predicted
         output, drafted from where it continues the sequence."""
-        from deployments.batcher import Overloaded
         if self.engine_loop is not None:
             async for item in self.engine_loop.steps(prompt_ids, params, seq_id, k, max_len, logprobs, output_ids,
                                                      cache_salt, constraint):
@@ -203,15 +202,7 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
             self._speculating(seq)
 
         async def verify(requests):
-            delay = 0.01
-            while True:
-                try:
-                    return await self.verify(requests)
-                except Overloaded:
-                    if not seq.output_ids:
-                        raise  # a new request: the caller tells the client to come back (503)
-                    await asyncio.sleep(delay)  # a running one is never dropped: it waits for room
-                    delay = min(0.5, 2 * delay)
+            return await self._verify_waiting(requests, running=bool(seq.output_ids))
 
         async def recompute_aux(tokens):  # on the engine thread, between batches
             return await self.batcher.call(self.engine.aux_states, tokens, seq.capture)
@@ -234,6 +225,21 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
             # call; one resumed here may have drafted on the replica it left)
             await self._release_drafts(seq_id, k > 0 and (seq.drafter_asked or bool(output_ids)))
             await self.release([seq_id])
+
+    async def _verify_waiting(self, requests: list[VerifyRequest], running: bool) -> list[VerifyResult]:
+        """A stream's verify call: a new one (not ``running``) that finds the replica full is refused (the caller
+        tells the client to come back: 503); a running one is never dropped: it waits for room."""
+        from deployments.batcher import Overloaded
+
+        delay = 0.01
+        while True:
+            try:
+                return await self.verify(requests)
+            except Overloaded:
+                if not running:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(0.5, 2 * delay)
 
     def _speculating(self, seq: Sequence) -> None:
         """A sequence that drafts: a head's states captured for it; a structured output's forced tokens drafted
