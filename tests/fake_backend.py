@@ -2,17 +2,21 @@
 token's logits a fixed random table's row for the last token) behind the engine interface of ``core.backends``,
 with its own cache protocol, so the contract is checked on an engine that is neither this package's nor
 vLLM's. ``AsyncFakeEngine`` is the same engine with a coroutine ``verify`` that batches concurrent calls
-itself: the replica serves it as it serves any such engine, with nothing vLLM's assumed."""
+itself: the replica serves it as it serves any such engine, with nothing vLLM's assumed; ``FakeLoopEngine`` runs
+each stream's loop itself, as vLLM's engine loop does."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from core.backends import Capabilities
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
+from core.sampling import processed_probs
 
 CAPABILITIES = Capabilities(label="the fake verifier backend", structured_outputs=False, aux_states=False,
                             step_states=False, traffic_capture=False, local_drafter=False)
@@ -122,3 +126,36 @@ class AsyncFakeEngine(FakeEngine):
     def stats(self) -> dict:
         return {"backend": "fake", "queued": self.inflight, "max_batch": self.max_seen, "steps": self.steps,
                 "cached_sequences": self.num_cached()}
+
+
+class FakeLoopEngine(AsyncFakeEngine):
+    """The fake engine running each stream's loop itself, one token a step (as an engine whose capabilities say
+    ``engine_loop`` does: ``deployments.engine_loop``), without drafts: k is capped at ``max_k`` and no drafter
+    is bound (``speculative`` False)."""
+
+    capabilities = replace(CAPABILITIES, label="the fake verifier backend's own loop", engine_loop=True, gumbel=False,
+                           adaptive_k=False)
+    speculative = in_engine = False
+    max_k = 4
+
+    def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,
+                        logprobs: int | None, constraint=None) -> dict:
+        return {"params": params, "seed": seed, "max_tokens": max_tokens}
+
+    async def generate(self, tokens: list[int], sp: dict, request_id: str, cache_salt=None, cached=None):
+        """(new ids, logprobs, the request's speculation counts with the last output, else None)."""
+        params, g = sp["params"], torch.Generator().manual_seed(sp["seed"])
+        seq, n = list(tokens), sp["max_tokens"]
+        self.inflight += 1
+        try:
+            for i in range(n):
+                await asyncio.sleep(0)
+                p = processed_probs(self.table[seq[-1]].view(1, -1), params)[0]
+                t = int(p.argmax()) if params.greedy else int(torch.multinomial(p, 1, generator=g))
+                seq.append(t)
+                done = i == n - 1 or t in params.stop_token_ids
+                yield [t], None, SimpleNamespace(num_draft_tokens=0, histogram=[0]) if done else None
+                if done:
+                    return
+        finally:
+            self.inflight -= 1

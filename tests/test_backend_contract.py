@@ -1,6 +1,6 @@
 """One contract every verifier backend passes (``core.backends``), parametrized over the backends: this package's
-engine, a fake one (tests/fake_backend.py: a bigram table behind the same interface, synchronous and as an engine
-that batches itself), and vLLM where it is installed (one engine for the module; its start takes a minute or more
+engine, a fake one (tests/fake_backend.py: a bigram table behind the same interface, synchronous, as an engine
+that batches itself, and as one that runs each stream's loop itself), and vLLM where it is installed (one engine for the module; its start takes a minute or more
 on a small CPU: ``long``). Each is checked against its own model's reference: greedy verification keeps exactly the
 target's continuation, the cache protocol answers misses, sampled tokens follow p (chi-square), the replica
 (``VerifierServer``) decodes through it whatever loop it runs, and it serves what its capabilities declare and
@@ -17,7 +17,7 @@ from configs import SamplingParams
 from core.backends import BACKENDS, Capabilities, backend, capabilities
 from core.protocol import VerifyRequest, prefix_hash
 from core.sampling import processed_probs
-from tests.fake_backend import AsyncFakeEngine, FakeEngine
+from tests.fake_backend import AsyncFakeEngine, FakeEngine, FakeLoopEngine
 
 PROMPT = [5, 9, 14, 3, 7]
 
@@ -95,7 +95,7 @@ def loop():
     lp.loop.close()
 
 
-@pytest.fixture(scope="module", params=["transformers", "fake", "fake_async",
+@pytest.fixture(scope="module", params=["transformers", "fake", "fake_async", "fake_loop",
                                         pytest.param("vllm", marks=[pytest.mark.long, pytest.mark.serve])])
 def bk(request, loop, tiny_pair, tmp_path_factory):
     if request.param == "transformers":
@@ -104,6 +104,8 @@ def bk(request, loop, tiny_pair, tmp_path_factory):
         b = _fake(FakeEngine())
     elif request.param == "fake_async":
         b = _fake(AsyncFakeEngine())
+    elif request.param == "fake_loop":
+        b = _fake(FakeLoopEngine())
     else:
         b = _vllm(tmp_path_factory, loop)
     b.name, b.loop = request.param, loop
