@@ -1,10 +1,10 @@
 """One contract every verifier backend passes (``core.backends``), parametrized over the backends: this package's
-engine, a fake one (tests/fake_backend.py: a bigram table behind the same interface, synchronous, as an engine
-that batches itself, and as one that runs each stream's loop itself), and vLLM where it is installed (one engine for the module; its start takes a minute or more
-on a small CPU: ``long``). Each is checked against its own model's reference: greedy verification keeps exactly the
-target's continuation, the cache protocol answers misses, sampled tokens follow p (chi-square), the replica
-(``VerifierServer``) decodes through it whatever loop it runs, and it serves what its capabilities declare and
-refuses the rest by name."""
+engine; a fake one (tests/fake_backend.py: a bigram table behind the same interface), synchronous, as an engine that
+batches itself and as one that runs each stream's loop itself; and vLLM where it is installed (one engine for the
+module, whose start takes a minute or more on a small CPU: ``long``). Each is checked against its own model's
+reference: greedy verification keeps exactly the target's continuation, the cache protocol answers misses, sampled
+tokens follow p (chi-square), the replica (``VerifierServer``) decodes through it whatever loop it runs, and it
+serves what its capabilities declare and refuses the rest by name."""
 
 import asyncio
 from types import SimpleNamespace
