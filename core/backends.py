@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,49 @@ class Capabilities:
     local_drafter: bool = True  # drafter_placement verifier: a drafter engine beside it in the replica
     engine_loop: bool = False  # the engine runs the speculative loop, one engine request per stream
     in_engine_drafters: tuple[str, ...] = ()  # drafter methods it runs in its own engine (drafter_placement verifier)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every backend's engine has (the module docstring says what each member is for)."""
+
+    capabilities: Capabilities
+    eos_ids: set[int]
+    max_len: int
+
+    def verify(self, requests: list) -> list: ...
+
+    def release(self, seq_id: str) -> bool: ...
+
+    def num_cached(self) -> int: ...
+
+
+@runtime_checkable
+class BatchingEngine(Engine, Protocol):
+    """An engine whose ``verify`` is a coroutine and which batches concurrent calls itself (``is_async``)."""
+
+    is_async: bool
+    inflight: int
+
+    def check_health(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+@runtime_checkable
+class LoopEngine(BatchingEngine, Protocol):
+    """An engine that runs each stream's loop itself (``Capabilities.engine_loop``); one that drafts through
+    the drafter pool (``speculative`` and not ``in_engine``) also has ``bind`` and ``proposer_status``."""
+
+    max_k: int
+    speculative: bool
+    in_engine: bool
+
+    def sampling_params(self, params, k: int, seq_id: str, seed: int, num_prompt: int, max_tokens: int,
+                        logprobs: int | None, constraint=None): ...
+
+    def generate(self, tokens: list[int], params, request_id: str, cache_salt: str | None = None,
+                 cached: dict | None = None): ...
 
 
 @dataclass(frozen=True)

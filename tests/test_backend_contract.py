@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from configs import SamplingParams
-from core.backends import BACKENDS, Capabilities, backend, capabilities
+from core.backends import BACKENDS, BatchingEngine, Capabilities, Engine, LoopEngine, backend, capabilities
 from core.protocol import VerifyRequest, prefix_hash
 from core.sampling import processed_probs
 from tests.fake_backend import AsyncFakeEngine, FakeEngine, FakeLoopEngine
@@ -123,6 +123,21 @@ def _req(seq_id, tokens, drafts, sampling, seed=0, start=0, held=None, **kw):
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_the_engine_has_the_members_its_kind_and_capabilities_need(bk):
+    eng, caps = bk.engine, bk.engine.capabilities
+    assert isinstance(eng, Engine) and isinstance(caps, Capabilities)
+    if getattr(eng, "is_async", False):
+        assert isinstance(eng, BatchingEngine)
+    else:  # (the replica's batcher hears of each forward pass through it)
+        assert hasattr(eng, "on_progress")
+    if caps.engine_loop:
+        assert isinstance(eng, LoopEngine)
+    for member, needed in (("prompt_logprobs", caps.echo_logprobs), ("aux_states", caps.aux_states and
+                                                                     not caps.engine_loop)):
+        if needed:
+            assert callable(getattr(eng, member, None)), member
 
 
 def test_greedy_verification_keeps_exactly_the_targets_continuation(bk):
