@@ -8,16 +8,17 @@ backend is its engine (a module under ``verifier/`` with a ``build`` function), 
 ``register(Backend(...))`` line at the end of this file. ``tests/test_backend_contract.py`` runs every
 backend (and a fake one, ``tests/fake_backend.py``) through the same contract.
 
-The engine interface (what the verifier replica, ``deployments.verifier.VerifierServer``, calls):
+The engine interface (what the verifier replica, ``deployments.verifier.VerifierServer``, calls; the protocols
+``Engine``, ``BatchingEngine`` and ``LoopEngine`` below):
 
-- always: ``capabilities``, ``eos_ids``, ``max_len``, ``release(seq_id) -> bool``, ``num_cached()``,
-  ``check_health()`` (raises ``RuntimeError`` when the engine cannot serve);
-- ``is_async`` False (the default): ``verify(requests)`` runs on the replica's batcher thread, which
-  batches concurrent calls; ``on_progress`` is called after each forward pass; ``masks`` (structured
-  outputs' grammars); with ``echo_logprobs``, ``prompt_logprobs(tokens, top)``; with ``aux_states``,
+- always: ``capabilities``, ``eos_ids``, ``max_len``, ``verify(requests)``, ``release(seq_id) -> bool``,
+  ``num_cached()``;
+- ``is_async`` False (the default): ``verify`` runs on the replica's batcher thread, which batches concurrent
+  calls and watches for stalls; ``on_progress`` is called after each forward pass; with ``structured_outputs``,
+  ``masks`` (the grammars); with ``echo_logprobs``, ``prompt_logprobs(tokens, top)``; with ``aux_states``,
   ``aux_states(tokens, layers)`` (a lost sequence's states recomputed);
-- ``is_async`` True: ``verify`` is a coroutine and the engine batches concurrent calls itself;
-  ``inflight`` (sequences in it now) and ``stats() -> dict``;
+- ``is_async`` True: ``verify`` is a coroutine and the engine batches concurrent calls itself; ``inflight``
+  (sequences in it now), ``stats() -> dict`` and ``check_health()`` (``RuntimeError`` when it cannot serve);
 - ``engine_loop``: the engine runs the speculative loop itself (``deployments.engine_loop``):
   ``generate``, ``sampling_params``, ``max_k``, ``speculative``, ``in_engine``, and, when it drafts
   through the drafter pool, ``bind`` and ``proposer_status``.
