@@ -96,7 +96,7 @@ def loop():
 
 
 @pytest.fixture(scope="module", params=["transformers", "fake", "fake_async", "fake_loop",
-                                        pytest.param("vllm", marks=[pytest.mark.long, pytest.mark.serve])])
+                                        pytest.param("vllm", marks=pytest.mark.long)])
 def bk(request, loop, tiny_pair, tmp_path_factory):
     if request.param == "transformers":
         b = _transformers(tiny_pair, loop)
