@@ -18,7 +18,8 @@ The engine interface (what the verifier replica, ``deployments.verifier.Verifier
   ``masks`` (the grammars); with ``echo_logprobs``, ``prompt_logprobs(tokens, top)``; with ``aux_states``,
   ``aux_states(tokens, layers)`` (a lost sequence's states recomputed);
 - ``is_async`` True: ``verify`` is a coroutine and the engine batches concurrent calls itself; ``inflight``
-  (sequences in it now), ``stats() -> dict`` and ``check_health()`` (``RuntimeError`` when it cannot serve);
+  (sequences in it now), ``report() -> dict`` (its part of the replica's ``stats()``) and ``check_health()``
+  (``RuntimeError`` when it cannot serve);
 - ``engine_loop``: the engine runs the speculative loop itself (``deployments.engine_loop``):
   ``generate``, ``sampling_params``, ``max_k``, ``speculative``, ``in_engine``, and, when it drafts
   through the drafter pool, ``bind`` and ``proposer_status``.
@@ -77,7 +78,7 @@ class BatchingEngine(Engine, Protocol):
 
     def check_health(self) -> None: ...
 
-    def stats(self) -> dict: ...
+    def report(self) -> dict: ...
 
 
 @runtime_checkable

@@ -140,7 +140,7 @@ class VerifierServer(ReplicaGate, DrafterLink, EngineServer):
         from deployments.metrics import where
 
         proposer = await self.engine_loop.proposer_status() if self.engine_loop is not None else None
-        return {**self.engine.stats(), "proposer": proposer, "drafter_calls": dict(self.drafter_calls), **where()}
+        return {**self.engine.report(), "proposer": proposer, "drafter_calls": dict(self.drafter_calls), **where()}
 
     async def ready(self, need_drafter: bool = True, timeout_s: float = 2.0) -> str | None:
         """None when this replica can serve a request end to end: its engine is up (``check_health``) and, with a

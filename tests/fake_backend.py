@@ -123,7 +123,7 @@ class AsyncFakeEngine(FakeEngine):
     def check_health(self):
         pass
 
-    def stats(self) -> dict:
+    def report(self) -> dict:
         return {"backend": "fake", "queued": self.inflight, "max_batch": self.max_seen, "steps": self.steps,
                 "cached_sequences": self.num_cached()}
 

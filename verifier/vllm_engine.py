@@ -414,7 +414,7 @@ class VllmVerifierEngine:
         if self.llm.errored:
             raise RuntimeError("vLLM engine is dead")
 
-    def stats(self) -> dict:
+    def report(self) -> dict:
         """The replica's ``stats()``: the engine's counters and vLLM's."""
         return {"backend": "vllm", "vllm_loop": self.config.vllm.loop, "queued": self.inflight, "busy_s": self.busy_s,
                 "max_batch": self.max_seen, "cached_sequences": self.num_cached(), "cache": self.engine_stats()}
