@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from core.backends import capabilities
 from core.mtp import MtpHead, RowCache
 from core.mtp import load_head as load_mtp
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
@@ -303,10 +304,12 @@ def check(config: AppConfig) -> MtpSpec:
         raise ValueError(f"mtp drafter {d.model!r}: {e}") from None
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"mtp drafter {d.model!r}: not a checkpoint with MTP layers: {e}") from None
-    if config.verifier.backend == "vllm":
-        raise ValueError("an mtp drafter needs the verifier's last hidden states on every step: use verifier.backend "
-                         "transformers (vLLM 0.32's GLM-4.5 and DeepSeek models capture no states for a drafter "
-                         "outside the engine; vLLM runs their MTP layers itself as speculative method mtp)")
+    caps = capabilities(config.verifier)
+    if not caps.step_states:
+        raise ValueError(f"an mtp drafter needs the verifier's last hidden states on every step, which {caps.label} "
+                         "does not return: use verifier.backend transformers (vLLM's GLM-4.5 and DeepSeek models "
+                         "capture no states for a drafter outside the engine; vLLM runs their MTP layers itself as "
+                         "speculative method mtp)")
     if spec.family in VERIFIER_CANNOT_RUN:
         raise ValueError(f"verifier.model {config.verifier.model!r}: model_type {spec.family!r}: "
                          f"{VERIFIER_CANNOT_RUN[spec.family]}")

