@@ -183,3 +183,63 @@ def test_the_head_on_the_pool_drafts_from_vllms_prefix_cache_hits():
     assert cached == blocks(len(p3))  # vLLM's hit, its states gone: no drafts
     assert again_spec is None or again_spec.num_draft_tokens == 0, again_spec
     assert after["prefix_states_missed"] == status["prefix_states_missed"] + 1, after
+
+
+# ------------------------------------------------------------------ kept or recomputed: the measurement
+def measure(rounds: int = 5, n: int = 8) -> dict:
+    """A conversation's first turn (the multi-turn workload's system prompt and a HumanEval turn) on vLLM with
+    the head on the pool, then per round, alternating: its hit with the states kept (vLLM's prefix cache and
+    the proposer's), the same request recomputing its prompt (``skip_reading_prefix_cache``: the pass a
+    recomputation of the hit's states costs) and its uncached suffix alone; -> time to first token medians."""
+    import statistics
+    import time
+
+    from transformers import AutoTokenizer
+
+    from bench.common import TARGET as BENCH_TARGET
+    from bench.workloads import conversations
+    from configs import VerifierConfig
+    from core.eagle3 import check_head
+    from deployments.drafter import DrafterServer
+    from verifier.vllm_engine import VllmVerifierEngine
+
+    system, convs = conversations(AutoTokenizer.from_pretrained(BENCH_TARGET), system_tokens=850, turn_tokens=24)
+    prompt, salt = system + convs[0][0], uuid.uuid4().hex
+
+    async def ttft(eng, ids, seq, salt, recompute=False):
+        sp = eng.sampling_params(SamplingParams(temperature=0, ignore_eos=True, verification="rejection"),
+                                 K, seq, 0, len(ids), n, None)
+        sp.skip_reading_prefix_cache = recompute
+        t0, first, cached = time.perf_counter(), None, {"tokens": 0}
+        async for new, _, _ in eng.generate(ids, sp, seq, salt, cached):
+            first = first or (time.perf_counter() - t0 if new else None)
+        return first, cached["tokens"]
+
+    async def run():
+        dr = DrafterServer({**HEAD_CFG, "verifier_model": str(TARGET)})
+        ep = await dr.endpoint()
+        eng = VllmVerifierEngine(VerifierConfig.model_validate({**VERIFIER, "max_model_len": 1024}),
+                                 speculative=True, aux_layers=tuple(check_head(HEAD, TARGET).aux_layer_ids))
+        try:
+            await eng.bind({"endpoints": [[ep.host, ep.port, ep.token.hex(), ep.replica]], "timeout_s": 30.0,
+                            "speculate": "always"})
+            await ttft(eng, convs[1][0] * 4, "warm", None)
+            times = {"miss": [(await ttft(eng, prompt, "miss", salt))[0]], "kept": [], "recomputed": [], "suffix": []}
+            for r in range(rounds):
+                t, hit = await ttft(eng, prompt, f"k{r}", salt)
+                times["kept"].append(t)
+                times["recomputed"].append((await ttft(eng, prompt, f"r{r}", salt, recompute=True))[0])
+                times["suffix"].append((await ttft(eng, prompt[hit:], f"s{r}", uuid.uuid4().hex))[0])
+            status = (await eng.proposer_status())[0]
+        finally:
+            eng.shutdown()
+        return times, hit, status
+
+    times, hit, status = asyncio.run(run())
+    out = {f"ttft_ms_{name}": round(1000 * statistics.median(ts), 1) for name, ts in times.items()}
+    return {**out, "prompt_tokens": len(prompt), "cached_tokens": hit, "no_states": status["no_states"],
+            "prefix_states_hits": status["prefix_states_hits"]}
+
+
+if __name__ == "__main__":
+    print(measure())
