@@ -56,7 +56,7 @@ class PrefixStates:
 
     def _link(self, c: _Chain, tokens) -> bytes:
         b, i = self.block_size, len(c.links)
-        return block_link(c.last(), [int(t) for t in tokens[i * b:(i + 1) * b]])
+        return block_link(c.last(), tokens[i * b:(i + 1) * b])  # (a row of vLLM's numpy array: hashed as int64)
 
     def keep(self, seq: str, salt: str | None, tokens, start: int, rows: torch.Tensor) -> None:
         """The states of positions start..start + len(rows) - 1 of a sequence (``tokens``: its row of token

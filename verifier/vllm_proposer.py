@@ -156,9 +156,9 @@ class SplitspecProposer:
         extra = getattr(vllm_config, "additional_config", None) or {}
         self.aux_layers = tuple(extra.get(KEY, {}).get("aux_layers", ()))
         self.states: dict[str, States] = {}  # seq id -> its aux states
-        # the states of the prefixes vLLM caches, for its hits (sized at bind: as many tokens as vLLM's KV cache)
-        caching = self.aux_layers and getattr(vllm_config.cache_config, "enable_prefix_caching", False)
-        self.prefix = PrefixStates(vllm_config.cache_config.block_size, 1 << 16) if caching else None
+        # the states of the prefixes vLLM caches, for its hits (made at bind: vLLM's blocks, as many as its KV cache)
+        self._prefix_caching = bool(self.aux_layers) and bool(vllm_config.cache_config.enable_prefix_caching)
+        self.prefix: PrefixStates | None = None
         self._deferred: list[tuple] = []  # this step's first states of hits, put once every row's are kept
         self._step = None  # this engine step's (aux states [T, layers * H], spec decode metadata), from the runner
 
@@ -197,7 +197,7 @@ class SplitspecProposer:
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
         self.choice.always = config.get("speculate", "measured") == "always"
-        if self.prefix is not None:
+        if self._prefix_caching:
             self._size_prefix_states(runner, config)
         if self.aux_layers:
             # a head pre-drafts only from its own outputs (the block's states do not exist yet), which costs
@@ -409,11 +409,13 @@ class SplitspecProposer:
         self._deferred = []
 
     def _size_prefix_states(self, runner, config: dict):
-        """Room for as many tokens' states as vLLM's KV cache holds (or ``prefix_states_tokens``)."""
+        """Room for as many tokens' states as vLLM's KV cache holds (or ``prefix_states_tokens``), by vLLM's blocks."""
+        block = runner.cache_config.block_size
+        if self.prefix is None:
+            self.prefix = PrefixStates(block, block)
         tokens = config.get("prefix_states_tokens")
         if tokens is None:
-            kv = getattr(runner, "kv_cache_config", None)
-            tokens = getattr(kv, "num_blocks", 0) * self.prefix.block_size or 1 << 16
+            tokens = getattr(getattr(runner, "kv_cache_config", None), "num_blocks", 0) * block or 1 << 16
         self.prefix.resize(int(tokens))
 
     def _held_prefix(self, seq: str, ctx: list[int]) -> int:
