@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+import uuid
 
 import httpx
 import jsonschema
@@ -220,6 +221,36 @@ def test_cache_miss_protocol(vllm_app):
     (bad,) = h.verify.remote([VerifyRequest("cm", len(held), "0" * 32, full.tokens[-1:], [], p, 0)]).result()
     assert bad.cache_miss
     assert h.release.remote(["cm"]).result() == 1
+
+
+@SERVED_VLLM
+def test_per_step_first_calls_report_the_prompt_tokens_read_from_vllms_cache(vllm_app):
+    """vllm_loop per_step: a sequence's first call reports the prompt tokens vLLM read from its prefix cache (the
+    usage's cached_tokens): none the first time, the full blocks before the last token once a request computed
+    them, under the same cache_salt only; with one engine request (greedy) or k + 1 (logprobs) alike; a later
+    call of the sequence reports none."""
+    base, tok, target, _ = vllm_app
+    h = verifier_handle()
+    ids = tok(TINY_TEXT * 3)["input_ids"][:90]  # 2 full blocks of 32, the last token in the third
+    salt, other = uuid.uuid4().hex, uuid.uuid4().hex  # nothing cached under them yet
+
+    def first(seq, salt, drafts, logprobs=None):
+        (res,) = h.verify.remote([VerifyRequest(seq, 0, None, ids, drafts, SamplingParams(temperature=0), 0, full=True,
+                                                logprobs=logprobs, cache_salt=salt)]).result()
+        assert not res.cache_miss and res.error is None, res
+        return res
+
+    assert first("pc-a", salt, [5, 6]).prefix_hit == 0
+    hit = first("pc-b", salt, [7])
+    assert hit.prefix_hit == 64
+    assert first("pc-c", other, [7]).prefix_hit == 0  # another tenant reads nothing
+    assert first("pc-d", salt, [7, 8, 9], logprobs=1).prefix_hit == 64  # k + 1 engine requests
+    held = ids + [7][: hit.num_accepted]
+    (nxt,) = h.verify.remote([VerifyRequest.for_tokens("pc-b", held + hit.tokens[-1:], len(held), draft_tokens=[3],
+                                                       sampling=SamplingParams(temperature=0), seed=0,
+                                                       cache_salt=salt)]).result()
+    assert not nxt.cache_miss and nxt.prefix_hit == 0
+    assert h.release.remote(["pc-a", "pc-b", "pc-c", "pc-d"]).result() == 4
 
 
 def expected(p, n):

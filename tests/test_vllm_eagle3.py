@@ -67,8 +67,9 @@ def _proposer(rows: int):
     from verifier.vllm_proposer import SplitspecProposer
 
     prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
-    prop.states = {}
-    prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)))
+    prop.states, prop.prefix = {}, None
+    prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)),
+                                  input_batch=SimpleNamespace(num_computed_tokens_cpu=np.zeros(rows, dtype=np.int32)))
     return prop
 
 
@@ -76,6 +77,7 @@ def _step(prop, fed: list[list[int]], drafts: list[int]):
     """One engine step: row i fed the tokens at positions fed[i] (its aux row t holds t); -> (aux, metadata)."""
     qsl = np.cumsum([0] + [len(f) for f in fed])
     prop.runner.query_start_loc.np[: len(qsl)] = qsl
+    prop.runner.input_batch.num_computed_tokens_cpu[: len(fed)] = [f[0] for f in fed]  # (vLLM's, before the step)
     aux = torch.tensor([float(t) for f in fed for t in f]).unsqueeze(1).repeat(1, 3)  # [T, 3]: three layers
     return aux, SimpleNamespace(num_draft_tokens=drafts)
 

@@ -165,6 +165,16 @@ def query_start(runner):
     return runner.query_start_loc.np
 
 
+def computed_tokens(runner, row: int) -> int:
+    """How many of row ``row``'s tokens vLLM has computed (its prefix-cache hit included)."""
+    return int(runner.input_batch.num_computed_tokens_cpu[row])
+
+
+def kv_blocks(runner) -> tuple[int, int]:
+    """(tokens per KV block, blocks in vLLM's KV cache; 0 when not known yet)."""
+    return runner.cache_config.block_size, getattr(getattr(runner, "kv_cache_config", None), "num_blocks", 0)
+
+
 def vocab_size(runner) -> int:
     return runner.model_config.get_vocab_size()
 

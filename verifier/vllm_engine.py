@@ -51,6 +51,8 @@ from verifier import vllm_compat as compat
 
 # the cache_salt of the verify call a task serves (each call of a batch runs in a task of its own)
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cache_salt", default=None)
+# the prompt tokens each engine request of the verify call a task serves read from vLLM's prefix cache
+_READ: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("cached_reads", default=None)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import VerifierConfig
@@ -154,11 +156,8 @@ def _speculate(args, config: VerifierConfig, speculative: bool, aux_layers: tupl
         args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
                                    "num_speculative_tokens": config.vllm.num_speculative_tokens}
         args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
-        if aux_layers:
+        if aux_layers:  # (the states of a prefix vLLM reads from its cache: kept by the proposer, by prefix)
             args.additional_config = {"splitspec": {"aux_layers": sorted(set(aux_layers))}}
-            # a prompt's blocks read from the prefix cache are never computed, so their states would never
-            # exist: the head on the drafter pool needs the states of every position of a sequence
-            args.enable_prefix_caching = False
 
 
 def build(config: VerifierConfig, *, drafting: bool = False, aux_layers: tuple[int, ...] = (),
@@ -270,6 +269,8 @@ class VllmVerifierEngine:
         if tokens is None:
             return VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
         t0 = time.perf_counter()
+        reads: list[int] = []
+        _READ.set(reads)  # (the call's engine requests run in tasks of their own: they share the list)
         try:
             if r.sampling.greedy and r.logprobs is None and not r.sampling.processed:
                 logprobs = await self._argmax_rows(r.seq_id, tokens, r.draft_tokens)
@@ -287,6 +288,10 @@ class VllmVerifierEngine:
         if r.seq_id in self.seqs:  # not released meanwhile
             self.seqs[r.seq_id] = kept
         res.cached = len(kept)
+        if r.full and reads:  # a sequence's first call (or a resend): its prompt's tokens read from the cache;
+            # the least of its requests': a rerun without reads read none, and of k + 1 requests sent at once the
+            # later ones may read the blocks the first wrote in the same engine step
+            res.prefix_hit = min(min(reads), len(tokens))
         res.engine_s = time.perf_counter() - t_call  # the sequence's whole call: claim, vLLM's pass, decision
         return res
 
@@ -306,6 +311,9 @@ class VllmVerifierEngine:
         self.stats["engine_requests"] += 1
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["computed_tokens"] += len(prompt) - (out.num_cached_tokens or 0)
+        reads = _READ.get()
+        if reads is not None:
+            reads.append(out.num_cached_tokens or 0)
         return out
 
     async def _argmax_rows(self, seq_id: str, tokens: list[int], drafts: list[int]) -> torch.Tensor:
@@ -394,6 +402,8 @@ class VllmVerifierEngine:
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
         prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": cache_salt} if cache_salt else {}))
+        if cache_salt and (params.extra_args or {}).get("splitspec"):  # the proposer names kept prefix states by it
+            params.extra_args["splitspec"]["salt"] = cache_salt
         try:
             async for out in self.llm.generate(prompt, params, request_id):
                 if cached is not None and out.num_cached_tokens is not None:

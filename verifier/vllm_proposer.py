@@ -76,6 +76,7 @@ from core.proposers import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
 from core.protocol import DraftRequest, Proposal, common_prefix_len
 from verifier import vllm_compat as compat
 from verifier.vllm_compat import fix_cpu_expand_kernel
+from verifier.vllm_prefix_states import PrefixStates
 
 log = logging.getLogger(__name__)
 KEY = "splitspec"  # the extra_args entry the replica fills in
@@ -156,6 +157,10 @@ class SplitspecProposer:
         extra = getattr(vllm_config, "additional_config", None) or {}
         self.aux_layers = tuple(extra.get(KEY, {}).get("aux_layers", ()))
         self.states: dict[str, States] = {}  # seq id -> its aux states
+        # the states of the prefixes vLLM caches, for its hits (made at bind: vLLM's blocks, as many as its KV cache)
+        self._prefix_caching = bool(self.aux_layers) and bool(vllm_config.cache_config.enable_prefix_caching)
+        self.prefix: PrefixStates | None = None
+        self._deferred: list[tuple] = []  # this step's first states of hits, put once every row's are kept
         self._step = None  # this engine step's (aux states [T, layers * H], spec decode metadata), from the runner
 
     def load_model(self, *args, **kwargs):
@@ -181,6 +186,8 @@ class SplitspecProposer:
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
         self.choice.always = config.get("speculate", "measured") == "always"
+        if self._prefix_caching:
+            self._size_prefix_states(runner, config)
         if self.aux_layers:
             # a head pre-drafts only from its own outputs (the block's states do not exist yet), which costs
             # acceptance (docs/eagle3.md); here every step drafts from the target's states
@@ -204,7 +211,7 @@ class SplitspecProposer:
         return {"rank": self.rank, "endpoints": len(self.endpoints),
                 "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
                 "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(),
-                **self.stats}
+                **self.stats, **(self.prefix.stats if self.prefix is not None else {})}
 
     # --- vLLM's side ---------------------------------------------------------------------
 
@@ -217,7 +224,7 @@ class SplitspecProposer:
             return out
         req_ids = compat.request_ids(runner)
         self._forget(compat.requests(runner))
-        rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids)
+        rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids, token_ids_cpu)
         if not rows:
             self.choice._last = None  # nothing to measure across steps without drafts
             return out
@@ -240,7 +247,7 @@ class SplitspecProposer:
         self.stats["propose_s"] += time.perf_counter() - t0
         return out
 
-    def _rows_to_draft(self, sampled_token_ids, num_tokens_no_spec, req_ids) -> list[tuple]:
+    def _rows_to_draft(self, sampled_token_ids, num_tokens_no_spec, req_ids, token_ids_cpu=None) -> list[tuple]:
         """(row, vLLM request id, settings, context length) of this step's rows that want drafts; an EAGLE-3
         head's rows also keep their target states (``_keep_states``) from the step's aux states."""
         runner = self.runner
@@ -253,9 +260,10 @@ class SplitspecProposer:
             n = int(num_tokens_no_spec[i])
             if ex and ex["k"] > 0 and self.aux_layers:
                 self.seqs[req_ids[i]] = ex["seq"]
-                self._keep_states(ex["seq"], i, len(sampled), n, step)
+                self._keep_states(ex["seq"], i, len(sampled), n, step, ex.get("salt"), token_ids_cpu)
             if ex and len(sampled) and ex["k"] > 0 and n + 2 <= self.max_len:  # not a chunked prefill half-way
                 rows.append((i, req_ids[i], ex, n))
+        self._put_deferred()
         return rows
 
     def _take_pre_drafts(self, rows: list[tuple], token_ids_cpu, out: list[list[int]]) -> list[tuple]:
@@ -340,11 +348,13 @@ class SplitspecProposer:
             self.stats["aux_bytes"] += req.aux.numel() * req.aux.element_size()
         return req
 
-    def _keep_states(self, seq: str, row: int, num_sampled: int, n: int, step):
+    def _keep_states(self, seq: str, row: int, num_sampled: int, n: int, step, salt: str | None = None,
+                     token_ids_cpu=None):
         """Keep the aux states of the positions this step computed and kept for row ``row``: its fed
         tokens up to the accepted drafts (the rejected drafts' are dropped). ``n``: the row's tokens now,
         the sampled ones included (whose states the next step computes). Without this step's states (vLLM
-        skipped drafting for the whole batch) the sequence stops drafting: its states would have a gap."""
+        skipped drafting for the whole batch) the sequence stops drafting: its states would have a gap. With
+        prefix caching, a sequence's first states after a hit follow the hit's kept ones (``_put_states``)."""
         states = self.states.setdefault(seq, States())
         if step is None:
             states.lost()
@@ -356,9 +366,44 @@ class SplitspecProposer:
             drafts = meta.num_draft_tokens[row] if meta is not None and row < len(meta.num_draft_tokens) else 0
             kept = fed - drafts + num_sampled - 1
             start = n - 1 - kept
-        else:  # a prefill chunk, more to come: all kept, after those kept before
-            kept, start = fed, states.n
-        states.put(start, aux[lo: lo + kept].clone())  # (not a view of the step's buffer)
+        else:  # a prefill chunk, more to come: all kept, from the first position the step fed
+            kept, start = fed, compat.computed_tokens(self.runner, row)
+        self._put_states(seq, states, start, aux[lo: lo + kept].clone(), salt,  # (not a view of the step's buffer)
+                         None if token_ids_cpu is None else token_ids_cpu[row])
+
+    def _put_states(self, seq: str, states: States, start: int, rows: torch.Tensor, salt: str | None, tokens):
+        """Keep a row's states, and the blocks they complete by prefix (``PrefixStates``). A sequence's first
+        states starting past 0 follow a hit in vLLM's prefix cache: deferred to the end of the step, when the
+        rows that computed the hit's blocks in this same step (vLLM lets a request read them) are kept too."""
+        if self.prefix is None or tokens is None:
+            states.put(start, rows)
+        elif start > 0 and states.n == 0 and not states.broken:
+            self._deferred.append((seq, states, start, rows, salt, tokens))
+        else:
+            states.put(start, rows)
+            if not states.broken:
+                self.prefix.keep(seq, salt, tokens, start, rows)
+
+    def _put_deferred(self):
+        """The first states of this step's hits: after the hit's kept states, or none (no drafts for them)."""
+        for seq, states, start, rows, salt, tokens in self._deferred:
+            prefix = self.prefix.hit(seq, salt, tokens, start)
+            if prefix is None:
+                states.lost()
+                continue
+            states.put(0, prefix)
+            self._put_states(seq, states, start, rows, salt, tokens)
+        self._deferred = []
+
+    def _size_prefix_states(self, runner, config: dict):
+        """Room for as many tokens' states as vLLM's KV cache holds (or ``prefix_states_tokens``), by vLLM's blocks."""
+        block, blocks = compat.kv_blocks(runner)
+        if self.prefix is None:
+            self.prefix = PrefixStates(block, block)
+        tokens = config.get("prefix_states_tokens")
+        if tokens is None:
+            tokens = blocks * block or 1 << 16
+        self.prefix.resize(int(tokens))
 
     def _held_prefix(self, seq: str, ctx: list[int]) -> int:
         """How many of ctx's tokens the bound drafter replica holds. ctx only grows, so its first n
@@ -484,6 +529,8 @@ class SplitspecProposer:
             self.ctx.pop(seq, None)
             self.chains.pop(seq, None)
             self.states.pop(seq, None)
+            if self.prefix is not None:
+                self.prefix.forget(seq)
             if ep is not None:
                 # best effort: an unreleased cache is evicted
                 self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())
