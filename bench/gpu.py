@@ -42,6 +42,46 @@ def engine_settings(model: str, device: str = "cuda", dtype: str = "bfloat16", *
     return SimpleNamespace(**{**ENGINE, "model": model, "device": device, "dtype": dtype, **kw})
 
 
+def model_shape(cfg: dict, dtype_bytes: int = 2) -> dict:
+    """What a forward moves and computes, from a Hugging Face config: parameters, the bytes of weights one pass
+    reads (the embedding table by rows, unless tied to the output layer), FLOPs per new token, attention FLOPs
+    per token per context position, KV bytes per token."""
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    attn = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h
+    mlp = 3 * h * cfg["intermediate_size"]
+    embed = vocab * h
+    params = layers * (attn + mlp + 2 * h) + h + embed + (0 if cfg.get("tie_word_embeddings") else embed)
+    matmul = layers * (attn + mlp) + embed  # the output layer is a matmul, the embedding lookup is not
+    return {"params": params, "layers": layers, "hidden_size": h, "vocab_size": vocab, "dtype_bytes": dtype_bytes,
+            "max_position_embeddings": cfg.get("max_position_embeddings"), "weight_bytes": params * dtype_bytes,
+            "read_bytes": (matmul + layers * 2 * h + h) * dtype_bytes, "flops_per_token": 2 * matmul,
+            "attn_flops_per_position": 4 * layers * heads * hd,
+            "kv_bytes_per_token": 2 * layers * kv_heads * hd * dtype_bytes}
+
+
+def load_shape(name: str, dtype_bytes: int = 2) -> dict:
+    """``name``: a ``bench/shapes/`` file (without .json), a config.json, a model directory or a Hub id (its
+    config alone fetched). A multimodal config's text model; a Speculators head's layers over its draft vocabulary."""
+    p = Path(name)
+    if p.is_dir():
+        p = p / "config.json"
+    elif not p.exists() and (SHAPES_DIR / f"{name}.json").exists():
+        p = SHAPES_DIR / f"{name}.json"
+    elif not p.exists():
+        from core.hub import local_dir
+
+        p = Path(local_dir(name, weights=False, field="--verifier/--drafter")) / "config.json"
+    cfg = json.loads(p.read_text())
+    if "transformer_layer_config" in cfg:
+        layer = cfg["transformer_layer_config"]
+        cfg = {**layer, "vocab_size": cfg.get("draft_vocab_size") or layer["vocab_size"]}
+    cfg = cfg.get("text_config") or cfg
+    return {"name": name if not Path(name).exists() else Path(name).name, **model_shape(cfg, dtype_bytes)}
+
+
 def build_model(name: str, device: str, dtype: str, seed: int):
     """A random-weight causal LM of the named shape, in ``dtype`` on ``device``."""
     import torch
@@ -255,8 +295,6 @@ def run(args) -> dict:
     import platform
 
     import torch
-
-    from bench.plan import load_shape
 
     cuda = args.device.startswith("cuda") and torch.cuda.is_available()
     result = {"machine": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
