@@ -8,11 +8,9 @@ server instead, its systems paired with each other on it.
 
     python -m bench.ab --old /tmp/old            # or: make bench-ab OLD=/tmp/old
 
-``--streams N`` pairs waves of N concurrent requests instead (``ms_per_token``: the median request's;
-``wave_ms_per_token``: wall time over all its tokens, the inverse of throughput). ``--slow-drafter S``: every drafter
-batch S seconds slower (fault injection); with ``off`` among the systems, ``off_over`` is each version's speed over
-speculation off. ``--temperature 0,0.8``: each (repeat, prompt) at each temperature in turn, a row per system and
-temperature. docs/benchmarks.md lists the options.
+``--streams N`` pairs waves of N concurrent requests (``ms_per_token``: the median request's; ``wave_ms_per_token``:
+wall time over all its tokens, the inverse of throughput). With ``off`` among the systems, ``off_over`` is each
+version's speed over speculation off. docs/benchmarks.md describes every option.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from bench import workloads
 from bench.client import BENCH_OVERRIDES, Scenario, add_arguments, complete, complete_async, completion_body, serving
@@ -50,8 +50,6 @@ def parse(argv=None):
     ap.add_argument("--streams", type=int, default=1, help="1 pairs single requests, N > 1 pairs waves of N")
     ap.add_argument("--drafter", default="draft_model", choices=["draft_model", "eagle3"],
                     help="the shipped draft model, or the shipped EAGLE-3 head")
-    ap.add_argument("--slow-drafter", type=float, default=0.0, metavar="S",
-                    help="every drafter batch S seconds slower (fault injection) in every app")
     args = ap.parse_args(argv)
     args.systems = args.systems.split(",")
     args.workload = [str(Path(w).resolve()) if Path(w).is_file() else w  # (the run changes directory: see ``run``)
@@ -69,27 +67,10 @@ def parse(argv=None):
     return args
 
 
-def _commit(tree: Path) -> str:
-    run = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
-
-
-def _with_path(tree: Path, faults: bool = False) -> dict:
-    """BENCH_OVERRIDES with the replicas importing from ``tree`` (and fault injection on, if ``faults``)."""
-    from deployments.server import FAULT_INJECTION_ENV
-
-    env = {"runtime_env": {"env_vars": {"PYTHONPATH": str(tree), **({FAULT_INJECTION_ENV: "1"} if faults else {})}}}
+def _with_path(tree: Path) -> dict:
+    """BENCH_OVERRIDES with the replicas importing from ``tree``."""
+    env = {"runtime_env": {"env_vars": {"PYTHONPATH": str(tree)}}}
     return {name: {**o, "ray_actor_options": {**o["ray_actor_options"], **env}} for name, o in BENCH_OVERRIDES.items()}
-
-
-def _slow_drafters(apps, seconds: float) -> None:
-    """Every app's drafter replicas ``seconds`` slower per batch (a call reaches one replica: several calls)."""
-    from ray import serve
-
-    for name in apps:
-        handle = serve.get_deployment_handle("Drafter", app_name=f"bench-{name}")
-        replicas = {handle.inject_fault.remote("slow", seconds).result() for _ in range(8)}
-        log(f"{name}: drafter replicas {sorted(replicas)} slowed by {seconds * 1000:.0f} ms per batch")
 
 
 def run(args) -> dict:
@@ -146,8 +127,6 @@ def _singles(args, client, urls: dict, prompts: list, runs: dict) -> None:
 
 async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
     """Waves of ``args.streams`` concurrent requests, each wave on both versions back to back."""
-    import httpx
-
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with httpx.AsyncClient(timeout=1200, limits=limits) as client:
         for rep in range(args.repeats):
@@ -169,22 +148,18 @@ async def _waves(args, urls: dict, prompts: list, runs: dict) -> None:
 
 
 def _measure(args, trees: dict) -> dict:
-    import httpx
-
     sc, t0 = Scenario.from_args(args), time.perf_counter()
     (wl,) = sc.load()
     # each version's apps, one per policy the systems need, their replicas importing that version's code; the old
     # version's built by its own app builder (its config and constructors may differ from this one's)
     policies = sorted({SYSTEMS[s][0] for s in args.systems})
     apps = {f"{v}-{p}": sc.app(p, streams=args.streams, drafter=args.drafter) for v in trees for p in policies}
-    overrides = {f"{v}-{p}": _with_path(t, faults=args.slow_drafter > 0) for v, t in trees.items() for p in policies}
+    overrides = {f"{v}-{p}": _with_path(t) for v, t in trees.items() for p in policies}
     names = {(s, t): _name(args, s, t) for s in args.systems for t in args.temperature}
     runs = {f"{n}-{v}": [] for n in names.values() for v in trees}
     served = contextlib.nullcontext({f"served-{p}": args.url.rstrip("/") for p in policies}) if args.url \
         else serving(apps, args.threads, overrides, {name: trees["old"] for name in apps if name.startswith("old-")})
     with served as urls, httpx.Client(timeout=600) as client:
-        if args.slow_drafter:
-            _slow_drafters(apps, args.slow_drafter)
         for url in urls.values():  # warm-up: first-call costs
             complete(client, url, completion_body(wl.prompts[0][1], 16, args.temperature[0], 7, None))
         if args.streams == 1:
@@ -195,7 +170,9 @@ def _measure(args, trees: dict) -> dict:
                for (_, t), s in names.items()}
     for x in (x for r in runs.values() for x in r):
         x.pop("output_ids")
-    return sc.record("ab", [wl], t0, config=vars(args), commits={v: _commit(t) for v, t in trees.items()},
+    return sc.record("ab", [wl], t0, config=vars(args), commits={v: subprocess.run(
+                         ["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+                     ).stdout.strip() or "unknown" for v, t in trees.items()},
                      workload=wl.describe(), summary=summary, runs=runs)
 
 

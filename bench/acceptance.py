@@ -8,6 +8,9 @@ import argparse
 import time
 from pathlib import Path
 
+import httpx
+import yaml
+
 from bench import common, workloads
 from bench.common import BENCH_DTYPE, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, floats, ints, log, rnd
 
@@ -99,24 +102,18 @@ def _shipped(name: str, k: int, engine: dict):
         Eagle3Config(model=EAGLE3, verifier_model=TARGET, **kw)
 
 
-def serve_sections(path: str) -> tuple[dict, dict]:
-    """(verifier, drafter) sections of a serve config: the Serve YAML's first application's args, or the args."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text()) or {}
-    app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
-    if "verifier" not in app or "drafter" not in app:
-        raise SystemExit(f"--config {path}: no verifier and drafter sections (a serve config's application args)")
-    return dict(app["verifier"]), dict(app["drafter"])
-
-
 def _from_config(args) -> tuple[dict, list[tuple[str, object]]]:
+    """A serve config's verifier and drafter sections (the Serve YAML's first application's args, or the args)."""
     from pydantic import TypeAdapter
 
     from configs.models import DrafterConfig
     from core.hub import localize
 
-    v, d = serve_sections(args.config)
+    doc = yaml.safe_load(Path(args.config).read_text()) or {}
+    app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
+    if "verifier" not in app or "drafter" not in app:
+        raise SystemExit(f"--config {args.config}: no verifier and drafter sections (a serve config's app args)")
+    v, d = dict(app["verifier"]), dict(app["drafter"])
     v = {**localize(v), "num_threads": args.threads}
     d = localize({k: x for k, x in d.items() if k != "num_speculative_tokens"}) | {"num_speculative_tokens": args.k_max}
     if d.get("method") in ("eagle3", "dflash", "dspark"):
@@ -201,8 +198,6 @@ def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[st
 
 
 def measure_server(args, wls) -> list[dict]:
-    import httpx
-
     from bench.client import complete, completion_body
 
     out = []

@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+import httpx
+
 from bench.client import Scenario, add_arguments, completion_body, serving, stream_completion
 from bench.common import EAGLE3, ROOT, ints, log, median, rnd, write_json
 
@@ -86,8 +88,6 @@ def config_row(rs: list[dict], k: int | None, default_k: int) -> dict:
 
 
 async def _measure(urls, prompts, args, configs=None) -> dict:
-    import httpx
-
     configs = configs or [("default", urls["adaptive"], None)] + [(f"k{k}", urls["fixed"], k) for k in args.ks]
     rows = {name: [] for name, _, _ in configs}
     async with httpx.AsyncClient(timeout=600) as client:

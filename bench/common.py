@@ -102,12 +102,8 @@ def cpu_info(text: str | None = None) -> dict:
         except OSError:
             return {"vendor": None, "model": platform.processor() or platform.machine() or None, "flags": None}
     fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip() and fields:
-            break  # the first CPU's block only
-        key, _, value = line.partition(":")
-        if line.strip():
-            fields.setdefault(key.strip(), value.strip())
+    for key, _, value in (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines()):  # the first CPU
+        fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     return {"vendor": fields.get("vendor_id"), "model": fields.get("model name"),
             "flags": [f for f in KERNEL_FLAGS if f in flags] if "flags" in fields else None}
@@ -128,11 +124,10 @@ def machine_slug(info: dict | None = None) -> str:
 
 def git_commit() -> str | None:
     """This checkout's short commit (None outside git), with ``-dirty`` when tracked files differ from it."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-
     try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        commit, dirty = (subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+                         .stdout.strip() for a in (("rev-parse", "--short", "HEAD"),
+                                                   ("status", "--porcelain", "--untracked-files=no")))
     except Exception:  # noqa: BLE001
         return None
     return (commit + ("-dirty" if dirty else "")) if commit else None
@@ -161,18 +156,6 @@ def write_json(out: Path, name: str, data: dict) -> Path:
 
 def log(msg: str):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def free_port() -> int:

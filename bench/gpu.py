@@ -1,14 +1,8 @@
-"""GPU benchmark kit: the system's own overhead at real model shapes, without real weights (docs/benchmarks.md).
-
-It needs torch and transformers only: it imports the engine level, builds random-weight models from
-``bench/shapes/`` (Llama-3.1-8B and 3.2-1B shapes) and drafts with an oracle, the verifier's own greedy continuation
-with each token replaced by a wrong one with probability 1 - a, while the drafter model still runs its k passes. Per
-forward implementation, a and k: ms/token against plain decoding, the zero-overhead bound and the ratio to it, a
-step's verify, draft and rest; the engines' terms and the device's bandwidth and matmul rate, which ``bench.plan
---gpu-json`` plans with. The forward is eager (no compiled or CUDA-graph path).
-
-    python -m bench.gpu                # 8B/1B shapes, bf16
-    python -m bench.gpu --shapes tiny --device cpu --quick   # what the test suite runs
+"""GPU benchmark kit: the system's own overhead at real model shapes (``bench/shapes/``), random weights, torch and
+transformers alone (docs/benchmarks.md). An oracle drafts the verifier's own greedy continuation, each token wrong
+with probability 1 - a, while the drafter model still runs its k passes. Per forward, a and k: ms/token against plain
+decoding and the zero-overhead bound, a step's parts; the engines' terms and the device's bandwidth and matmul rate
+(``bench.plan --gpu-json``). ``python -m bench.gpu --shapes tiny --device cpu --quick``: what the tests run.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.common import expected_tokens, floats, ints
+from bench.common import expected_tokens, floats, ints, write_json
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 SHAPES = {"real": ("llama-3.1-8b", "llama-3.2-1b"), "tiny": ("tiny-verifier", "tiny-drafter")}
@@ -313,16 +307,16 @@ def run(args) -> dict:
 
 
 def table(result: dict) -> str:
+    head = ("a", "a meas", "k", "ms/tok", "vs plain", "bound", "ratio", "tok/step", "verify", "draft", "rest")
     lines = [f"{result['machine']}: verifier {result['shapes']['verifier']}, drafter {result['shapes']['drafter']}, "
              f"{result['dtype']}, {result['tokens']} tokens, compiled path: {result['compiled']}"]
     for f in result["by_forward"]:
         lines += [f"forward {f['forward']}: plain decoding {f['plain_ms_per_token']:.2f} ms/token",
-                  f"{'a':>5} {'a meas':>6} {'k':>2} {'ms/tok':>7} {'vs plain':>8} {'bound':>7} {'ratio':>6} "
-                  f"{'tok/step':>8} {'verify':>7} {'draft':>7} {'rest':>7}"]
-        lines += [f"{r['a_set']:>5} {r['a_measured']:>6} {r['k']:>2} {r['ms_per_token']:>7.2f} "
-                  f"{r['speedup_vs_plain']:>7.2f}x {r['bound_ms_per_token']:>7.2f} {r['ratio_to_bound']:>6.2f} "
-                  f"{r['tokens_per_step']:>8.2f} {r['step_ms']['verify']:>7.2f} {r['step_ms']['draft']:>7.2f} "
-                  f"{r['step_ms']['rest']:>7.2f}" for r in f["rows"]]
+                  " ".join(f"{h:>8}" for h in head)]
+        lines += [" ".join(f"{x:>8}" for x in (r["a_set"], r["a_measured"], r["k"], r["ms_per_token"],
+                                               f"{r['speedup_vs_plain']}x", r["bound_ms_per_token"],
+                                               r["ratio_to_bound"], r["tokens_per_step"], *r["step_ms"].values()))
+                  for r in f["rows"]]
     return "\n".join(lines + [f"(whole run {result['wall_s']} s)"])
 
 
@@ -346,11 +340,9 @@ def main(argv=None):
     args.forwards = [f for f in args.forwards.split(",") if f]
     if args.quick:
         args.acceptance, args.ks, args.tokens, args.repeats = [0.8], [4], 32, 1
-    result = run(args)
-    print(table(result))
+    print(table(result := run(args)))
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, "gpu", result)
     return result
 
 

@@ -13,6 +13,8 @@ import contextlib
 import sys
 import time
 
+import httpx
+
 from bench import common
 from bench.client import Scenario, add_arguments, complete, completion_body, serving
 from bench.common import PEER_K, expected_tokens, floats, ints, log, median, per_token_acceptance, rnd, write_json
@@ -214,8 +216,6 @@ def start_vllm(args, stack, skipped: dict) -> tuple[dict, str | None]:
 
 def run(args, urls: dict | None = None) -> dict:
     """Measure everything; ``urls`` = {"adaptive": ..., "fixed": ...} of apps already deployed (else deployed here)."""
-    import httpx
-
     from bench.inproc import Reference
 
     sc, t0, skipped = Scenario.from_args(args), time.perf_counter(), {}

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.common import DEFAULT_OUT, TARGET, log, median, pyplot, rnd, write_json
+import yaml
+
+from bench.common import DEFAULT_OUT, TARGET, log, median, rnd, write_json
 from bench.gpu import load_shape
 
 HERE = Path(__file__).resolve().parent
@@ -57,8 +59,6 @@ def gpu_machines(catalogue: dict) -> dict[str, Machine]:
 
 
 def load_catalogue(path: str | Path = CATALOGUE) -> dict:
-    import yaml
-
     return yaml.safe_load(Path(path).read_text())
 
 
@@ -126,10 +126,6 @@ class Traffic:
     output_tokens: int = 256
     concurrency: int | None = 64
     rate: float | None = None  # requests/s (instead of concurrency)
-
-    def describe(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "concurrency": self.concurrency, "rate_rps": self.rate}
 
 
 def _fits(placement: str, k: int, batch: int, v: dict, mv: Machine, d: dict | None, md: Machine | None,
@@ -213,8 +209,6 @@ def serve_config(rec: dict, verifier_model: str, drafter_model: str | None, mach
                  drafter_method: str = "draft_model") -> str:
     """A serve config (like configs/serve_gpu_cluster.yaml) for the recommended shape: each model at its own
     context, the verifier's KV cache in what its GPU has left beside the weights."""
-    import yaml
-
     mv, ctx, where = machines[rec["verifier_gpu"]], context(v, traffic), rec["placement"]
     weights = (v or {}).get("weight_bytes", 0) + ((d or {}).get("weight_bytes", 0) if where == "colocated" else 0)
     free_mb = int(max(mv.memory_bytes * 0.9 - weights, mv.memory_bytes * 0.1) / 2**20)
@@ -282,9 +276,14 @@ def markdown(data: dict) -> str:
 
 def plot_plan(data: dict, path: Path) -> Path | None:
     """Cost against time per token, a point a shape; the target, the recommendation and plain's best marked."""
-    if (plt := pyplot()) is None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator
+    except ImportError:
         return None
-    from matplotlib.ticker import FuncFormatter, LogLocator
 
     rows = [r for r in data["shapes"] if r["fits"]]
     fig, ax = plt.subplots(figsize=(10, 6.4))
@@ -392,7 +391,8 @@ def run_plan(args) -> dict:
     rows = plan(v, d, machines, curve, traffic, args.tpot_ms)
     rec = next((r for r in rows if r["meets_target"]), None)
     return {"scenario": "plan", "verifier": v, "drafter": d, "acceptance": curve.source,
-            "traffic": {**traffic.describe(), "lengths_from": lengths}, "headline": headline(rows, rec),
+            "traffic": {"prompt_tokens": prompt, "output_tokens": output, "concurrency": traffic.concurrency,
+                        "rate_rps": traffic.rate, "lengths_from": lengths}, "headline": headline(rows, rec),
             "drafter_method": args.drafter_method, "gpu_json": args.gpu_json,
             "measured_gpu": args.gpu if kit else None, "tpot_ms": args.tpot_ms, "catalogue": str(args.catalogue),
             "shapes": rows, "recommendation": rec, "validated": False, "duration_s": round(time.perf_counter() - t0, 2)}

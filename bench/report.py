@@ -149,8 +149,7 @@ def _cell(x) -> str:
 
 def workload_section(data: dict) -> list[str]:
     """Every workload side by side: served off, default, best fixed k, vLLM, transformers assisted, acceptance."""
-    lat, ld = data.get("latency") or {}, data.get("load") or {}
-    if not lat.get("workloads") and not ld.get("workloads"):
+    if not (lat := data.get("latency") or {}).get("workloads"):
         return []
     rows = []
     for name, w in (lat.get("workloads") or {}).items():
@@ -167,11 +166,6 @@ def workload_section(data: dict) -> list[str]:
     L += md_table(["workload", "prompts", "temperature", "served, off", "served, default", "best fixed k", "vLLM plain",
                    "vLLM in-engine", "transformers assisted", "acceptance rate", "tokens/step",
                    "default / best fixed k"], rows) + [""]
-    if ld.get("workloads"):
-        L += ["Load: throughput with speculation on / off, per workload and number of streams.", ""]
-        L += md_table(["workload"] + [f"{lv['concurrency']} streams" for lv in ld["levels"]],
-                      [[name] + [f"{_f(lv['throughput_ratio_on_vs_off'])}x" for lv in w["levels"]]
-                       for name, w in ld["workloads"].items()]) + [""]
     return L
 
 

