@@ -236,11 +236,10 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(target)
     wls = [workloads.load(w, args.prompts, tok, args.workload_seed, limit - args.max_tokens - args.k_max - 1)
            for w in workloads.workload_names(args.workload)]
-    for wl in wls:
-        of = wl.info.get("of")
-        log(f"{wl.name}: {len(wl.prompts)}{f' of {of}' if of else ''} prompts"
-            + (f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
-               if of and len(wl.prompts) < of else ""))
+    for wl, of in ((wl, wl.info.get("of")) for wl in wls):
+        log(f"{wl.name}: {len(wl.prompts)}{f' of {of}' if of else ''} prompts" + (
+            f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
+            if of and len(wl.prompts) < of else ""))
     rows = measure_server(args, wls) if args.url else measure_in_process(args, wls, verifier, drafters)
     return {"scenario": "acceptance", "source": "server" if args.url else "in_process",
             "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts,

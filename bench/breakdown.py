@@ -39,9 +39,8 @@ def parse(argv=None):
     ap.add_argument("--head", action="append", default=[], metavar="DIR[=METHOD]",
                     help="also serve this drafter head (a directory the drafter pool loads) at --head-ks; repeatable")
     ap.add_argument("--head-ks", type=ints, default=[2, 3, 4], help="the heads' fixed k range")
-    ap.add_argument("--no-eagle3", action="store_true", help="leave the shipped EAGLE-3 head out of the heads' rows")
     args = ap.parse_args(argv)
-    args.heads = ([] if args.no_eagle3 else [("eagle3", EAGLE3, "eagle3")]) + [head_spec(h) for h in args.head]
+    args.heads = [("eagle3", EAGLE3, "eagle3")] + [head_spec(h) for h in args.head]
     return args
 
 

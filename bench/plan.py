@@ -128,18 +128,13 @@ class Traffic:
     rate: float | None = None  # requests/s (instead of concurrency)
 
 
-def _fits(placement: str, k: int, batch: int, v: dict, mv: Machine, d: dict | None, md: Machine | None,
-          t: Traffic) -> bool:
-    seq = t.prompt_tokens + t.output_tokens + k
-    drafter = d["weight_bytes"] + batch * seq * d["kv_bytes_per_token"] if d is not None else 0.0
-    mem_v = v["weight_bytes"] + batch * (seq + 1) * v["kv_bytes_per_token"] + (placement == "colocated") * drafter
-    return mem_v <= mv.memory_bytes and (placement != "split" or d is None or drafter <= md.memory_bytes)
-
-
 def evaluate(placement: str, k: int, batch: int, v: dict, mv: Machine, d: dict | None, md: Machine | None,
              curve: Curve, traffic: Traffic) -> dict | None:
     """One (shape, k, batch): latency, throughput, replicas and cost; None where it does not fit in memory."""
-    if not _fits(placement, k, batch, v, mv, d, md, traffic):
+    seq = traffic.prompt_tokens + traffic.output_tokens + k
+    drafter = d["weight_bytes"] + batch * seq * d["kv_bytes_per_token"] if d is not None else 0.0
+    if v["weight_bytes"] + batch * (seq + 1) * v["kv_bytes_per_token"] + (placement == "colocated") * drafter > \
+            mv.memory_bytes or (placement == "split" and d is not None and drafter > md.memory_bytes):
         return None
     s = step(placement, k, batch, traffic.prompt_tokens + traffic.output_tokens / 2, v, mv, d, md, curve)
     prefill = forward_s(v, mv, 1, traffic.prompt_tokens, traffic.prompt_tokens / 2) + mv.step_overhead_s

@@ -155,12 +155,6 @@ class VllmPeer:
 
 
 # ------------------------------------------------------------------ eagle3
-def held_out(n: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    return [ids for _, ids in workloads.load(workloads.HELD_OUT, n, AutoTokenizer.from_pretrained(TARGET)).prompts]
-
-
 def vllm_acceptance(method: str, drafter: str, prompts: list[list[int]], max_tokens: int, k: int = 4) -> dict:
     """Greedy acceptance of one drafter in vLLM's own speculative decoding (float32, one thread)."""
     peer = VllmPeer(common.vllm_python(), k, 1, dtype="float32", method=method, drafter=drafter)
@@ -193,7 +187,10 @@ def eagle3_main(argv=None):
     args = ap.parse_args(argv)
     if common.vllm_python() is None:
         raise SystemExit("no interpreter here imports vllm")
-    prompts, result = held_out(args.prompts), {}
+    from transformers import AutoTokenizer
+
+    wl, result = workloads.load(workloads.HELD_OUT, args.prompts, AutoTokenizer.from_pretrained(TARGET)), {}
+    prompts = [ids for _, ids in wl.prompts]
     for name, drafter in (("eagle3", args.head), ("draft_model", DRAFTER)):
         log(f"vLLM {name}")
         result[name] = vllm_acceptance(name, drafter, prompts, args.max_tokens)

@@ -137,10 +137,8 @@ def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: 
 
 def conversations(tokenizer, n: int = 8, turns: int = 5, system_tokens: int = 640, turn_tokens: int = 48,
                   seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
-    """The multi-turn workload: a shared system prompt (HumanEval's first tasks as reference code, cut to
-    ``system_tokens``), then ``n`` conversations of ``turns`` user turns (other HumanEval tasks drawn with
-    ``seed``, each cut to its first ``turn_tokens``: the signature and the docstring's start). -> (system ids,
-    per conversation the ids of each user turn); the client appends each answer before the next turn."""
+    """The multi-turn workload: (a shared system prompt, HumanEval's first tasks cut to ``system_tokens``; per
+    conversation ``turns`` user turns, other tasks drawn with ``seed``, each its first ``turn_tokens``)."""
     items = humaneval_items()
     system = tokenizer("# Reference solutions to reuse\n" + "\n".join(i["prompt"] for i in items[:40]))["input_ids"]
     if len(system) < system_tokens:
