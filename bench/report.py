@@ -378,13 +378,12 @@ def render(out: Path, verifier_price: float = VERIFIER_PRICE, drafter_price: flo
     if "load" in data:
         data["cost"] = cost(data["load"], verifier_price, drafter_price)
         (out / "cost.json").write_text(json.dumps(data["cost"], indent=1) + "\n")
-    merged = dict(data)
     previous = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else None
     m = meta({k: v for k, v in data.items() if k != "cost"}, previous)
-    (out / "results.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(m, indent=1) + "\n")
     (out / "report.md").write_text(markdown(data, m))
-    return merged
+    return data
 
 
 def main(argv=None):
