@@ -168,6 +168,21 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
     assert all(r["num_drafts"] > 0 and r["mean_step_ms"] >= r["mean_forward_ms"] > 0 for r in res["runs"]["k2-new"])
 
 
+@pytest.mark.long  # a served app
+def test_ab_pairs_a_running_servers_systems_on_it(bench_urls, tmp_path):
+    """``bench.ab --url``: one running server, its systems paired with each other on it, speculation off as
+    ``num_speculative_tokens: 0`` on the same replicas."""
+    from bench import ab
+
+    res = ab.run(ab.parse(["--url", bench_urls["fixed"], "--systems", "k2,off", "--workload", "humaneval",
+                           "--prompts", "1", "--repeats", "2", "--max-tokens", str(TOKENS), "--temperature", "0,0.8",
+                           "--out", str(tmp_path)]))
+    assert set(res["summary"]) == {"k2@T0", "off@T0", "k2@T0.8", "off@T0.8"} and set(res["commits"]) == {"served"}
+    for s, e in res["summary"].items():
+        assert e["runs"] == 2 and e["ms_per_token"] > 0 and e["off_over"]["served"] > 0, s
+    assert all(r["num_drafts"] > 0 for r in res["runs"]["k2@T0-served"])
+
+
 @pytest.mark.long  # four apps deployed
 def test_ab_pairs_waves_of_streams(ray_cluster, tmp_path):
     """``bench.ab --streams 3``: each version runs waves of 3 concurrent requests, paired per wave; ``off_over``
