@@ -126,7 +126,8 @@ bench-check-out:
 
 # The planner's check (bench.plan check) needs latency.json, breakdown.json and acceptance.json of the same run.
 # Each scenario takes its own arguments (LATENCY_ARGS through BENCH_LATENCY_ARGS, ACCEPTANCE_ARGS, BREAKDOWN_ARGS,
-# LOAD_ARGS, PLAN_ARGS): a short run into a scratch folder, e.g. BENCH_OUT=/tmp/b BENCH_LATENCY_ARGS="--prompts 1".
+# LOAD_ARGS, PLAN_ARGS): a short run into a scratch folder, e.g. BENCH_OUT=/tmp/b BENCH_LATENCY_ARGS="--prompts 1"
+# (the check's engine probe needs bench.latency's --max-tokens 64 or more to time a plain step).
 bench: $(STAMP) bench-check-out
 	$(MAKE) bench-latency bench-acceptance bench-breakdown bench-load BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
 	$(PY) -m bench.plan check --out $(BENCH_OUT)

@@ -573,6 +573,8 @@ def check_cpu(lat: dict, acc: dict, engines: dict, breakdown: dict | None = None
         g, eng = w["temperatures"].get("0"), engines.get(name)
         if g is None or eng is None:
             continue
+        if "1" not in eng["verify_ms_by_width"]:  # the probe cycles k = 1..8 before its first plain step
+            raise SystemExit(f"{name}: the engine probe timed no plain step: bench.latency's --max-tokens too short")
         curve = Curve.from_acceptance(acc, name, drafter_curve, 0.0)
         srv = served_terms(breakdown, name, range(1, 9))
         if srv:
