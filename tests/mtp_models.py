@@ -27,8 +27,9 @@ def family_config(family: str, layers: int):
         # GLM-4.5's attention: q/k/v biases, half the head rotated (partial_rotary_factor 0.5, the class default)
         return T.Glm4MoeConfig(**COMMON, **MOE, head_dim=16, num_hidden_layers=layers, attention_bias=True)
     if family == "deepseek_v3":
-        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers, q_lora_rank=32, kv_lora_rank=16,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers,
+                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                  v_head_dim=16)
     raise ValueError(family)
 
 
@@ -42,7 +43,8 @@ def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked
     torch.manual_seed(seed)
     config = family_config(family, layers + 1)
     config.vocab_size = vocab
-    model = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])(config).float().eval()
+    cls = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])
+    model = cls(config).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(peaked)  # greedy picks far from ties
         for n, b in model.named_buffers():
@@ -110,5 +112,5 @@ def served_args(tok, tmp_path: Path, engine: dict) -> tuple[dict, dict, object, 
     path, _, _ = write_target("glm4_moe", tmp_path / "glm-mtp", vocab=len(tok), copying=True)
     tok.save_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
-    return ({"model": str(path), **engine}, {"method": "mtp", "num_speculative_tokens": 4, "model": str(path), **engine},
-            tok, target)
+    return ({"model": str(path), **engine},
+            {"method": "mtp", "num_speculative_tokens": 4, "model": str(path), **engine}, tok, target)

@@ -42,8 +42,8 @@ def test_bench_smoke(bench_urls, tmp_path):
 
     out = tmp_path
     # --- single-stream latency: every system but vLLM (its engine start takes minutes: see the slow test)
-    args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--temperatures", "0,0.8",
-                          "--ks", "1,2", "--default-k", "2", "--no-vllm", "--out", str(out)])
+    args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
+                          "--temperatures", "0,0.8", "--ks", "1,2", "--default-k", "2", "--no-vllm", "--out", str(out)])
     lat = latency.run(args, urls=bench_urls)
     assert lat["skipped"]["vllm"].startswith("skipped")
     (out / "latency.json").write_text(json.dumps(lat))
@@ -74,8 +74,8 @@ def test_bench_smoke(bench_urls, tmp_path):
     assert set(lat["temperatures"]["0.8"]["systems"]) >= {"splitspec_default", "splitspec_k2", "reference_k2"}
 
     # --- per-step time breakdown
-    bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
-                                        "--default-k", "2", "--out", str(out)]), urls=bench_urls)
+    bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS),
+                                        "--ks", "1,2", "--default-k", "2", "--out", str(out)]), urls=bench_urls)
     (out / "breakdown.json").write_text(json.dumps(bd))
     assert set(bd["per_config"]) == {"default", "k1", "k2"} and set(bd["workloads"]) == {"humaneval", "held-out"}
     assert bd["per_config"] == bd["workloads"]["humaneval"]["per_config"] and bd["heads"] is None  # no head app here
@@ -109,7 +109,8 @@ def test_bench_smoke(bench_urls, tmp_path):
         assert lv["throughput_ratio_on_vs_off"] > 0
 
     assert set(lat["workloads"]) == set(ld["workloads"]) == {"humaneval", "held-out"}
-    assert lat["temperatures"] == lat["workloads"]["humaneval"]["temperatures"] and ld["levels"] == ld["workloads"]["humaneval"]["levels"]
+    assert lat["temperatures"] == lat["workloads"]["humaneval"]["temperatures"]
+    assert ld["levels"] == ld["workloads"]["humaneval"]["levels"]
     assert lat["workloads"]["humaneval"]["workload"]["task_ids"][0].startswith("HumanEval/")
 
     # --- acceptance through the running server: its drafter, from the responses' speculation blocks
@@ -129,8 +130,10 @@ def test_bench_smoke(bench_urls, tmp_path):
     co = json.loads((out / "cost.json").read_text())
     assert set(co["workloads"]) == {"humaneval", "held-out"} and co["workloads"]["humaneval"]["levels"] == co["levels"]
     for r, lv in zip(co["levels"], ld["levels"]):
-        assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
-        assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
+        assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6,
+                            rel_tol=1e-3)
+        assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6,
+                            rel_tol=1e-3)
     assert set(merged) >= {"latency", "breakdown", "load", "cost"} and "goals" not in merged
     assert json.loads((out / "results.json").read_text())["cost"] == co
     m = json.loads((out / "meta.json").read_text())
@@ -191,7 +194,8 @@ def test_ab_pairs_waves_of_streams(ray_cluster, tmp_path):
     from bench.common import ROOT
 
     res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--prompts", "2",
-                           "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32", "--out", str(tmp_path)]))
+                           "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32",
+                           "--out", str(tmp_path)]))
     for s, e in res["summary"].items():
         assert e["runs"] == 2 and e["wave_ms_per_token_new_over_old_paired"] > 0, s
     for v in ("old", "new"):
@@ -251,8 +255,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 from bench import gpu
-gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--acceptance", "0.6,0.8", "--ks", "2,4", "--tokens", "48",
-          "--repeats", "1", "--out", {str(tmp_path)!r}])
+gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--acceptance", "0.6,0.8", "--ks", "2,4",
+          "--tokens", "48", "--repeats", "1", "--out", {str(tmp_path)!r}])
 """
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -271,7 +275,8 @@ gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--accept
     assert r["probes"]["flops"] > 0 and len(r["probes"]["bandwidth"]) == 2
     for f in r["by_forward"]:
         et = f["engine_terms"]
-        assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"] and list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
+        assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"]
+        assert list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
 
 
 CPUINFO = """processor\t: 0

@@ -148,11 +148,36 @@ def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server,
         assert breaker.open(vmod.time.monotonic()) and breaker.backoff_s == vmod.CHANNEL_DOWN_S
         await server._propose(req)  # Serve answers; the replica is not bound while its breaker is open
         assert "s0" not in server._bound and server.drafter_calls["serve"] == 3
-        breaker.down_until = vmod.time.monotonic()  # the back-off expired: the next Serve answer binds it again (a probe)
+        # the back-off expired: the next Serve answer binds it again (a probe)
+        breaker.down_until = vmod.time.monotonic()
         await server._propose(req)
         assert server._bound["s0"] == ep
         await server._propose(req)  # the probe fails: twice the back-off
-        assert server._breakers[ep] is breaker and breaker.backoff_s == 2 * vmod.CHANNEL_DOWN_S and "s0" not in server._bound
+        assert server._breakers[ep] is breaker and breaker.backoff_s == 2 * vmod.CHANNEL_DOWN_S
+        assert "s0" not in server._bound
         server.channel.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_a_step_waits_on_drafts_on_the_event_loop_and_a_pre_draft_on_the_engine_thread(drafter_server):
+    """A draft the verify waits on runs inline when the drafter's engine is idle (no thread hop), with the same
+    drafts and q as through the engine's thread; a pre-draft tree always goes through the thread, where its
+    ``narrow`` can reach it while it runs."""
+    from dataclasses import replace
+
+    b = drafter_server.batcher
+
+    async def main():
+        threaded = await b.submit(_requests([5, 6, 7, 8, 9, 10]))
+        drafter_server.engine.release("s0")
+        before = b.inline_batches
+        inline = await drafter_server.propose(_requests([5, 6, 7, 8, 9, 10]))
+        assert b.inline_batches == before + 1
+        assert inline[0].tokens == threaded[0].tokens and inline[0].probs.ids == threaded[0].probs.ids
+        drafter_server.engine.release("s0")
+        (tree,) = _requests([5, 6, 7, 8, 9, 10])
+        await drafter_server.propose([replace(tree, branches=[(len(tree.new_tokens), 11)])])
+        assert b.inline_batches == before + 1
 
     asyncio.run(main())
