@@ -113,9 +113,9 @@ def _from_config(args) -> tuple[dict, list[tuple[str, object]]]:
     app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
     if "verifier" not in app or "drafter" not in app:
         raise SystemExit(f"--config {args.config}: no verifier and drafter sections (a serve config's app args)")
-    v, d = dict(app["verifier"]), dict(app["drafter"])
-    v = {**localize(v), "num_threads": args.threads}
-    d = localize({k: x for k, x in d.items() if k != "num_speculative_tokens"}) | {"num_speculative_tokens": args.k_max}
+    v = {**localize(dict(app["verifier"])), "num_threads": args.threads}
+    d = localize({k: x for k, x in app["drafter"].items() if k != "num_speculative_tokens"}) | {
+        "num_speculative_tokens": args.k_max}
     if d.get("method") in ("eagle3", "dflash", "dspark"):
         d["verifier_model"] = v["model"]
     if d.get("method") != "ngram":
@@ -227,10 +227,9 @@ def run(args) -> dict:
     common.set_threads(args.threads)
     t0 = time.perf_counter()
     verifier, drafters = ({}, []) if args.url else models(args)
-    if args.url:  # the prompts in the served model's tokens: --verifier names it
-        target = local_dir(args.verifier, weights=False, field="--verifier") if args.verifier else TARGET
-    else:
-        target = verifier["model"]
+    # a server's prompts in the served model's tokens: --verifier names it
+    target = verifier["model"] if not args.url else \
+        local_dir(args.verifier, weights=False, field="--verifier") if args.verifier else TARGET
     own = verifier.get("max_model_len") if verifier else (None if args.verifier else MAX_MODEL_LEN)
     limit = context_limit(target, own)
     tok = AutoTokenizer.from_pretrained(target)
@@ -256,8 +255,7 @@ def run(args) -> dict:
 
 def main(argv=None):
     args = parse(argv)
-    data = run(args)
-    log(f"wrote {common.write_json(args.out, 'acceptance', data)} ({data['duration_s']} s)")
+    return common.wrote(args.out, "acceptance", run(args))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import Scenario, add_arguments, completion_body, serving, stream_completion
-from bench.common import EAGLE3, ROOT, ints, log, median, rnd, write_json
+from bench.common import EAGLE3, ROOT, ints, log, median, rnd, wrote
 
 COMPONENT_NOTES = {"draft_ms": "drafter engine time on the critical path (0 when the pre-draft hit)",
                    "verify_forward_ms": "verifier's batched forward pass",
@@ -146,6 +146,4 @@ def run(args, urls: dict | None = None) -> dict:
 
 def main(argv=None):
     args = parse(argv)
-    data = run(args)
-    log(f"wrote {write_json(args.out, 'breakdown', data)} ({data['duration_s']} s)")
-    return data
+    return wrote(args.out, "breakdown", run(args))

@@ -174,15 +174,11 @@ def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | No
 # ------------------------------------------------------------------ the HTTP client
 def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None,
                     k: int | None, stream: bool = False) -> dict:
+    """A completions request for token ids (``seed``, ``k`` left out when None: the server's own)."""
     body = {"model": "tiny-code", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": stream, "return_token_ids": True}
-    if seed is not None:
-        body["seed"] = seed
-    if k is not None:
-        body["num_speculative_tokens"] = k
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
+            "ignore_eos": True, "stream": stream, "return_token_ids": True, "seed": seed, "num_speculative_tokens": k,
+            "stream_options": {"include_usage": True} if stream else None}
+    return {key: x for key, x in body.items() if x is not None}
 
 
 # asks the app for the per-step time breakdown in each response's speculation block (docs/serving.md); a header,

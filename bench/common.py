@@ -54,9 +54,9 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def median(xs):
+def median(xs, default=None):
     xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+    return statistics.median(xs) if xs else default
 
 
 def paired_ratio(rows: list[dict], base: list[dict], field: str = "ms_per_token"):
@@ -156,6 +156,12 @@ def write_json(out: Path, name: str, data: dict) -> Path:
 
 def log(msg: str):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wrote(out: Path, name: str, data: dict) -> dict:
+    """Write a scenario's JSON, say where and how long the scenario took."""
+    log(f"wrote {write_json(out, name, data)} ({data['duration_s']} s)")
+    return data
 
 
 def free_port() -> int:

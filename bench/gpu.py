@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.common import expected_tokens, floats, ints, write_json
+from bench.common import expected_tokens, floats, ints, median, write_json
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 SHAPES = {"real": ("llama-3.1-8b", "llama-3.2-1b"), "tiny": ("tiny-verifier", "tiny-drafter")}
@@ -97,7 +96,6 @@ class OracleDrafter:
 
     def __init__(self, inner, truth: list[int], a: float, vocab: int, seed: int = 0):
         self.inner, self.truth, self.a, self.vocab, self.seed = inner, truth, a, vocab, seed
-        self.max_len = inner.max_len
         self.calls: list[float] = []
 
     def propose(self, requests):
@@ -114,7 +112,7 @@ class OracleDrafter:
         right = self.truth[pos]
         return right if random.Random(self.seed * 1_000_003 + pos).random() < self.a else (right + 1) % self.vocab
 
-    def __getattr__(self, name):  # release, num_cached...: the real drafter's
+    def __getattr__(self, name):  # max_len, release, num_cached...: the real drafter's
         return getattr(self.inner, name)
 
 
@@ -140,10 +138,6 @@ class Timed:
         return out
 
 
-def _median(xs):
-    return statistics.median(xs) if xs else 0.0
-
-
 def measure(args, forward: str) -> dict:
     """Plain decoding, then the speculative loop for every (a, k), with one forward implementation."""
     import torch
@@ -153,8 +147,7 @@ def measure(args, forward: str) -> dict:
     from verifier.engine import VerifierEngine
 
     vname, dname = SHAPES[args.shapes]
-    target, drafter_model = (build_model(name, args.device, args.dtype, seed) for seed, name in enumerate(SHAPES[
-        args.shapes]))
+    target, drafter_model = (build_model(n, args.device, args.dtype, i) for i, n in enumerate((vname, dname)))
     vocab = target.config.vocab_size
     ver = Timed(VerifierEngine(engine_settings(vname, args.device, args.dtype, forward=forward,
                                               cache_budget_mb=args.cache_mb), model=target, tokenizer=False))
@@ -175,9 +168,9 @@ def measure(args, forward: str) -> dict:
     timed(0, None)  # warm-up: allocator, kernels
     plain_runs = [timed(0, None) for _ in range(args.repeats)]
     seq = plain_runs[0][0]
-    plain_ms = _median([w / len(s.output_ids) * 1e3 for s, w in plain_runs])
+    plain_ms = median([w / len(s.output_ids) * 1e3 for s, w in plain_runs], 0.0)
     # one 1-token verify forward, from the last plain run's calls (the first, a prefill, left out)
-    decode_fwd = _median([s for k, s in ver.calls if k == 0][1:]) * 1e3 if ver.calls else 0.0
+    decode_fwd = median([s for k, s in ver.calls if k == 0][1:], 0.0) * 1e3 if ver.calls else 0.0
     rows = [speculative_row(timed, ver, OracleDrafter(inner, prompt + seq.output_ids, a, vocab), seq.output_ids,
                             plain_ms, k, args.repeats) for a in args.acceptance for k in args.ks]
     terms = engine_terms(ver.engine, inner, [prompt], lambda i: params, k_max=max(args.ks + [1]), sync=sync)
@@ -199,13 +192,13 @@ def speculative_row(timed, ver: Timed, oracle: OracleDrafter, plain_ids: list[in
         s, wall = timed(k, oracle)
         same.append(s.output_ids == plain_ids)  # in bf16 a (k+1)-token pass may round a near-tie the other way
         runs.append(wall / len(s.output_ids) * 1e3)
-        verify_ms.append(_median([x for kk, x in ver.calls if kk == k]) * 1e3)
-        draft_ms.append(_median(oracle.calls) * 1e3)
+        verify_ms.append(median([x for kk, x in ver.calls if kk == k], 0.0) * 1e3)
+        draft_ms.append(median(oracle.calls, 0.0) * 1e3)
         steps.append((wall * 1e3, len(ver.calls), s.stats))
     wall_ms, n_steps, stats = steps[len(steps) // 2]
     tested = stats.num_drafts + sum(stats.accepted_per_pos[: k - 1])  # position i tested when 0..i-1 were accepted
     a_meas = stats.num_accepted_tokens / tested if tested else 0.0
-    v_ms, d_ms, ms = _median(verify_ms), _median(draft_ms), _median(runs)
+    v_ms, d_ms, ms = median(verify_ms, 0.0), median(draft_ms, 0.0), median(runs, 0.0)
     bound = (v_ms + d_ms) / expected_tokens(a_meas, k)
     return {"a_set": oracle.a, "a_measured": round(a_meas, 3), "k": k, "ms_per_token": round(ms, 3),
             "speedup_vs_plain": round(plain_ms / ms, 3), "bound_ms_per_token": round(bound, 3),
@@ -252,9 +245,9 @@ def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max:
             i += 1
         verifier.release(seq.seq_id)
         drafter.release(seq.seq_id)
-    return {"verify_ms_by_width": {str(w): round(_median(x), 4) for w, x in sorted(widths.items())},
-            "draft_ms_by_k": {str(k): round(_median(x), 4) for k, x in sorted(drafts.items())}, "prefill_ms": prefill,
-            "loop_overhead_ms": {n: round(_median(x), 4) for n, x in over.items()},
+    return {"verify_ms_by_width": {str(w): round(median(x, 0.0), 4) for w, x in sorted(widths.items())},
+            "draft_ms_by_k": {str(k): round(median(x, 0.0), 4) for k, x in sorted(drafts.items())},
+            "prefill_ms": prefill, "loop_overhead_ms": {n: round(median(x, 0.0), 4) for n, x in over.items()},
             "samples_per_width": min((len(x) for x in widths.values()), default=0)}
 
 

@@ -17,7 +17,7 @@ import httpx
 
 from bench import common
 from bench.client import Scenario, add_arguments, complete, completion_body, serving
-from bench.common import PEER_K, expected_tokens, floats, ints, log, median, per_token_acceptance, rnd, write_json
+from bench.common import PEER_K, expected_tokens, floats, ints, log, median, per_token_acceptance, rnd, wrote
 
 SERVED_STAT_FIELDS = ("mean_step_ms", "mean_exposed_ms", "mean_verify_rest_ms", "mean_handoff_ms", "mean_loop_ms",
                       "mean_transit_ms", "mean_forward_ms", "mean_draft_ms", "mean_draft_engine_ms", "mean_emit_ms",
@@ -202,8 +202,7 @@ def start_vllm(args, stack, skipped: dict) -> tuple[dict, str | None]:
     try:
         for k in [0] + sorted(set(args.vllm_ks)):
             log(f"starting vLLM engine k={k} ({vpy})")
-            vllms[k] = VllmPeer(vpy, k, args.threads, dtype=args.dtype)
-            stack.callback(vllms[k].close)
+            vllms[k] = stack.enter_context(VllmPeer(vpy, k, args.threads, dtype=args.dtype))
         # loaded before Serve starts: on a 2-core machine Serve's proxy, starting beside two loading engines, can
         # miss its readiness checks (3 x 5 s) and be killed
         for k, peer in vllms.items():
@@ -249,9 +248,7 @@ def main(argv=None):
 
         return breakdown.main(argv[1:])
     args = parse(argv)
-    data = run(args)
-    log(f"wrote {write_json(args.out, 'latency', data)} ({data['duration_s']} s)")
-    return data
+    return wrote(args.out, "latency", run(args))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import uuid
 
 from bench import workloads
 from bench.client import Scenario, add_arguments, completion_body, serving, stream_completion
-from bench.common import TARGET, environment, ints, log, median, percentile, rnd, write_json
+from bench.common import TARGET, environment, ints, log, median, percentile, rnd, wrote
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
 
@@ -72,16 +72,14 @@ def _summary(n: int, results: list[dict], wall: float) -> dict:
     tpot = [(r["latency_s"] - r["chunks"][0][0]) / (r["tokens"] - 1) for r in results
             if r["chunks"] and r["tokens"] > 1]
     spec = [r["speculation"] for r in results if r.get("speculation")]
+    pcts = {"ttft": ttft, "itl": itl, "tpot": tpot}
     drafted = sum(s.get("num_draft_tokens", 0) for s in spec)
     accepted = sum(s.get("num_accepted_tokens", 0) for s in spec)
     steps = sum(s.get("num_drafts", 0) for s in spec)
     return {"clients": n, "requests": len(results), "output_tokens": tokens, "wall_s": rnd(wall, 3),
             "throughput_tok_s": rnd(tokens / wall, 2),
-            "ttft_ms_p50": rnd(1000 * percentile(ttft, 50), 2), "ttft_ms_p99": rnd(1000 * percentile(ttft, 99), 2),
-            "itl_ms_p50": rnd(1000 * percentile(itl, 50), 2) if itl else None,
-            "itl_ms_p99": rnd(1000 * percentile(itl, 99), 2) if itl else None,
-            "tpot_ms_p50": rnd(1000 * percentile(tpot, 50), 2) if tpot else None,
-            "tpot_ms_p99": rnd(1000 * percentile(tpot, 99), 2) if tpot else None,
+            **{f"{name}_ms_p{q}": rnd(1000 * percentile(xs, q), 2) if xs else None
+               for name, xs in pcts.items() for q in (50, 99)},
             "tokens_per_chunk": rnd(tokens / max(1, sum(len(r["chunks"]) for r in results)), 3),
             "acceptance_rate": rnd(accepted / drafted, 4) if drafted else None,
             "mean_k": rnd(drafted / steps, 3) if steps else 0.0,
@@ -99,9 +97,7 @@ async def _measure(url, prompts, args) -> list[dict]:
             await stream_completion(client, url, completion_body(prompts[0][1], 16, args.temperature, 1, k, True))
         for i, n in enumerate(args.concurrency):
             per_client = max(1, math.ceil(args.min_requests / n))
-            modes = list(MODES.items())
-            if i % 2:
-                modes.reverse()  # alternate which mode goes first
+            modes = list(MODES.items())[::-1 if i % 2 else 1]  # alternate which mode goes first
             runs = {mode: [] for mode in MODES}  # per round: (results, wall)
             ratios = []
             for r in range(args.rounds):
@@ -112,11 +108,10 @@ async def _measure(url, prompts, args) -> list[dict]:
                     log(f"N={n} round {r + 1} {mode}: {s['throughput_tok_s']} tok/s, TTFT p50 {s['ttft_ms_p50']} ms, "
                         f"ITL p50 {s['itl_ms_p50']} ms, mean k {s['mean_k']}")
                 ratios.append(this["spec_on"]["throughput_tok_s"] / this["spec_off"]["throughput_tok_s"])
-            row = {"concurrency": n, **{mode: _summary(n, [x for res, _ in rs for x in res], sum(w for _, w in rs))
-                                        for mode, rs in runs.items()}}
-            row["throughput_ratio_on_vs_off"] = rnd(median(ratios), 4)
-            row["round_ratios_on_vs_off"] = [rnd(x, 4) for x in ratios]
-            out.append(row)
+            out.append({"concurrency": n, **{mode: _summary(n, [x for res, _ in rs for x in res],
+                                                            sum(w for _, w in rs)) for mode, rs in runs.items()},
+                        "throughput_ratio_on_vs_off": rnd(median(ratios), 4),
+                        "round_ratios_on_vs_off": [rnd(x, 4) for x in ratios]})
     return out
 
 
@@ -188,10 +183,9 @@ def _run_chats(args, sc: Scenario, url: str | None, t0: float) -> dict:
 
         with VllmServer(vllm_python(), PEER_K, args.threads, 1024, args.dtype, prefix_caching=True) as server:
             peer["vllm_levels"] = asyncio.run(_measure_chats(server.wait_ready(), args))
-    return {"scenario": "load-multi-turn", "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                                                      "temperature": args.temperature, "threads": args.threads,
-                                                      "system_tokens": args.system_tokens,
-                                                      "turn_tokens": args.turn_tokens},
+    config = {f: getattr(args, f) for f in ("concurrency", "max_tokens", "temperature", "threads", "system_tokens",
+                                            "turn_tokens")}
+    return {"scenario": "load-multi-turn", "config": config,
             "environment": environment(args.threads), "levels": levels, **peer,
             "duration_s": round(time.perf_counter() - t0, 1)}
 
@@ -217,10 +211,7 @@ def run(args, url: str | None = None) -> dict:
 
 def main(argv=None):
     args = parse(argv)
-    data = run(args)
-    path = write_json(args.out, "load-multi-turn" if args.multi_turn else "load", data)
-    log(f"wrote {path} ({data['duration_s']} s)")
-    return data
+    return wrote(args.out, "load-multi-turn" if args.multi_turn else "load", run(args))
 
 
 if __name__ == "__main__":

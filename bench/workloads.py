@@ -49,8 +49,7 @@ def humaneval_path() -> Path:
 def humaneval_items() -> list[dict]:
     """HumanEval's 164 tasks in file order: ``{"task_id", "prompt"}``."""
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in rows]
+        return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in map(json.loads, filter(str.strip, f))]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
