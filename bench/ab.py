@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import httpx
 
 from bench import workloads
 from bench.client import BENCH_OVERRIDES, Scenario, add_arguments, complete, complete_async, completion_body, serving
-from bench.common import ROOT, floats, log, median, paired_ratio, rnd, write_json
+from bench.common import ROOT, floats, git_commit, log, median, paired_ratio, rnd, write_json
 
 SYSTEMS = {"default": ("adaptive", None), "off": ("adaptive", 0), **{f"k{k}": ("fixed", k) for k in range(1, 9)}}
 # the router's per-request means over speculative steps (``speculation`` in a response), kept per run
@@ -170,10 +169,9 @@ def _measure(args, trees: dict) -> dict:
                for (_, t), s in names.items()}
     for x in (x for r in runs.values() for x in r):
         x.pop("output_ids")
-    return sc.record("ab", [wl], t0, config=vars(args), commits={v: subprocess.run(
-                         ["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-                     ).stdout.strip() or "unknown" for v, t in trees.items()},
-                     workload=wl.describe(), summary=summary, runs=runs)
+    commits = {v: git_commit(t) or "unknown" for v, t in trees.items()}
+    return sc.record("ab", [wl], t0, config=vars(args), commits=commits, workload=wl.describe(), summary=summary,
+                     runs=runs)
 
 
 def _served_summary(args, names: dict, runs: dict, s: str, t: float, trees: dict) -> dict:
@@ -200,8 +198,7 @@ def _paired_summary(args, names: dict, runs: dict, s: str, t: float, trees: dict
          "new_over_old_paired": paired_ratio(new, old), "new_faster_runs": sum(x < 1 for x in ratios),
          # waves: throughput's inverse, paired per wave (a ratio under 1: more tokens per second)
          **({"wave_ms_per_token_new_over_old_paired": paired_ratio(new, old, "wave_ms_per_token")}
-            if args.streams > 1 else {}),
-         "runs": len(ratios),
+            if args.streams > 1 else {}), "runs": len(ratios),
          # what moved: the router's per-step means (speculative steps), paired the same way
          **{f"{f}_new_over_old_paired": paired_ratio([b for _, b in pairs], [a for a, _ in pairs], f)
             for f, pairs in both.items() if pairs},

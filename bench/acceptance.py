@@ -240,17 +240,14 @@ def run(args) -> dict:
             f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
             if of and len(wl.prompts) < of else ""))
     rows = measure_server(args, wls) if args.url else measure_in_process(args, wls, verifier, drafters)
+    config = {f: getattr(args, f) for f in ("prompts", "workload_seed", "k_max", "measure_ks", "max_tokens",
+                                            "temperatures", "seed", "threads", "url")}
     return {"scenario": "acceptance", "source": "server" if args.url else "in_process",
-            "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts,
-                       "workload_seed": args.workload_seed,
-                       "drafters": ["server"] if args.url else [n for n, _ in drafters], "k_max": args.k_max,
-                       "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
-                       "seed": args.seed, "threads": args.threads, "url": args.url,
-                       "dtype": None if args.url else verifier.get("dtype", args.dtype),  # a server's is its own
-                       "target": target, "serve_config": args.config},
-            "workloads": {wl.name: wl.describe() for wl in wls},
-            "environment": common.environment(args.threads), "results": rows,
-            "duration_s": round(time.perf_counter() - t0, 1)}
+            "config": {"workloads": [wl.name for wl in wls], **config, "target": target, "serve_config": args.config,
+                       "drafters": ["server"] if args.url else [n for n, _ in drafters],
+                       "dtype": None if args.url else verifier.get("dtype", args.dtype)},  # a server's is its own
+            "workloads": {wl.name: wl.describe() for wl in wls}, "environment": common.environment(args.threads),
+            "results": rows, "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):

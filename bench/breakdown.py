@@ -79,10 +79,9 @@ def config_row(rs: list[dict], k: int | None, default_k: int) -> dict:
     """A config's medians over its requests, and the share of a step exposed outside the two engines."""
     e = {"k": k if k is not None else default_k, "policy": "adaptive" if k is None else "fixed", "requests": len(rs),
          **{f: rnd(median([r[f] for r in rs]), 3) for f in FIELDS}}
-    step = e["step_ms"]
-    e["exposed_fraction"] = rnd((e["rpc_queue_ms"] + e["detok_stream_ms"]) / (step + e["detok_stream_ms"])) if step \
-        else None
-    e["exposed_fraction_router"] = rnd(e["rpc_queue_ms"] / step) if step else None
+    step, rest = e["step_ms"], e["rpc_queue_ms"]
+    e["exposed_fraction"] = rnd((rest + e["detok_stream_ms"]) / (step + e["detok_stream_ms"])) if step else None
+    e["exposed_fraction_router"] = rnd(rest / step) if step else None
     return e
 
 

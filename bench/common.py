@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -122,10 +123,10 @@ def machine_slug(info: dict | None = None) -> str:
     return "-".join(words + ([isa] if isa else []))
 
 
-def git_commit() -> str | None:
-    """This checkout's short commit (None outside git), with ``-dirty`` when tracked files differ from it."""
+def git_commit(root: Path = ROOT) -> str | None:
+    """A checkout's short commit (None outside git), with ``-dirty`` when tracked files differ from it."""
     try:
-        commit, dirty = (subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        commit, dirty = (subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=30)
                          .stdout.strip() for a in (("rev-parse", "--short", "HEAD"),
                                                    ("status", "--porcelain", "--untracked-files=no")))
     except Exception:  # noqa: BLE001
@@ -169,10 +170,8 @@ def free_port() -> int:
     (10002-19999): a port from ``bind(0)`` may be handed to a process starting before the server binds it (Ray's
     workers bind theirs that way, and a Serve proxy then fails to bind its port)."""
     lo, hi = 20000, 32767
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         hi = min(hi, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - 1)
-    except (OSError, ValueError, IndexError):
-        pass
     for _ in range(100):
         with socket.socket() as s:
             try:

@@ -12,6 +12,7 @@ import json
 import random
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,10 +219,7 @@ def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max:
     from core.sequence import Sequence
 
     v, d, sync = Timed(verifier), Timed(drafter), sync or (lambda: None)
-    widths: dict[int, list[float]] = {}
-    drafts: dict[int, list[float]] = {}
-    over: dict[str, list[float]] = {"plain": [], "speculative": []}
-    prefill = []
+    widths, drafts, prefill, over = defaultdict(list), defaultdict(list), [], {"plain": [], "speculative": []}
     for rep, ids in enumerate([prompts[0], *prompts]):
         seq = Sequence(list(ids), params_for(rep), 0, getattr(verifier, "tokenizer", None), verifier.eos_ids,
                        min(verifier.max_len, drafter.max_len))
@@ -238,9 +236,9 @@ def engine_terms(verifier, drafter, prompts: list[list[int]], params_for, k_max:
             if rep and i == 0:
                 prefill.append((len(ids), round(1e3 * fwd, 3)))
             elif rep and len(v.calls) == 1 and len(d.calls) <= 1:  # a cache miss re-sends: not one pass's timing
-                widths.setdefault(v.calls[0][0] + 1, []).append(1e3 * fwd)
+                widths[v.calls[0][0] + 1].append(1e3 * fwd)
                 if d.calls:
-                    drafts.setdefault(v.calls[0][0], []).append(1e3 * dr)
+                    drafts[v.calls[0][0]].append(1e3 * dr)
                 over["speculative" if d.calls else "plain"].append(1e3 * (wall - fwd - dr))
             i += 1
         verifier.release(seq.seq_id)

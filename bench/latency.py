@@ -66,8 +66,7 @@ def build_systems(args, temperature: float, urls, client, ref, vllms) -> list[di
                   "splitspec", args.default_k, "adaptive", served(client, urls["adaptive"], None))]
     out += [system(f"splitspec_k{k}", f"splitspec served, fixed k={k}", "splitspec", k, "fixed",
                    served(client, urls["fixed"], k)) for k in ks]
-    out += [system("reference_off", "reference loop, in-process, no speculation", "reference", 0, "off",
-                   local(ref, 0))]
+    out += [system("reference_off", "reference loop, in-process, no speculation", "reference", 0, "off", local(ref, 0))]
     out += [system(f"reference_k{k}", f"reference loop, in-process, k={k}", "reference", k, "fixed", local(ref, k))
             for k in ks]
     for k, peer in sorted(vllms.items()):
@@ -233,9 +232,8 @@ def run(args, urls: dict | None = None) -> dict:
                 systems = build_systems(args, t, urls, client, ref, vllms)
                 temps[f"{t:g}"] = summarise(args, systems, measure(args, systems, wl.prompts, t), t)
             per_workload[wl.name] = {"workload": wl.describe(), "temperatures": temps}
-    config = {"repeats": args.repeats, "temperatures": args.temperatures, "sweep_temperatures": args.sweep_temperatures,
-              "ks": args.ks, "vllm_ks": args.vllm_ks, "vllm_python": vpy,
-              "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None}
+    config = {**{f: getattr(args, f) for f in ("repeats", "temperatures", "sweep_temperatures", "ks", "vllm_ks")},
+              "vllm_python": vpy, "vllm_version": next(iter(vllms.values())).info.get("vllm") if vllms else None}
     # ``temperatures``: the first workload's figures (the report's plots); ``workloads``: each one's
     return sc.record("latency", wls, t0, config=config, skipped=skipped,
                      temperatures=per_workload[wls[0].name]["temperatures"], workloads=per_workload)

@@ -73,9 +73,8 @@ def _summary(n: int, results: list[dict], wall: float) -> dict:
             if r["chunks"] and r["tokens"] > 1]
     spec = [r["speculation"] for r in results if r.get("speculation")]
     pcts = {"ttft": ttft, "itl": itl, "tpot": tpot}
-    drafted = sum(s.get("num_draft_tokens", 0) for s in spec)
-    accepted = sum(s.get("num_accepted_tokens", 0) for s in spec)
-    steps = sum(s.get("num_drafts", 0) for s in spec)
+    drafted, accepted, steps = (sum(s.get(f, 0) for s in spec) for f in ("num_draft_tokens", "num_accepted_tokens",
+                                                                         "num_drafts"))
     return {"clients": n, "requests": len(results), "output_tokens": tokens, "wall_s": rnd(wall, 3),
             "throughput_tok_s": rnd(tokens / wall, 2),
             **{f"{name}_ms_p{q}": rnd(1000 * percentile(xs, q), 2) if xs else None
@@ -139,10 +138,9 @@ async def _chats(client, url, system: list[int], convs: list, n: int, salt: str 
 
 
 def _chat_summary(n: int, results: list[dict], wall: float) -> dict:
-    s = _summary(n, results, wall)
-    ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
-    s["ttft_ms_p90"] = rnd(1000 * percentile(ttft, 90), 2)
-    s["cached_tokens_mean"] = rnd(sum(r["cached_tokens"] or 0 for r in results) / len(results), 1)
+    s = _summary(n, results, wall) | {
+        "ttft_ms_p90": rnd(1000 * percentile([r["chunks"][0][0] for r in results if r["chunks"]], 90), 2),
+        "cached_tokens_mean": rnd(sum(r["cached_tokens"] or 0 for r in results) / len(results), 1)}
     ratio = [r["chunks"][0][0] / r["suffix_ttft_s"] for r in results if r.get("suffix_ttft_s")]
     if ratio:  # a hit's time to first token over its uncached suffix's alone
         s["hit_vs_suffix_ttft_p50"], s["hit_vs_suffix_ttft_p90"] = (rnd(percentile(ratio, q), 3) for q in (50, 90))
@@ -197,9 +195,8 @@ def run(args, url: str | None = None) -> dict:
     wls = sc.load()
     per_workload = {}
     with contextlib.ExitStack() as stack:
-        if url is None:
-            app = sc.app("adaptive", streams=max(args.concurrency))
-            url = stack.enter_context(serving({"load": app}, args.threads))["load"]
+        url = url or stack.enter_context(serving({"load": sc.app("adaptive", streams=max(args.concurrency))},
+                                                 args.threads))["load"]
         for wl in wls:
             log(f"workload {wl.name}: {len(wl.prompts)} prompts")
             per_workload[wl.name] = {"workload": wl.describe(), "levels": asyncio.run(_measure(url, wl.prompts, args))}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import DEFAULT_OUT, TARGET, log, median, rnd, write_json
+from bench.common import DEFAULT_OUT, TARGET, expected_tokens, log, median, rnd, write_json
 from bench.gpu import load_shape
 
 HERE = Path(__file__).resolve().parent
@@ -85,8 +85,8 @@ class Curve:
 
     @classmethod
     def geometric(cls, a: float, k_max: int = 8) -> Curve:
-        e = [(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0 for k in range(1, k_max + 1)]
-        return cls(e, [a**k for k in range(1, k_max + 1)], f"geometric, a = {a}")
+        ks = range(1, k_max + 1)
+        return cls([expected_tokens(a, k) for k in ks], [a**k for k in ks], f"geometric, a = {a}")
 
     @classmethod
     def from_acceptance(cls, data: dict, workload: str | None = None, drafter: str = "draft_model",
@@ -270,17 +270,14 @@ def markdown(data: dict) -> str:
 
 def plot_plan(data: dict, path: Path) -> Path | None:
     """Cost against time per token, a point a shape; the target, the recommendation and plain's best marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own: no pyplot, no global backend
+        from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter, LogLocator
     except ImportError:
         return None
 
-    rows = [r for r in data["shapes"] if r["fits"]]
-    fig, ax = plt.subplots(figsize=(10, 6.4))
+    rows, fig = [r for r in data["shapes"] if r["fits"]], Figure(figsize=(10, 6.4))
+    ax = fig.subplots()
     names = {"plain": "plain: the verifier alone",
              "colocated": "drafter in the verifier replica (drafter_placement: verifier)",
              "split": "split: a verifier pool and a drafter pool"}
@@ -311,7 +308,6 @@ def plot_plan(data: dict, path: Path) -> Path | None:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return path
 
 
@@ -533,9 +529,8 @@ def _check_rows(sy: dict, proj: Projection, kbest: int) -> list[dict]:
         if k and t1:
             vp, dp, tp = proj.parts(k)
             served = sy.get(f"splitspec_k{k}") or {}
-            row["parts"] = {"verify_vs_plain_projected": rnd(vp, 3),
-                            "verify_vs_plain_measured": rnd(ref["forward_ms_decode"] / t1, 3)
-                            if (ref or {}).get("forward_ms_decode") else None,
+            verify = ref["forward_ms_decode"] / t1 if (ref or {}).get("forward_ms_decode") else None
+            row["parts"] = {"verify_vs_plain_projected": rnd(vp, 3), "verify_vs_plain_measured": rnd(verify, 3),
                             "draft_on_path_ms_projected": rnd(dp, 3),
                             "draft_on_path_ms_measured": served.get("median_mean_draft_ms"),
                             "tokens_per_step_projected": rnd(tp, 3),
@@ -572,8 +567,7 @@ def check_cpu(lat: dict, acc: dict, engines: dict, breakdown: dict | None = None
         if "1" not in eng["verify_ms_by_width"]:  # the probe cycles k = 1..8 before its first plain step
             raise SystemExit(f"{name}: the engine probe timed no plain step: bench.latency's --max-tokens too short")
         curve = Curve.from_acceptance(acc, name, drafter_curve, 0.0)
-        srv = served_terms(breakdown, name, range(1, 9))
-        if srv:
+        if srv := served_terms(breakdown, name, range(1, 9)):
             srv["verify_factor"] = served_verify_factor(srv, eng)
         proj = Projection(curve, lat["config"]["max_tokens"], eng, srv, step_overhead_ms, rpc_ms)
         # the best k among those measured served (the check can only compare those)

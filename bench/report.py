@@ -181,9 +181,8 @@ def acceptance_section(acc: dict | None) -> list[str]:
     def listed(xs):
         return ", ".join(f"{x:.2f}" for x in xs if x is not None)
 
-    return L + md_table(
-        ["workload", "drafter", "T", "acceptance rate", "per-token a", "E(k), k = 1..", "measured",
-         "accepted 0..k-max (share of steps)"],
+    return L + md_table(["workload", "drafter", "T", "acceptance rate", "per-token a", "E(k), k = 1..", "measured",
+                         "accepted 0..k-max (share of steps)"],
         [[r["workload"], r["drafter"], f"{r['temperature']:g}", _f(r["acceptance_rate"], 3),
           _f(r["per_token_acceptance"], 3), listed(r["mean_acceptance_length_by_k"]), ", ".join(
               f"k={k}: {v:.2f}" for k, v in (r.get("measured_mean_acceptance_length") or {}).items()) or "n/a",
@@ -202,8 +201,7 @@ def plan_section(pl: dict | None, rows: int = 6) -> list[str]:
           + f", {t['prompt_tokens']} prompt and {t['output_tokens']} output tokens, target {pl['tpot_ms']} ms per "
           f"output token; the cheapest {rows} of {len(pl['shapes'])} shapes (all of them in plan.md, the "
           "recommendation's serve config in plan_serve.yaml). Datasheet figures and example prices (bench/gpus.yaml): "
-          "no GPU has measured them."),
-         ""]
+          "no GPU has measured them."), ""]
     L += md_table(["shape", "meets target", "k", "batch / replica", "ms/token", "verifier replicas", "drafter replicas",
                    "$ / 1M output tokens"],
                   [[r["shape"], "yes" if r["meets_target"] else "no", r["k"], r["batch"], _f(r["tpot_ms"]),
@@ -289,9 +287,8 @@ def heads_section(bd: dict) -> list[str]:
           f"{', '.join(map(str, c['head_ks']))} (`--head DIR` adds one); each at its best k. Drafting on the path: the "
           "drafter's time on the router's critical path per step (0 when a pre-draft hid it), of which in the drafter "
           "engine; the rest is the channel."), ""]
-    return L + md_table(
-        ["drafter", "method", "best k", "ms/token", "drafting on the path ms/step", "of which engine",
-         "verify forward ms", "tokens/step", "pre-draft hit rate", "ms/token by k"],
+    return L + md_table(["drafter", "method", "best k", "ms/token", "drafting on the path ms/step", "of which engine",
+                         "verify forward ms", "tokens/step", "pre-draft hit rate", "ms/token by k"],
         [[f"{name} (`{h['path']}`)", h["method"], h.get("best_k")] + [_f((h.get("best") or {}).get(f)) for f in (
             "ms_per_token", "draft_ms", "draft_engine_ms", "verify_forward_ms", "tokens_per_step",
             "pre_draft_hit_rate")]

@@ -39,10 +39,8 @@ def _counters(llm) -> dict:
 
 def _delta(before: dict, after: dict) -> dict:
     """The counters' growth over one request."""
-    def minus(v, b):
-        return [x - y for x, y in zip(v, (b or []) + [0] * len(v))] if isinstance(v, list) else v - (b or 0)
-
-    return {name: minus(v, before.get(name)) for name, v in after.items()}
+    return {name: [x - y for x, y in zip(v, (before.get(name) or []) + [0] * len(v))] if isinstance(v, list)
+            else v - (before.get(name) or 0) for name, v in after.items()}
 
 
 def peer_main(argv=None):

@@ -81,8 +81,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def render(item: dict, tokenizer) -> tuple[str, list[int]]:
     """A prompt's text and token ids, as the server would tokenize it (a chat as the router renders it)."""
     if "prompt" in item:
-        text = item["prompt"]
-        return text, tokenizer(text)["input_ids"]
+        return item["prompt"], tokenizer(item["prompt"])["input_ids"]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)
     else:
