@@ -67,18 +67,17 @@ async def _level(client, url, prompts, n: int, per_client: int, k, args) -> tupl
 def _summary(n: int, results: list[dict], wall: float) -> dict:
     """A mode's figures over its rounds' requests; throughput: their tokens over the rounds' summed wall time."""
     tokens = sum(r["tokens"] for r in results)
-    ttft = [r["chunks"][0][0] for r in results if r["chunks"]]
-    itl = [b[0] - a[0] for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
-    tpot = [(r["latency_s"] - r["chunks"][0][0]) / (r["tokens"] - 1) for r in results
-            if r["chunks"] and r["tokens"] > 1]
+    seconds = {"ttft": [r["chunks"][0][0] for r in results if r["chunks"]],
+               "itl": [b[0] - a[0] for r in results for a, b in zip(r["chunks"], r["chunks"][1:])],
+               "tpot": [(r["latency_s"] - r["chunks"][0][0]) / (r["tokens"] - 1) for r in results
+                        if r["chunks"] and r["tokens"] > 1]}
     spec = [r["speculation"] for r in results if r.get("speculation")]
-    pcts = {"ttft": ttft, "itl": itl, "tpot": tpot}
     drafted, accepted, steps = (sum(s.get(f, 0) for s in spec) for f in ("num_draft_tokens", "num_accepted_tokens",
                                                                          "num_drafts"))
     return {"clients": n, "requests": len(results), "output_tokens": tokens, "wall_s": rnd(wall, 3),
             "throughput_tok_s": rnd(tokens / wall, 2),
             **{f"{name}_ms_p{q}": rnd(1000 * percentile(xs, q), 2) if xs else None
-               for name, xs in pcts.items() for q in (50, 99)},
+               for name, xs in seconds.items() for q in (50, 99)},
             "tokens_per_chunk": rnd(tokens / max(1, sum(len(r["chunks"]) for r in results)), 3),
             "acceptance_rate": rnd(accepted / drafted, 4) if drafted else None,
             "mean_k": rnd(drafted / steps, 3) if steps else 0.0,

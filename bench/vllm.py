@@ -207,7 +207,8 @@ def vllm_acceptance(method: str, drafter: str, prompts: list[list[int]], max_tok
         specs = [peer.run(p, max_tokens, 0.0, 1)["spec"] for p in prompts]
     drafts, accepted, drafted = (sum(s[f"spec_decode_num_{x}"] for s in specs)
                                  for x in ("drafts", "accepted_tokens", "draft_tokens"))
-    per_pos = [sum(c) for c in zip(*(s.get("spec_decode_num_accepted_tokens_per_pos", [0] * k) for s in specs))]
+    per_pos = [sum(c) for c in zip([0] * k, *(s.get("spec_decode_num_accepted_tokens_per_pos", [0] * k)
+                                              for s in specs))]
     return {"system": f"vLLM {method}", "k": k, "num_prompts": len(prompts), "max_tokens": max_tokens,
             "num_drafts": drafts, "acceptance_rate": round(accepted / max(drafted, 1), 4),
             "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 4),
