@@ -40,10 +40,6 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from core.mtp import MtpSpec
 
 
-# families whose MTP layer runs here but whose target this package's verifier does not run yet
-VERIFIER_CANNOT_RUN = {"deepseek_v3": "its multi-head latent attention caches compressed latents, which the verifier's "
-                                      "paged cache does not hold (docs/mtp.md)"}
-
 
 class _Seq:
     """One sequence: its tokens (prefix hashes in ``chain``) and the MTP layer's rows."""
@@ -302,11 +298,8 @@ def check(config: AppConfig) -> MtpSpec:
         raise ValueError(f"mtp drafter {d.model!r}: not a checkpoint with MTP layers: {e}") from None
     if config.verifier.backend == "vllm":
         raise ValueError("an mtp drafter needs the verifier's last hidden states on every step: use verifier.backend "
-                         "transformers (vLLM 0.32's GLM-4.5 and DeepSeek models capture no states for a drafter outside "
+                         "transformers (vLLM 0.32's GLM and DeepSeek models capture no states for a drafter outside "
                          "the engine; vLLM runs their MTP layers itself as speculative method mtp)")
-    if spec.family in VERIFIER_CANNOT_RUN:
-        raise ValueError(f"verifier.model {config.verifier.model!r}: model_type {spec.family!r}: "
-                         f"{VERIFIER_CANNOT_RUN[spec.family]}")
     target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
     mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
     theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)
