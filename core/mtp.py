@@ -23,10 +23,10 @@ the proposer feeds that back. q_i is conditioned on the drafts before i (a chain
 
 Families: those transformers builds here and vLLM drafts with: ``glm4_moe`` (GLM-4.5, 4.6, 4.7), ``glm4_moe_lite``
 (GLM-4.7-Flash: DeepSeek-V3's latent attention in GLM's mixture of experts; its MTP layer, at index N, has the
-experts, as the published checkpoint stores it and as ``first_k_dense_replace`` gives for that index) and ``deepseek_v3`` (DeepSeek-V3, R1). Refused at build time,
-naming the field: other ``model_type`` values (Qwen3-Next's and Qwen3.5's MTP layers sit among linear-attention
-layers; MiMo has no transformers class), a config without
-``num_nextn_predict_layers``, quantized checkpoints (``quantization_config``), DeepSeek-V3.2's sparse
+experts, as the published checkpoint stores it and ``first_k_dense_replace`` gives for that index) and
+``deepseek_v3`` (DeepSeek-V3, R1). Refused at build time, naming the field: other ``model_type`` values
+(Qwen3-Next's and Qwen3.5's MTP layers sit among linear-attention layers; MiMo has no transformers class), a config
+without ``num_nextn_predict_layers``, quantized checkpoints (``quantization_config``), DeepSeek-V3.2's sparse
 attention (``index_topk``), Speculators' FastMTP heads (``speculators_model_type``: a format of their own, which
 vLLM 0.32 does not load).
 """
