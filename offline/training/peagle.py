@@ -259,12 +259,25 @@ def _ray_worker(config: dict):
     import ray.train.torch
 
     ctx = ray.train.get_context()
-    args = parser().parse_args(config["argv"])
+    args = config["args"]
     args.threads = config["threads"]
     run(args, ctx.get_world_rank(), ctx.get_world_size(), str(ray.train.torch.get_device()))
 
 
-def run_ray(args, argv: list[str]) -> None:
+def absolute(args) -> argparse.Namespace:
+    """The arguments with local paths made absolute: a Ray Train worker runs in a directory of its own."""
+    for name in ("out", "work"):
+        setattr(args, name, getattr(args, name).resolve())
+    for name in ("target", "init"):
+        if getattr(args, name) is not None and getattr(args, name).exists():
+            setattr(args, name, getattr(args, name).resolve())
+    for name in ("data", "held_out"):
+        if getattr(args, name):
+            setattr(args, name, [p.resolve() if p.exists() else p for p in getattr(args, name)])
+    return args
+
+
+def run_ray(args) -> None:
     """``run`` as a Ray Train job (``TorchTrainer``: DDP over gloo on CPUs, nccl on GPUs)."""
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -274,7 +287,7 @@ def run_ray(args, argv: list[str]) -> None:
         ray.init(address=args.ray_address)
     threads = max(1, args.threads // args.workers) if not args.use_gpu else args.threads
     trainer = TorchTrainer(
-        _ray_worker, train_loop_config={"argv": argv, "threads": threads},
+        _ray_worker, train_loop_config={"args": absolute(args), "threads": threads},
         torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
                                      resources_per_worker=None if args.use_gpu else {"CPU": 1}),
@@ -283,12 +296,9 @@ def run_ray(args, argv: list[str]) -> None:
 
 
 def main(argv=None):
-    import sys
-
-    argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser().parse_args(argv)
     if args.workers:
-        run_ray(args, argv)
+        run_ray(args)
     else:
         run(args)
 
