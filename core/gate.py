@@ -108,6 +108,15 @@ class MeasuredChoice:
             return self.steps % self.explore_every == 0
         return self.steps >= self._next_try  # (the try's end sets the next: ``use``)
 
+    def inherit(self, other: MeasuredChoice) -> None:
+        """Start on ``other``'s choice as if both arms had been measured here, their speeds ``other``'s until
+        this choice's own steps replace them; the other arm's first try after ``explore_every`` steps."""
+        self._best = other.best
+        self.s_per_token = dict(other.s_per_token)
+        self.n = {arm: max(self.first, 1) for arm in (True, False)}
+        self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
+        self._next_try = self.steps + self.explore_every
+
     @property
     def best(self) -> bool | None:
         """The arm chosen as the faster by the last ``use`` (None until both arms are measured)."""
@@ -161,11 +170,22 @@ class BatchSpeculation:
         return arm
 
     def choice(self, batch: int) -> MeasuredChoice:
-        """The choice for this batch size's bucket (made on first use)."""
-        return self.choices.setdefault(StepCosts.bucket(batch), MeasuredChoice(
-            explore_every=self.explore_every, run=self.run, first=self.window, window=self.window, margin=self.margin,
-            settle=self.settle, prefer=self.prefer, back_margin=self.back_margin,
-            max_explore_every=self.max_explore_every))
+        """The choice for this batch size's bucket (made on first use). A new bucket above one that chose the
+        safe arm starts on it, as if measured, and tries the other arm only when its first try is due: a
+        verify pass costs more a token the larger the batch while the drafts it checks stay as good, so
+        where speculation lost at a smaller load it loses at a larger one. Measuring both arms afresh at
+        each larger load ran speculation for a run of steps at every new load, and a wave's first steps at
+        16 and 64 streams paid for it (docs/decisions/0056-cold-tries.md)."""
+        bucket = StepCosts.bucket(batch)
+        if bucket not in self.choices:
+            self.choices[bucket] = c = MeasuredChoice(
+                explore_every=self.explore_every, run=self.run, first=self.window, window=self.window,
+                margin=self.margin, settle=self.settle, prefer=self.prefer, back_margin=self.back_margin,
+                max_explore_every=self.max_explore_every)
+            below = [self.choices[b] for b in sorted(self.choices) if b < bucket]
+            if self.prefer is not None and below and below[-1].best == self.prefer:
+                c.inherit(below[-1])
+        return self.choices[bucket]
 
     def reset(self) -> None:
         """Forget the step in progress: the next ``use`` starts a fresh measurement (the steps between were

@@ -39,6 +39,14 @@ class DrafterServer(EngineServer):
         self.channel: ChannelServer | None = None  # started on the replica's event loop, at the first call
 
     async def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """A call a verify step waits on (no pre-draft) runs on the event loop when the engine is idle, as a lone
+        stream's verify does (``ContinuousBatcher.run_inline``): the hop to the engine's thread and back is
+        the largest part of a served draft's time outside its passes (docs/decisions/0056-cold-tries.md).
+        Pre-drafts go through the engine's thread: their ``narrow`` must reach the engine while they run."""
+        if not any(r.provisional or r.branches for r in requests):
+            out = self.batcher.run_inline(requests)
+            if out is not None:
+                return out
         return await self.batcher.submit(requests)
 
     async def narrow(self, seq_id: str, context_len: int, branch: tuple[int, int] | None) -> None:

@@ -32,6 +32,11 @@ from deployments.vllm_metrics import ChoiceMeter
 log = logging.getLogger("ray.serve")
 
 
+# errors of the code itself, raised in the replica's loop: every replica runs the same code and fails the same
+# way, so the request fails at once instead of being resumed on replica after replica until verifier_retry_s
+CODE_ERRORS = (TypeError, AttributeError, NameError)
+
+
 @dataclass
 class StepOutput:
     """What one stream item from the verifier (one or more steps) adds to a response."""
@@ -203,7 +208,7 @@ class Generation:
             raise overloaded(e) from None
         if isinstance(e, ValueError):  # the engine refused the sequence: no replica will take it
             raise OpenAIError(400, str(e), code="context_length_exceeded") from None
-        if time.monotonic() >= self.deadline:
+        if isinstance(e, CODE_ERRORS) or time.monotonic() >= self.deadline:
             raise e
         self.seq.cache_misses["verifier"] += 1
         log.warning("verifier stream failed (attempt %d), resuming on another replica: %r", self.attempt, e)

@@ -156,3 +156,26 @@ def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server,
         server.channel.close()
 
     asyncio.run(main())
+
+
+def test_a_call_a_step_waits_on_drafts_on_the_event_loop_and_a_pre_draft_on_the_engine_thread(drafter_server):
+    """A draft the verify waits on runs inline when the drafter's engine is idle (no thread hop), with the same
+    drafts and q as through the engine's thread; a pre-draft tree always goes through the thread, where its
+    ``narrow`` can reach it while it runs."""
+    from dataclasses import replace
+
+    b = drafter_server.batcher
+
+    async def main():
+        threaded = await b.submit(_requests([5, 6, 7, 8, 9, 10]))
+        drafter_server.engine.release("s0")
+        before = b.inline_batches
+        inline = await drafter_server.propose(_requests([5, 6, 7, 8, 9, 10]))
+        assert b.inline_batches == before + 1
+        assert inline[0].tokens == threaded[0].tokens and inline[0].probs.ids == threaded[0].probs.ids
+        drafter_server.engine.release("s0")
+        (tree,) = _requests([5, 6, 7, 8, 9, 10])
+        await drafter_server.propose([replace(tree, branches=[(len(tree.new_tokens), 11)])])
+        assert b.inline_batches == before + 1
+
+    asyncio.run(main())

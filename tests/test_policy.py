@@ -90,6 +90,38 @@ def test_batch_speculation_turns_speculation_off_where_it_measures_slower():
     assert BatchSpeculation(always=True).use(32, 0, 0.0) is True
 
 
+def test_a_larger_load_starts_plain_where_a_smaller_one_chose_plain():
+    """The replica's gate (plain decoding the safe arm): once speculation lost at 4 streams, 16 streams start
+    plain and try speculation only when a try is due, instead of measuring both arms afresh; where it pays at
+    16 after all, the tries find it. Without an inherited choice (a load below any measured one, or one above
+    a load that chose speculation) both arms are measured first, as before."""
+    from core.gate import BatchSpeculation
+
+    def run(cost, loads, steps=400):
+        gate, now, tokens, used = BatchSpeculation(explore_every=128, run=16, settle=4, window=12, margin=1.1,
+                                                   prefer=False, back_margin=1.05, max_explore_every=1024), 0.0, 0, {}
+        for load in loads:
+            for _ in range(steps):
+                arm = gate.use(load, tokens, now)
+                used.setdefault(load, []).append(arm)
+                tokens, dt = cost[(load, arm)]
+                now += dt
+        return gate, used
+
+    loses = {(4, True): (8, 0.020), (4, False): (4, 0.008), (16, True): (32, 0.040), (16, False): (16, 0.014)}
+    gate, used = run(loses, [4, 16])
+    assert min(gate.choices.items())[1].best is False
+    assert sum(used[16][:120]) == 0, [i for i, a in enumerate(used[16]) if a]  # no speculation before the first try is due
+    assert sum(used[16]) <= 2 * 16 + 4  # the tries, nothing more
+    fresh, fresh_used = run(loses, [16])
+    assert sum(fresh_used[16][:64]) >= 12  # measured afresh: speculation tried at once
+    pays = {**loses, (16, True): (40, 0.020)}  # speculation pays at 16 streams after all
+    gate, used = run(pays, [4, 16], steps=600)
+    assert sum(used[16][-200:]) >= 150, sum(used[16][-200:])
+    wins_below = {**loses, (4, True): (12, 0.009)}  # speculation chosen at 4: 16 measures both arms itself
+    gate, used = run(wins_below, [4, 16])
+    assert sum(used[16][:64]) >= 12
+
 def test_a_new_request_starts_from_what_the_replica_measured():
     """Step costs belong to the replica: a request arriving after others speculates by the costs
     and per-position acceptance they measured from its first step, where one on its own starts
