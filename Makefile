@@ -105,12 +105,15 @@ models-eagle3-warm: $(STAMP)
 # A P-EAGLE head for the shipped target, trained from the shipped EAGLE-3 head as a Ray Train job (seeded; blocks of 4;
 # docs/training.md, P-EAGLE heads), and the untrained head the same trainer starts a new head from (steps 0), into
 # build/peagle: neither is shipped. `python -m bench.breakdown --head build/peagle/tiny-code-peagle=peagle` serves one.
-PEAGLE_STEPS ?= 150
+# (add --workers N for the same run as a Ray Train job)
+PEAGLE_STEPS ?= 30
 models-peagle: $(STAMP)
 	$(PY) -m offline.training.peagle --target models/tiny-code-target --init models/tiny-code-eagle3 \
-		--out build/peagle/tiny-code-peagle --work build/peagle/work --steps $(PEAGLE_STEPS) --workers 1
+		--out build/peagle/tiny-code-peagle --work build/peagle/work --steps $(PEAGLE_STEPS) --batch 4 --seq-len 128 \
+		--anchors 8 --eval-every 15 --ckpt-every 5 --eval-windows 8 --acceptance-prompts 8 --acceptance-max-tokens 64
 	$(PY) -m offline.training.peagle --target models/tiny-code-target --out build/peagle/tiny-code-peagle-untrained \
-		--work build/peagle/work-untrained --steps 0
+		--work build/peagle/work-untrained --steps 0 --seq-len 128 --eval-windows 8 --acceptance-prompts 8 \
+		--acceptance-max-tokens 64
 
 clean:
 	rm -rf $(VENV) build
