@@ -98,8 +98,8 @@ class StepCosts:
         of the recent ones at (or nearest) this batch size; None while fewer than three are measured, or after
         ``COLD_STALE`` plain steps without one (no try would measure it again). Why: the tables hold steady
         steps only, so a try's first step, its drafter catching up, was invisible to the policy; served at
-        T = 0.8, requests that tried speculation and left it ran at 0.74-0.89x of plain decoding, their few
-        speculative steps 13-20 ms each against 6-10 steady. The median: a fresh replica's first calls cost
+        T = 0.8, requests that tried speculation and left it ran slower than plain decoding, their few
+        speculative steps far dearer than steady ones. The median: a fresh replica's first calls cost
         tens of times a step (docs/decisions/0056-cold-tries.md)."""
         entries = self._near(self.cold, batch_size)
         if not entries or len(entries) < 3 or self.plain_since_cold > COLD_STALE:
@@ -178,9 +178,9 @@ class StepCosts:
 def monotone(costs: list[float], weights: list[float]) -> list[float]:
     """``costs`` (indexed by k) made non-decreasing in k over the speculative ks (k = 0 as it is), by
     pooling adjacent violators, weighted by the steps behind each estimate: a step with more drafts
-    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where each k was used (a k
-    tried a few times on text where its pre-drafts missed); served, k = 1 read 5.4 ms beside k = 2's 4.1 and
-    k = 3 read 7.2 ms beside k = 5's 6.2 (a fixed k = 3 step takes 5.3), which held a request at k = 2."""
+    verifies and drafts more, so it never costs less. Why: the per-k means are noisy and biased by where
+    each k was used (a k tried a few times on text where its pre-drafts missed); served, smaller ks read
+    dearer than larger ones, which held a request at k = 2 (docs/decisions/0032-policy-cold-start.md)."""
     blocks: list[list[float]] = []  # [pooled cost, weight, count], from k = 1 on
     for c, w in zip(costs[1:], weights[1:]):
         blocks.append([c, w, 1])

@@ -97,7 +97,8 @@ class ParallelSpec(HeadShape):
     markov_rank: int = 0  # DSpark: the Markov head's rank
     confidence_head: bool = False  # DSpark: a confidence head ships with the head
     confidence_with_markov: bool = False
-    speculative_tokens: int | None = field(default=None, compare=False)  # the default proposal's k, when the config names one
+    # the default proposal's k, when the config names one
+    speculative_tokens: int | None = field(default=None, compare=False)
 
     def causal(self, layer: int) -> bool:
         """Whether the layer's block queries see only the block's earlier queries (Speculators' training
@@ -125,10 +126,11 @@ class ParallelSpec(HeadShape):
         model_type = t.get("model_type", "qwen3")
         if model_type not in LAYER_TYPES:
             unsupported("transformer_layer_config.model_type", model_type,
-                        "only Qwen3-type draft layers run here (vLLM's qwen3_dflash / qwen3_dspark); Gemma 4 DSpark's layers "
-                        "(k = v, v_norm, logit soft-capping) are not implemented")
+                        "only Qwen3-type draft layers run here (vLLM's qwen3_dflash / qwen3_dspark); "
+                        "Gemma 4 DSpark's layers (k = v, v_norm, logit soft-capping) are not implemented")
         if t.get("is_neox_style", True) is not True:
-            unsupported("transformer_layer_config.is_neox_style", t["is_neox_style"], "the rotary embedding here is the half-split (neox) form")
+            unsupported("transformer_layer_config.is_neox_style", t["is_neox_style"],
+                        "the rotary embedding here is the half-split (neox) form")
         rope = _rope_parameters(t)
         if not any("rope_theta" in (d or {}) for d in (t, t.get("rope_parameters"), t.get("rope_scaling"))):
             rope["rope_theta"] = 1000000.0  # vLLM's default for these layers (set_default_rope_theta)
@@ -138,17 +140,21 @@ class ParallelSpec(HeadShape):
             if extra.get(name):
                 unsupported(f"transformer_layer_config.dflash_config.{name}", extra[name], "not supported")
         if cfg.get("projector_type", "dflash") != "dflash":
-            unsupported("projector_type", cfg["projector_type"], "only the dflash projector (Domino's correction head is not in vLLM)")
+            unsupported("projector_type", cfg["projector_type"],
+                        "only the dflash projector (Domino's correction head is not in vLLM)")
         if cfg.get("shift_label"):
-            unsupported("shift_label", cfg["shift_label"], "vLLM reads the mask positions' own tokens, not shifted ones")
+            unsupported("shift_label", cfg["shift_label"],
+                        "vLLM reads the mask positions' own tokens, not shifted ones")
         if cfg.get("use_aux_hidden_state") is False:
             unsupported("use_aux_hidden_state", False, "the head reads the target's aux states")
         ids = cfg.get("aux_hidden_state_layer_ids")
         if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-            unsupported("aux_hidden_state_layer_ids", ids, "needs the verifier layers whose input states the head reads")
+            unsupported("aux_hidden_state_layer_ids", ids,
+                        "needs the verifier layers whose input states the head reads")
         mask = cfg.get("mask_token_id")
         if not isinstance(mask, int) or not 0 <= mask < t["vocab_size"]:
-            unsupported("mask_token_id", mask, f"needs a token id below the vocab_size {t['vocab_size']} (the masked slots' embedding)")
+            unsupported("mask_token_id", mask,
+                        f"needs a token id below the vocab_size {t['vocab_size']} (the masked slots' embedding)")
         block = cfg.get("block_size", 8)
         if not isinstance(block, int) or block < 2:
             unsupported("block_size", block, "a block is the anchor and at least one mask position")
@@ -158,23 +164,15 @@ class ParallelSpec(HeadShape):
             unsupported("sample_from_anchor", True, "vLLM's DFlash drafts from the mask positions only")
         n_layers = int(t.get("num_hidden_layers") or 1)
         layer_types, window = draft_layer_types(t, n_layers)
-        rank, conf, conf_markov = 0, False, False
-        if markov:
-            rank = cfg.get("markov_rank", 0)
-            if not isinstance(rank, int) or rank < 1:
-                unsupported("markov_rank", rank, "vLLM's DSpark always applies its Markov head (rank at least 1)")
-            if cfg.get("markov_head_type", "vanilla") != "vanilla":
-                unsupported("markov_head_type", cfg["markov_head_type"], "vLLM runs the vanilla Markov head only")
-            conf = bool(cfg.get("enable_confidence_head", False))
-            conf_markov = bool(cfg.get("confidence_head_with_markov", False))
+        rank, conf, conf_markov = _markov_fields(cfg) if markov else (0, False, False)
         k = default_proposal(cfg).get("speculative_tokens")
         non_causal = cfg.get("sliding_window_non_causal")
         return cls(**HeadShape.read(cfg, t, max_position_embeddings=40960), method=method,
                    aux_layer_ids=[int(i) for i in ids], block_size=block, mask_token_id=mask, num_layers=n_layers,
                    rope_parameters=rope, layer_types=layer_types, sliding_window=window,
                    sliding_window_non_causal=None if non_causal is None else bool(non_causal),
-                   sample_from_anchor=anchor, markov_rank=rank, confidence_head=conf, confidence_with_markov=conf_markov,
-                   speculative_tokens=k if isinstance(k, int) and k >= 1 else None)
+                   sample_from_anchor=anchor, markov_rank=rank, confidence_head=conf,
+                   confidence_with_markov=conf_markov, speculative_tokens=k if isinstance(k, int) and k >= 1 else None)
 
     def to_config(self, verifier_path: str, verifier_arch: list[str], k: int | None = None) -> dict:
         layer = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": self.hidden_size,
@@ -198,8 +196,19 @@ class ParallelSpec(HeadShape):
             cfg["sliding_window_non_causal"] = self.sliding_window_non_causal
         if self.markov:
             cfg.update(markov_rank=self.markov_rank, markov_head_type="vanilla",
-                       enable_confidence_head=self.confidence_head, confidence_head_with_markov=self.confidence_with_markov)
+                       enable_confidence_head=self.confidence_head,
+                       confidence_head_with_markov=self.confidence_with_markov)
         return cfg
+
+
+def _markov_fields(cfg: dict) -> tuple[int, bool, bool]:
+    """A DSpark config's Markov head: (its rank, a confidence head, the confidence head reading the Markov head)."""
+    rank = cfg.get("markov_rank", 0)
+    if not isinstance(rank, int) or rank < 1:
+        unsupported("markov_rank", rank, "vLLM's DSpark always applies its Markov head (rank at least 1)")
+    if cfg.get("markov_head_type", "vanilla") != "vanilla":
+        unsupported("markov_head_type", cfg["markov_head_type"], "vLLM runs the vanilla Markov head only")
+    return rank, bool(cfg.get("enable_confidence_head", False)), bool(cfg.get("confidence_head_with_markov", False))
 
 
 class ParallelLayer(nn.Module):

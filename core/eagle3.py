@@ -74,7 +74,8 @@ def default_proposal(cfg: dict) -> dict:
     ``default_proposal_method`` names, else the first, else {} (its ``speculative_tokens`` is the head's k)."""
     spec = cfg.get("speculators_config") or {}
     methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
-    return next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")), methods[0] if methods else {})
+    default = spec.get("default_proposal_method")
+    return next((m for m in methods if m.get("proposal_type") == default), methods[0] if methods else {})
 
 
 def speculators_config(algorithm: str, k: int, verifier_path: str, verifier_arch: list[str]) -> dict:
@@ -127,7 +128,8 @@ def draft_layer_types(t: dict, n_layers: int) -> tuple[list[str] | None, int | N
         unsupported("transformer_layer_config.layer_types", layer_types,
                     f"needs full_attention or sliding_attention for each of the {n_layers} layers")
     if "sliding_attention" in layer_types[:n_layers] and (window is None or int(window) < 1):
-        unsupported("transformer_layer_config.sliding_window", window, "sliding_attention layers need a window of at least 1")
+        unsupported("transformer_layer_config.sliding_window", window,
+                    "sliding_attention layers need a window of at least 1")
     return list(layer_types[:n_layers]), int(window) if window else None
 
 
@@ -170,9 +172,11 @@ class HeadShape:
         """The shape fields but ``aux_layer_ids`` of a Speculators config (``t``: its draft layers' config), absent
         ones at vLLM's defaults (``max_position_embeddings``: the head type's)."""
         heads = t["num_attention_heads"]
-        return dict(hidden_size=t["hidden_size"], num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads") or heads,
+        return dict(hidden_size=t["hidden_size"], num_attention_heads=heads,
+                    num_key_value_heads=t.get("num_key_value_heads") or heads,
                     head_dim=t.get("head_dim") or t["hidden_size"] // heads, intermediate_size=t["intermediate_size"],
-                    rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position_embeddings=t.get("max_position_embeddings", max_position_embeddings),
+                    rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+                    max_position_embeddings=t.get("max_position_embeddings", max_position_embeddings),
                     vocab_size=t["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"],
                     target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"])
 
@@ -212,7 +216,8 @@ class Eagle3Spec(HeadShape):
         t = layer_config(cfg, "eagle3")
         model_type = t.get("model_type", "llama")
         if model_type not in LAYER_TYPES:
-            unsupported("transformer_layer_config.model_type", model_type, f"vLLM's eagle3 heads have {' or '.join(LAYER_TYPES)} layers")
+            unsupported("transformer_layer_config.model_type", model_type,
+                        f"vLLM's eagle3 heads have {' or '.join(LAYER_TYPES)} layers")
         rope = _rope_parameters(t)
         check_draft_layers(t, rope)
         eagle = cfg.get("eagle_config") or {}
@@ -492,8 +497,9 @@ class EagleHead(DraftVocabulary, nn.Module):
         # cos and the plain sin by cache row (the native rotary is rotate_half's)
         cos, sin = self._row_rope[0][:, 0], signed_sin(self._row_rope[1][:, 0])
         s = self.spec
-        return {"ops": ops, "weights": [t.detach() for t in weights], "parts": parts, "parts16": parts16, "tiles": tiles,
-                "packed": fused[0].linear.packed, "lm_head": self._lm_head.linear.weight, "cos": cos, "sin": sin,
+        return {"ops": ops, "weights": [t.detach() for t in weights], "parts": parts, "parts16": parts16,
+                "tiles": tiles, "packed": fused[0].linear.packed, "lm_head": self._lm_head.linear.weight,
+                "cos": cos, "sin": sin,
                 "args": (s.norm_before_residual, s.norm_output, s.rms_norm_eps, s.num_attention_heads,
                          s.num_key_value_heads, s.head_dim)}
 
@@ -584,8 +590,9 @@ class EagleHead(DraftVocabulary, nn.Module):
             if i + 1 == k:
                 break
             S = sum(kv[0].shape[1] for kv in past[0])
-            logits, out = self.layer(torch.tensor([[tok]], device=dev), out[:, -1:], torch.tensor([[n1 + i]], device=dev),
-                                     past, torch.ones(1, S + 1, dtype=torch.bool, device=dev))
+            logits, out = self.layer(torch.tensor([[tok]], device=dev), out[:, -1:],
+                                     torch.tensor([[n1 + i]], device=dev), past,
+                                     torch.ones(1, S + 1, dtype=torch.bool, device=dev))
         return (drafts, torch.stack(rows)) if return_logits else drafts
 
 
@@ -665,7 +672,8 @@ def check_reads(path: Path, spec, verifier, shapes: dict[str, tuple]) -> None:
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or raw.get("aux_hidden_state_layer_ids") or []
     n = len(spec.aux_layer_ids)
     if fc is not None and len(ids) > n and fc[-1] == len(ids) * spec.target_hidden_size:
-        field_ = "eagle_aux_hidden_state_layer_ids" if "eagle_aux_hidden_state_layer_ids" in raw else "aux_hidden_state_layer_ids"
+        field_ = ("eagle_aux_hidden_state_layer_ids" if "eagle_aux_hidden_state_layer_ids" in raw
+                  else "aux_hidden_state_layer_ids")
         raise UnsupportedHead(f"{field_} {ids} repeat a layer: vLLM captures each layer once ({n} states, "
                               f"{sorted(set(ids))}), while fc.weight {fc} reads {len(ids)}")
     if verifier is None:

@@ -140,7 +140,8 @@ class Grammars:
                  budget_bytes: int = 64 * 2**20, timeout_s: float = COMPILE_TIMEOUT_S, threads: int = 4):
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids) or None)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size, self.budget_bytes, self.timeout_s = vocab_size, budget_bytes, timeout_s
         self._compiled: OrderedDict[str, object] = OrderedDict()
@@ -172,7 +173,8 @@ class Grammars:
         try:
             return self._keep(c.key, fut.result(timeout=self.timeout_s))
         except FutureTimeout:
-            raise GrammarError(f"the {c.kind} constraint did not compile within {self.timeout_s:g} s", c.param) from None
+            raise GrammarError(f"the {c.kind} constraint did not compile within {self.timeout_s:g} s",
+                               c.param) from None
         except Exception as e:  # noqa: BLE001 - xgrammar's errors for a bad spec are of several types
             raise GrammarError(f"the {c.kind} constraint does not compile: {str(e).strip().splitlines()[-1]}",
                                c.param) from None
@@ -343,7 +345,8 @@ def screened(propose):
                   and (masks is None or not masks.has(r.grammar))}
         if not missed:
             return propose(self, requests)
-        rest = iter(propose(self, [r for r in requests if r.seq_id not in missed]) if len(missed) < len(requests) else [])
+        kept = [r for r in requests if r.seq_id not in missed]
+        rest = iter(propose(self, kept) if len(missed) < len(requests) else [])
         return [Proposal(r.seq_id, [], cache_miss=True) if r.seq_id in missed else next(rest) for r in requests]
 
     return wrapper

@@ -14,8 +14,9 @@ and the budget stays in bytes.
 Rolling back rejected drafts moves a sequence's length and nothing else; the stale rows past
 it are overwritten by the next forward pass. Every layer keeps every row of a sequence, sliding
 layers included (their mask hides what is past the window), so a rollback never loses a row that
-a sliding layer still needs; memory bounded by the window is not done here. Block 0 is never handed out: padded tokens of a
-batched pass write there, and padded key positions read from it (they are masked).
+a sliding layer still needs; memory bounded by the window is not done here. Block 0 is never
+handed out: padded tokens of a batched pass write there, and padded key positions read from it
+(they are masked).
 
 Reading K/V for attention gathers each sequence's rows into one [B, S, kv_heads, head_dim]
 tensor, a copy proportional to the tokens held. At batch 1 a sequence whose blocks are
@@ -185,7 +186,8 @@ class PagedKVCache:
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
         self._free = set(range(1, self.num_blocks))
         self._heap = list(range(1, self.num_blocks))  # smallest free block first (lazy deletion)
-        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "prefix_queries": 0, "prefix_hits": 0, "prefix_evictions": 0}
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0,
+                      "prefix_queries": 0, "prefix_hits": 0, "prefix_evictions": 0}
         self.prefix_caching = prefix_caching
         self._block_of: dict[bytes, int] = {}  # chained hash of a full block of tokens -> the cached block
         self._hash_of: dict[int, bytes] = {}  # and back: a block here is cached (shared, never written)
@@ -481,8 +483,8 @@ def batched_forward(runner, cache: PagedKVCache, slots: list[Slot], new_tokens: 
         input_ids, positions, kv = _padded_layout(cache, slots, new_tokens, starts, lengths, device)
     m = max(keep_last)
     extra = {} if hidden_in is None else {"hidden_in": _right_aligned(hidden_in, n).to(device)}
-    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, _causal_mask(positions, S, device), m, capture,
-                            **extra)  # [B, m, V]
+    logits, hidden = runner(input_ids.to(device), positions.to(device), kv, _causal_mask(positions, S, device), m,
+                            capture, **extra)  # [B, m, V]
     logits = logits.float().cpu()
     for s, toks in zip(slots, new_tokens):
         s.tokens.extend(toks)

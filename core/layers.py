@@ -46,7 +46,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def attention(width: int, heads: int, kv_heads: int, head_dim: int, hidden: int, qk_norm_eps: float | None = None) -> nn.Module:
+def attention(width: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
+              qk_norm_eps: float | None = None) -> nn.Module:
     """A decoder layer's attention projections under the checkpoints' names (``q_proj``, ``k_proj``, ``v_proj``,
     ``o_proj``, no biases) from an input ``width`` wide, with Qwen3's per-head ``q_norm`` and ``k_norm`` where
     ``qk_norm_eps`` is given. The weights are made in that order (a seeded initialisation depends on it)."""
@@ -62,7 +63,8 @@ def attention(width: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
 
 
 def mlp(hidden: int, intermediate: int) -> nn.Module:
-    """A decoder layer's SwiGLU MLP under the checkpoints' names (``gate_proj``, ``up_proj``, ``down_proj``, no biases)."""
+    """A decoder layer's SwiGLU MLP under the checkpoints' names (``gate_proj``, ``up_proj``, ``down_proj``,
+    no biases)."""
     m = nn.Module()
     m.gate_proj = nn.Linear(hidden, intermediate, bias=False)
     m.up_proj = nn.Linear(hidden, intermediate, bias=False)

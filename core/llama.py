@@ -225,8 +225,9 @@ class NativeLlama(CompactLlama):
 
             for L in model.model.layers:
                 a, p = L.self_attn, L.mlp
-                self.tiles += [tiles(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), tiles(a.o_proj.weight),
-                               tiles(torch.cat([p.gate_proj.weight, p.up_proj.weight])), tiles(p.down_proj.weight)]
+                self.tiles += [tiles(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                               tiles(a.o_proj.weight), tiles(torch.cat([p.gate_proj.weight, p.up_proj.weight])),
+                               tiles(p.down_proj.weight)]
             self.tiles.append(tiles(model.lm_head.weight))
         # attention over the cache in place (core/csrc/decoder.cpp); SPLITSPEC_ATTENTION=aten: ATen's, for A/B runs
         self.aten_attention = os.environ.get("SPLITSPEC_ATTENTION", "own") == "aten"
@@ -252,8 +253,9 @@ class NativeLlama(CompactLlama):
         rows, layers = kv.read_rows is not None, sorted(capture)
         out = self.ops.decoder(
             input_ids, positions, self.embed, self.cos, self.sin, self.weights, self.norm, self.lm_head.weight,
-            self.packed, self.parts, self.parts16, self.tiles, kv.cache.k, kv.cache.v, kv.write_rows if rows else self._none_rows,
-            kv.read_rows if rows else self._none_rows, kv.write_start, kv.read_start, kv.S, mask, keep,
+            self.packed, self.parts, self.parts16, self.tiles, kv.cache.k, kv.cache.v,
+            kv.write_rows if rows else self._none_rows, kv.read_rows if rows else self._none_rows,
+            kv.write_start, kv.read_start, kv.S, mask, keep,
             layers, self.eps, self.heads, self.kv_heads, self.head_dim, self.aten_attention)
         return out[0], dict(zip(layers, out[1:]))
 
@@ -396,10 +398,10 @@ def make_runner(model, max_len: int, forward: str = "auto"):
         if ops is None and forward == "native":
             raise ValueError(f"forward: native is unavailable here ({why_unavailable()}); use auto or compact")
     runner = NativeLlama(model, max_len, ops) if ops else CompactLlama(model, max_len)
-    rows_kernel = ("bf16 GEMV" if getattr(runner, "packed", False) else
-                   "float32 FMA rows" + (" (bf16 copies of the weights up to 8 rows: exact)" if getattr(runner, "bf16_weights", False) else ""))
-    kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)), (rows_kernel, getattr(runner, "gemv", False)))
-               if on]
+    bf16_rows = " (bf16 copies of the weights up to 8 rows: exact)" if getattr(runner, "bf16_weights", False) else ""
+    rows_kernel = "bf16 GEMV" if getattr(runner, "packed", False) else "float32 FMA rows" + bf16_rows
+    kernels = [name for name, on in (("AMX tiles", getattr(runner, "amx", False)),
+                                     (rows_kernel, getattr(runner, "gemv", False))) if on]
     log.info("decoder forward: %s (%s, %d layers)%s", runner.kind, c.model_type, c.num_hidden_layers,
              f", own matmul kernels: {', '.join(kernels)}" if kernels else "")
     return runner

@@ -138,7 +138,8 @@ async def speculate(seq: Sequence, propose, verify, policy, breaker: Breaker, pi
                 ahead.settle(seq)
             seq.take_aux(res)
             info.aux_bytes, info.step_s = seq.aux_bytes_sent - sent, clock() - t0
-            info.k, info.accepted, info.forward_s, info.batch_size = res.num_drafts, res.num_accepted, res.forward_s, res.batch_size
+            info.k, info.accepted = res.num_drafts, res.num_accepted
+            info.forward_s, info.batch_size = res.forward_s, res.batch_size
             info.cached_tokens = res.prefix_hit
             info.recomputes = {pool: n - misses[pool] for pool, n in seq.cache_misses.items() if n > misses[pool]}
             _observe(policy, info, res, prefill)

@@ -80,8 +80,9 @@ class MtpSpec:
         """The spec of a target config.json with MTP layers. Raises ``UnsupportedMtp`` (one line naming the field and
         value) for a target this project cannot draft for with its own layers."""
         if cfg.get("speculators_model_type"):
-            unsupported("speculators_model_type", cfg["speculators_model_type"], "Speculators' own MTP heads (FastMTP) are "
-                        "a separate format vLLM 0.32 does not load; the mtp drafter reads a target checkpoint's MTP layers")
+            unsupported("speculators_model_type", cfg["speculators_model_type"],
+                        "Speculators' own MTP heads (FastMTP) are a separate format vLLM 0.32 does not load; "
+                        "the mtp drafter reads a target checkpoint's MTP layers")
         cfg = cfg.get("text_config") or cfg
         family = cfg.get("model_type")
         if family not in FAMILIES:
@@ -158,7 +159,8 @@ class SharedHead(nn.Module):
 
 
 class MtpLayer(nn.Module):
-    """One MTP layer under the checkpoint's names (``model.layers.{N}.`` removed; the decoder layer's as ``mtp_block``)."""
+    """One MTP layer under the checkpoint's names (``model.layers.{N}.`` removed; the decoder layer's as
+    ``mtp_block``)."""
 
     def __init__(self, spec: MtpSpec, hf_config):
         super().__init__()
@@ -234,7 +236,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    files = [path / "model.safetensors"] if (path / "model.safetensors").exists() else sorted(path.glob("*.safetensors"))
+    single = path / "model.safetensors"
+    files = [single] if single.exists() else sorted(path.glob("*.safetensors"))
     out = {}
     for f in files:
         with safe_open(str(f), "pt") as h:
@@ -265,7 +268,8 @@ def mtp_weight_names(spec: MtpSpec, names) -> dict[str, str]:
             ours = rest if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head") else f"mtp_block.{rest}"
             out[f"layer.{ours}"] = name
     if "layer.shared_head.head.weight" not in out:
-        out["layer.shared_head.head.weight"] = "lm_head.weight" if "lm_head.weight" in names else f"{p}embed_tokens.weight"
+        out["layer.shared_head.head.weight"] = ("lm_head.weight" if "lm_head.weight" in names
+                                                else f"{p}embed_tokens.weight")
     return out
 
 
@@ -282,7 +286,8 @@ def _pack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = w
     for base, ws in experts.items():
         n = 1 + max(e for e, _ in ws)
-        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([ws[(e, "gate_proj")], ws[(e, "up_proj")]]) for e in range(n)])
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([ws[(e, "gate_proj")], ws[(e, "up_proj")]])
+                                                   for e in range(n)])
         out[f"{base}.down_proj"] = torch.stack([ws[(e, "down_proj")] for e in range(n)])
     return out
 

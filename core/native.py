@@ -2,8 +2,9 @@
 
 Built with torch's C++ extension builder (a C++ compiler and ninja; some seconds) into
 a cache that outlives the process (``SPLITSPEC_KERNEL_DIR``, default
-``~/.cache/splitspec/kernels/<torch>-<python>-<instruction set>-<checkout>``), so a replica that starts on a machine where it
-was built before loads it in well under a second. ``make install`` builds it ahead of time.
+``~/.cache/splitspec/kernels/<torch>-<python>-<instruction set>-<checkout>``), so a replica that
+starts on a machine where it was built before loads it in well under a second. ``make install``
+builds it ahead of time.
 Where it cannot be built (no compiler, another platform) or ``SPLITSPEC_NATIVE=0`` is set,
 ``load()`` returns None with the reason logged once, and engines run the eager compact forward.
 """
@@ -31,7 +32,8 @@ _why_not: str | None = None
 
 def _arch_flags() -> tuple[str, list[str]]:
     """(a tag for the build directory, compiler flags): AVX-512 registers for the loops where the CPU has them
-    (x86-64-v4), AVX2 + FMA (x86-64-v3) where it has those, the compiler's baseline elsewhere, so a binary never runs on a CPU it cannot."""
+    (x86-64-v4), AVX2 + FMA (x86-64-v3) where it has those, the compiler's baseline elsewhere, so a binary
+    never runs on a CPU it cannot."""
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
         if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu_flags():  # x86-64-v4: 16-float loops
             return "x86-64-v4", ["-march=x86-64-v4"]
@@ -44,7 +46,8 @@ def kernel_dir() -> Path:
     machines or environments keeps theirs apart; torch's builder rebuilds whenever the source's path
     changes, so two checkouts sharing a directory rebuilt it in turn as their replicas started)."""
     where = hashlib.blake2b(str(SOURCE.resolve()).encode(), digest_size=4).hexdigest()
-    tag = f"{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}-{_arch_flags()[0]}-{where}"
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"{torch.__version__.replace('+', '-')}-{py}-{_arch_flags()[0]}-{where}"
     return Path(os.environ.get("SPLITSPEC_KERNEL_DIR") or Path.home() / ".cache" / "splitspec" / "kernels" / tag)
 
 

@@ -53,8 +53,9 @@ from core.eagle3 import (
 )
 
 # vLLM's architectures that run an EAGLE-3 head (Eagle3LlamaForCausalLM / Eagle3Qwen3ForCausalLM) with parallel drafting
-EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle3": "llama", "Eagle3LlamaForCausalLM": "llama", "PEagleDraftModel": "llama",
-                       "PeagleLlamaForCausalLM": "llama", "Eagle3Qwen3ForCausalLM": "qwen3", "PeagleQwen3ForCausalLM": "qwen3"}
+EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle3": "llama", "Eagle3LlamaForCausalLM": "llama",
+                       "PEagleDraftModel": "llama", "PeagleLlamaForCausalLM": "llama",
+                       "Eagle3Qwen3ForCausalLM": "qwen3", "PeagleQwen3ForCausalLM": "qwen3"}
 MASK_FIELDS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")  # after dflash_config's
 
 
@@ -78,7 +79,8 @@ class PEagleSpec(Eagle3Spec):
             as_eagle3, mask, layout, k = _eagle_layout(cfg), _mask_token(cfg), "eagle", None
         base = Eagle3Spec.from_config(as_eagle3, target_num_layers)
         if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < base.vocab_size:
-            unsupported("mask_token_id", mask, f"parallel drafting needs a placeholder token id below vocab_size {base.vocab_size}")
+            unsupported("mask_token_id", mask,
+                        f"parallel drafting needs a placeholder token id below vocab_size {base.vocab_size}")
         return cls(**vars(base), mask_token_id=mask, layout=layout,
                    speculative_tokens=k if isinstance(k, int) and k >= 1 else None)
 
@@ -92,7 +94,8 @@ def _speculators(cfg: dict) -> dict:
     for name in ("fc_norm", "norm_output"):
         if cfg.get(name):
             unsupported(name, cfg[name], "vLLM 0.32's peagle reader does not carry it to the head")
-    return {**cfg, "speculators_model_type": "eagle3", "norm_before_residual": bool(cfg.get("norm_before_residual", False))}
+    return {**cfg, "speculators_model_type": "eagle3",
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False))}
 
 
 def _mask_token(cfg: dict):
@@ -109,8 +112,8 @@ def _eagle_layout(cfg: dict) -> dict:
     too)."""
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in EAGLE_ARCHITECTURES:
-        unsupported("architectures", cfg.get("architectures"), f"a P-EAGLE head is one of {sorted(EAGLE_ARCHITECTURES)} "
-                    "(or a Speculators peagle config)")
+        unsupported("architectures", cfg.get("architectures"),
+                    f"a P-EAGLE head is one of {sorted(EAGLE_ARCHITECTURES)} (or a Speculators peagle config)")
     eagle = cfg.get("eagle_config") or {}
     layer = {k: v for k, v in cfg.items() if k not in ("eagle_config", "architectures")}
     layer["model_type"] = EAGLE_ARCHITECTURES[arch]

@@ -7,23 +7,21 @@ k in [0, bound] that maximises expected tokens per second of wall time:
                                             accepted; for i.i.d. acceptance a, (1 - a^(k+1)) / (1 - a))
     value(k)  = tokens(k) / t(k) / (1 + c_verify * k * extra_load)
 
-S(j) comes from the request's own acceptance per draft position (decayed; plain steps age it
-slowly), each position shrunk towards what every sequence on the replica measured there, plus
-one pseudo-acceptance of optimism while the request has never tested it: such a position looks
-as likely as the replica's sequences found it, never as unlikely as the last one this request
-tested (which would trap a request at a low k), and under-speculating on predictable text loses
-more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop runs
-(on the verifier replica: queueing, batching, drafting on the critical path, everything), measured
-at this batch size by every sequence on the replica at this temperature (``StepCosts``: per k, shrunk towards a line
-through the measured ks), and this request's own steps shrunk towards that (a step's cost depends
-on the request too: its pre-drafts hit as often as its drafts are accepted), made non-decreasing in
-k (``monotone``). A new request thus starts from what the replica knows; a cold replica tries a
-coarse grid of k once (``_sparse_k``), so that its cost line has a spread of ks behind it. Until
-``min_steps`` speculative steps are measured, the engine model t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token
-and d the drafter's time per token on the critical path; an unmeasured plain step is the model's
-t0, so speculation must beat plain decoding as measured (once chosen, plain steps are measured
-too). No CPU or GPU constant decides: c_verify only shapes estimates until the measurements
-exist. ``extra_load`` grows with the verifier's batch beyond ``saturation_batch``: there every
+S(j) comes from the request's own acceptance per draft position (decayed; plain steps age it slowly), each position
+shrunk towards what every sequence on the replica measured there, plus one pseudo-acceptance of optimism while the
+request has never tested it: such a position looks as likely as the replica's sequences found it, never as unlikely
+as the last one this request tested (which would trap a request at a low k), and under-speculating on predictable
+text loses more than over-speculating on hard text. t(k) is the wall time of a step with k drafts where the loop
+runs (on the verifier replica: queueing, batching, drafting on the critical path, everything), measured at this
+batch size by every sequence on the replica at this temperature (``StepCosts``: per k, shrunk towards a line through
+the measured ks), and this request's own steps shrunk towards that (a step's cost depends on the request too: its
+pre-drafts hit as often as its drafts are accepted), made non-decreasing in k (``monotone``). A new request thus
+starts from what the replica knows; a cold replica tries a coarse grid of k once (``_sparse_k``), so that its cost
+line has a spread of ks behind it. Until ``min_steps`` speculative steps are measured, the engine model
+t0 (1 + c_verify k) + k d stands in, with t0 the verify forward scaled to one token and d the drafter's time per
+token on the critical path; an unmeasured plain step is the model's t0, so speculation must beat plain decoding as
+measured (once chosen, plain steps are measured too). No CPU or GPU constant decides: c_verify only shapes estimates
+until the measurements exist. ``extra_load`` grows with the verifier's batch beyond ``saturation_batch``: there every
 extra verified token is throughput taken from other requests, so speculation is cut back.
 
 k = 0 is one of the choices, and one it returns from: a plain stretch lasts until the best
@@ -99,15 +97,14 @@ class AdaptiveK:
         self._recheck = self.recheck_steps
 
     def expected_tokens(self, bound: int, optimism: float | None = None) -> list[float]:
-        """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the
-        chance the first j drafts are all accepted, S(j) the product of this request's measured
-        acceptance of draft j given the ones before. On predictable text acceptance comes in runs,
-        so a draft after accepted ones is likelier accepted than the pooled rate says (the i.i.d.
-        model, a^j, undervalues large k there). Each position is shrunk towards what the replica's
-        sequences measured there or this request's rate at the position before, whichever is higher:
-        a request that beats the replica where it has tested expects to where it has not. Why: served,
-        with hard prompts on the replica, easy ones took the replica's low rates past their k, never
-        tested them, and stayed at k = 1-2 where k = 4 emitted twice the tokens a step
+        """Expected tokens of a step with k drafts, k = 0..bound: 1 + sum over j <= k of S(j), the chance the
+        first j drafts are all accepted, S(j) the product of this request's measured acceptance of draft j given
+        the ones before. On predictable text acceptance comes in runs, so a draft after accepted ones is
+        likelier accepted than the pooled rate says (the i.i.d. model, a^j, undervalues large k there). Each
+        position is shrunk towards what the replica's sequences measured there or this request's rate at the
+        position before, whichever is higher: a request that beats the replica where it has tested expects to
+        where it has not. Why: served, with hard prompts on the replica, easy ones took the replica's low rates
+        past their k, never tested them, and stayed at k = 1-2 where k = 4 emitted twice the tokens a step
         (docs/decisions/0027-one-policy.md)."""
         a = min(max(self.acceptance, 1e-3), 0.999)
         shared = self.costs.acceptance
@@ -204,7 +201,8 @@ class AdaptiveK:
         best_spec = max(range(1, len(v)), key=lambda k: (v[k], -k))
         # a request plain from its start tries on the replica's evidence; one that speculated rechecks as it waits
         # (its text may turn predictable again: greedy, rechecks often find it), while rechecks here win
-        if plain and self.steps == 0 and self._recheck < self.max_recheck_steps and not self._try_pays(best_spec, batch_size):
+        if (plain and self.steps == 0 and self._recheck < self.max_recheck_steps
+                and not self._try_pays(best_spec, batch_size)):
             self.plain_run = 1  # skipped; asked again after as many plain steps (the evidence ages meanwhile)
             self._replica_wait(best_spec, batch_size)
             return 0
@@ -214,7 +212,8 @@ class AdaptiveK:
         if plain:  # measure speculation again: conditions may have changed
             self.plain_run, self.current, self._rechecking = 0, best_spec, True
             return self._try(best_spec)
-        best = 0 if v[0] > (1 + self.plain_margin) * v[best_spec] and self._plain_shown(best_spec, batch_size) else best_spec
+        plain_pays = v[0] > (1 + self.plain_margin) * v[best_spec] and self._plain_shown(best_spec, batch_size)
+        best = 0 if plain_pays else best_spec
         cur = self.current
         if cur is not None and cur != best and v[best] <= (1 + self.margin) * v[cur]:
             best = cur  # not clearly better: stay, measurements are noisy
@@ -229,7 +228,8 @@ class AdaptiveK:
             self.plain_run = 1
             return 0
         self.plain_run = 0
-        sparse = self._sparse_k(batch_size) if self.steps >= self.min_steps and self.steps % (2 * self.run) == 0 else None
+        due = self.steps >= self.min_steps and self.steps % (2 * self.run) == 0
+        sparse = self._sparse_k(batch_size) if due else None
         if sparse is not None and sparse != best:
             return self._try(sparse)
         if self.steps >= self.min_steps and self.steps % self.explore_every == 0:
@@ -329,7 +329,7 @@ class AdaptiveK:
         # steady state only: a step right after a change of k pays for it (a pre-draft made for the old k misses),
         # which would make every k tried once look slower than the one in use; nor the sequence's first decoding
         # step (after the prefill, which has no times), nor one after plain steps: cold, the drafter catches up
-        # (served, 6.9-12.3 ms against 4.7-7.6 steady): measured apart, what a try from plain decoding pays
+        # (docs/decisions/0033-costs-per-temperature.md): measured apart, what a try from plain decoding pays
         if wall > 0 and self._prev_k == k:
             costs.observe(batch_size, k, wall)
             self.own.observe(batch_size, k, wall)

@@ -188,7 +188,8 @@ class VerifyRequest(CacheAddressed):
     seed: int  # the request's seed (the caller draws one when the client gave none)
     draft_probs: DraftProbs | None = None  # None: one-hot drafts (n-gram) or greedy
     full: bool = False
-    logprobs: int | None = None  # return the target's log-probabilities of emitted tokens, with this many top alternatives
+    # return the target's log-probabilities of emitted tokens, with this many top alternatives
+    logprobs: int | None = None
     num_prompt: int = 0  # the sequence's first num_prompt tokens are the prompt (for penalties)
     capture: tuple[int, ...] = ()  # return the hidden states entering these layers (an EAGLE-3 drafter's aux states)
     # a structured output's constraint, as in ``DraftRequest``: p at each position is masked by the grammar

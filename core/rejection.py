@@ -29,7 +29,16 @@ import numpy as np
 import torch
 
 from core.protocol import DraftProbs, VerifyRequest, VerifyResult
-from core.sampling import History, Stream, gumbel_argmax, gumbel_noise, processed_probs, sample_inverse_cdf, target_logits, uniform
+from core.sampling import (
+    History,
+    Stream,
+    gumbel_argmax,
+    gumbel_noise,
+    processed_probs,
+    sample_inverse_cdf,
+    target_logits,
+    uniform,
+)
 
 PAD = -1  # marks positions after the last emitted token
 
@@ -126,7 +135,8 @@ def rejection_sample(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tenso
 def gumbel_verify(draft: torch.Tensor, p: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``accept_gumbel`` per row: draft [B, k]; p [B, k+1, V] the target's processed distributions; noise
     [B, k+1, V] the Gumbel noise of those positions."""
-    return _batched(draft, [accept_gumbel(d, p[b], lambda i, b=b: noise[b, i: i + 1]) for b, d in enumerate(draft.tolist())])
+    return _batched(draft, [accept_gumbel(d, p[b], lambda i, b=b: noise[b, i: i + 1])
+                            for b, d in enumerate(draft.tolist())])
 
 
 def _batched(draft: torch.Tensor, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +158,8 @@ def decide(r: VerifyRequest, logits: torch.Tensor, tokens: list[int] | None = No
         stop = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(eos_ids))
         history = History(tokens, r.num_prompt, frozenset(stop))
     if r.sampling.greedy:  # the argmax of the processed logits, compared as lists: no small tensors per sequence
-        return _result(r, logits, *accept_greedy(r.draft_tokens, target_logits(logits, r.sampling, history).argmax(-1).tolist()))
+        argmax = target_logits(logits, r.sampling, history).argmax(-1).tolist()
+        return _result(r, logits, *accept_greedy(r.draft_tokens, argmax))
     first = (0 if r.full else r.start) + len(r.new_tokens)  # absolute position of draft 1
     p = processed_probs(logits, r.sampling, history)  # [k+1, V]
     V, seed = p.shape[-1], r.seed

@@ -68,7 +68,8 @@ class NoiseCache:
     Why: a drafter draws the same positions again and again. A pre-draft tree's branches overlap
     (k = 4, m = 1: 30 draws over 9 positions), and the next step drafts positions the tree drew.
     Drawing that noise is most of what a sampled tree costs over a greedy one, and it grows with the
-    vocabulary (docs/decisions/0013-decide-fast-paths.md). The rows are the ones ``gumbel_noise`` draws (read-only: callers must not write to them)."""
+    vocabulary (docs/decisions/0013-decide-fast-paths.md). The rows are the ones ``gumbel_noise`` draws
+    (read-only: callers must not write to them)."""
 
     def __init__(self, budget_bytes: int = 32 * 2**20):
         self.budget_bytes = budget_bytes

@@ -242,8 +242,8 @@ class Sequence:
                   capture=self.capture if capture else (), cache_salt=self.cache_salt)
         if full:
             return self._constrained(VerifyRequest(self.seq_id, 0, None, list(self.tokens), full=True, **kw))
-        return self._constrained(VerifyRequest.for_tokens(self.seq_id, self.tokens, min(self.verifier_cached, len(self.tokens)),
-                                                          self.hash_chain, **kw))
+        cached = min(self.verifier_cached, len(self.tokens))
+        return self._constrained(VerifyRequest.for_tokens(self.seq_id, self.tokens, cached, self.hash_chain, **kw))
 
     def apply(self, result: VerifyResult) -> tuple[list[int], str]:
         """Emit a verified step. Returns (new token ids, newly final text): only the tokens kept,

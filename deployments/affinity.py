@@ -4,14 +4,16 @@ sequence's calls to the replica that holds its KV cache.
 Every call carries its sequence id (``requests[0].seq_id``, or the ids passed to
 ``release``). The router remembers the replica each sequence was last routed to and
 prefers it; if that replica is gone or its queue is full, it falls back to the power of
-two choices (two random replicas, Serve probes both and takes the shorter queue), and the new replica recomputes the sequence from the full token ids
-(a cache miss, never a wrong answer). So affinity never defeats load balancing.
+two choices (two random replicas, Serve probes both and takes the shorter queue), and the new
+replica recomputes the sequence from the full token ids (a cache miss, never a wrong answer). So
+affinity never defeats load balancing.
 
 A request's first call (``speculate`` on the verifier pool, a full draft request on the drafter pool) has
-no home yet: it goes to the replica most likely to hold its prompt's prefix in its prefix cache, the one the longest run of the prompt's blocks
-(chained hashes, salted by ``cache_salt``, as the replicas key their caches) was last routed to, unless
-that replica's queue is ``IMBALANCE`` calls longer than the shortest (Ray Serve LLM's prefix-aware
-router does the same with a prefix tree of text). A replica's death forgets only its prefixes.
+no home yet: it goes to the replica most likely to hold its prompt's prefix in its prefix cache, the one
+the longest run of the prompt's blocks (chained hashes, salted by ``cache_salt``, as the replicas key
+their caches) was last routed to, unless that replica's queue is ``IMBALANCE`` calls longer than the
+shortest (Ray Serve LLM's prefix-aware router does the same with a prefix tree of text). A replica's
+death forgets only its prefixes.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
         cfg["verifier"], drafter=drafter, options=VerifierOptions.of(config, aux_layers))
     # vLLM's metric families: the router replicas' counts added up in one place (GET /metrics on any of them)
     hub = serve.deployment(MetricsHub, name="Metrics", num_replicas=1, ray_actor_options={"num_cpus": 0}, **health)
-    hub = hub.options(**overrides.get("Metrics", {})).bind(config.model_name, config.drafter.num_speculative_tokens or 0)
+    hub = hub.options(**overrides.get("Metrics", {})).bind(config.model_name,
+                                                           config.drafter.num_speculative_tokens or 0)
     return router.options(**overrides.get("Router", {})).bind(cfg, drafter, verifier, hub)
 
 
@@ -88,8 +89,8 @@ def resolve_model_paths(config: AppConfig) -> AppConfig:
         head = head_defaults(local_model(drafter.model))
         if verifier.model is None:
             if not head["verifier"]:
-                raise ValueError(f"verifier.model is not set and the {drafter.method} head {config.drafter.model!r} names no "
-                                 "verifier (speculators_config.verifier.name_or_path)")
+                raise ValueError(f"verifier.model is not set and the {drafter.method} head {config.drafter.model!r} "
+                                 "names no verifier (speculators_config.verifier.name_or_path)")
             field = "verifier.model (the head's speculators_config.verifier.name_or_path)"
             verifier = verifier.model_copy(update={"model": pin(head["verifier"], field, (*bases, head["dir"].parent))})
         if drafter.num_speculative_tokens is None:
@@ -146,7 +147,8 @@ def head_defaults(head: str) -> dict:
         except (KeyError, TypeError, ValueError):
             block = k  # the method's check says what is wrong with the head
         k = min(k if default.get("speculative_tokens") is not None else block, block, MAX_SPECULATIVE_TOKENS)
-    return {"verifier": ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"), "k": k, "dir": path}
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return {"verifier": verifier, "k": k, "dir": path}
 
 
 def check_chat(config: AppConfig):
@@ -159,7 +161,8 @@ def check_chat(config: AppConfig):
 
     from deployments.chat import ChatFormat
 
-    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name, AutoConfig.from_pretrained(v.model).model_type)
+    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name,
+               AutoConfig.from_pretrained(v.model).model_type)
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:

@@ -35,7 +35,8 @@ def configure_edge(config) -> None:
 
 def count_status(path: str, status: int):
     """Every answered request is counted with its status (200s where the response is built)."""
-    endpoint = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else None
+    endpoint = ("chat" if path.endswith("/chat/completions")
+                else "completions" if path.endswith("/completions") else None)
     if endpoint is not None:
         metrics()["requests"].inc(tags={"endpoint": endpoint, "status": str(status)})
 

@@ -22,9 +22,11 @@ def metrics():
                                      boundaries=LATENCY_BOUNDARIES_S, tag_keys=("role",)),
         "queue": m.Gauge("splitspec_queue_length", description="Sequence steps waiting for the engine.",
                          tag_keys=("role",)),
-        "cache_hits": m.Counter("splitspec_cache_affinity_hits", description="Calls whose sequence prefix was cached on the replica.",
+        "cache_hits": m.Counter("splitspec_cache_affinity_hits",
+                                description="Calls whose sequence prefix was cached on the replica.",
                                 tag_keys=("role",)),
-        "cache_misses": m.Counter("splitspec_cache_recomputes", description="Calls that missed the replica's cache and were resent in full (recomputed).",
+        "cache_misses": m.Counter("splitspec_cache_recomputes", description=(
+            "Calls that missed the replica's cache and were resent in full (recomputed)."),
                                   tag_keys=("role",)),
         "cached_seqs": m.Gauge("splitspec_cached_sequences", description="Sequences holding a KV cache slot.",
                                tag_keys=("role",)),
@@ -33,7 +35,8 @@ def metrics():
         "request_latency": m.Histogram("splitspec_request_latency_s", description="End-to-end request seconds.",
                                        boundaries=LATENCY_BOUNDARIES_S, tag_keys=("endpoint",)),
         "exposed_rpc": m.Histogram("splitspec_exposed_rpc_s", description=(
-            "Per speculative step: seconds on the router's critical path outside drafter and verifier engine time (network, queueing, serialisation)."),
+            "Per speculative step: seconds on the router's critical path outside drafter and verifier engine time "
+            "(network, queueing, serialisation)."),
                                    boundaries=LATENCY_BOUNDARIES_S),
         "num_drafts": m.Counter("spec_decode_num_drafts", description="Speculative steps that proposed tokens."),
         "num_draft_tokens": m.Counter("spec_decode_num_draft_tokens", description="Draft tokens proposed."),
@@ -44,15 +47,19 @@ def metrics():
         "pre_draft": m.Counter("splitspec_pre_drafts", description=(
             "Blocks drafted while the previous one was verified, by outcome (hit: used; miss: discarded)."),
                                tag_keys=("outcome",)),
-        "cancelled": m.Counter("splitspec_cancelled_requests", description="Requests stopped because the client disconnected."),
+        "cancelled": m.Counter("splitspec_cancelled_requests",
+                               description="Requests stopped because the client disconnected."),
         "deadline_exceeded": m.Counter("splitspec_deadline_exceeded", description=(
             "Requests stopped at their deadline (request_timeout_s or the request's timeout).")),
-        "active_requests": m.Gauge("splitspec_active_requests", description="Requests running on a router replica (admitted, not yet finished)."),
+        "active_requests": m.Gauge("splitspec_active_requests",
+                                   description="Requests running on a router replica (admitted, not yet finished)."),
         "drafter_calls": m.Counter("splitspec_drafter_calls", description=(
-            "Drafter calls made by verifier replicas, by transport (direct: down the channel to the sequence's bound replica; serve: through a Serve "
-            "handle) and outcome (ok; fallback: the channel broke and the call went through Serve)."),
+            "Drafter calls made by verifier replicas, by transport (direct: down the channel to the sequence's bound "
+            "replica; serve: through a Serve handle) and outcome (ok; fallback: the channel broke and the call went "
+            "through Serve)."),
                                    tag_keys=("transport", "outcome")),
-        "degraded": m.Counter("splitspec_speculation_degraded", description="Steps decoded without speculation because no drafter answered."),
+        "degraded": m.Counter("splitspec_speculation_degraded",
+                              description="Steps decoded without speculation because no drafter answered."),
     }
 
 

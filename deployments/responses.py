@@ -131,7 +131,8 @@ class Reply:
         else:
             message, finish = parser.final(out["text"], out["ids"], out["finish_reason"])
             lps = [] if self.hides(i) else lps
-        return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs_body(out["ids"], lps)}
+        return {"index": i, "message": message, "finish_reason": finish,
+                "logprobs": self.logprobs_body(out["ids"], lps)}
 
     async def sse_chunks(self, steps):
         """The stream's events: a chunk per step that adds something, then usage when asked, then [DONE]."""

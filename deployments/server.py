@@ -126,8 +126,8 @@ class EngineServer:
 
     def check_health(self):
         """Serve calls this every ``health_check_period_s``: a replica whose engine has finished no
-        forward pass of its current batch for ``stall_timeout_s`` is unhealthy, so Serve replaces it and its requests fail
-        over (a hung engine thread cannot be interrupted from Python)."""
+        forward pass of its current batch for ``stall_timeout_s`` is unhealthy, so Serve replaces it and
+        its requests fail over (a hung engine thread cannot be interrupted from Python)."""
         worker = self.batcher.worker
         if worker is not None and worker.done() and not worker.cancelled() and worker.exception():
             raise RuntimeError(f"batch loop died: {worker.exception()!r}")

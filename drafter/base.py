@@ -21,7 +21,16 @@ import torch
 from core.grammar import Grammars, SequenceMasks, apply_bitmask, screened
 from core.models import DTYPES, eos_token_ids, pin_process, resolve_dtype
 from core.protocol import CacheMiss, DraftProbs, DraftRequest, Proposal
-from core.sampling import History, NoiseCache, Stream, perturbed, processed_probs, sample_inverse_cdf, target_logits, uniform
+from core.sampling import (
+    History,
+    NoiseCache,
+    Stream,
+    perturbed,
+    processed_probs,
+    sample_inverse_cdf,
+    target_logits,
+    uniform,
+)
 from drafter.registry import method
 
 log = logging.getLogger(__name__)
@@ -148,7 +157,8 @@ class BatchedDrafter(ABC):
             tok = self.grammar_tokenizer or AutoTokenizer.from_pretrained(
                 getattr(self.config, "verifier_model", None) or self.config.model)
             self._gmasks = SequenceMasks(Grammars(tok, logits.shape[-1], self.eos_ids))
-        return apply_bitmask(logits, self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1), uniform_fallback=True)
+        masks = self._gmasks.masks(r.seq_id, r.grammar, tokens[r.num_prompt:], 1)
+        return apply_bitmask(logits, masks, uniform_fallback=True)
 
     def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict,
                     prop: Proposal | None = None, drawn: tuple[int, list[int] | None] | None = None) -> int | None:

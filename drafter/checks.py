@@ -24,7 +24,8 @@ def head_problems(spec, path: Path, verifier_model: str) -> list[str]:
     target = verifier.get_text_config()
     problems = []
     if spec.target_hidden_size != target.hidden_size:
-        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, the verifier's are {target.hidden_size}")
+        problems.append(f"it reads hidden states of size {spec.target_hidden_size}, "
+                        f"the verifier's are {target.hidden_size}")
     if spec.vocab_size != target.vocab_size:
         problems.append(f"its vocab_size {spec.vocab_size} is not the verifier's {target.vocab_size}")
     bad = [L for L in spec.aux_layer_ids if not 0 <= L <= target.num_hidden_layers]
@@ -54,7 +55,8 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
                          "vllm_loop engine (vLLM's loop returns them; per_step does not)")
     problems = head_problems(spec, path, config.verifier.model)
     if problems:
-        raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
+        raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: "
+                         + "; ".join(problems))
     return spec
 
 
@@ -76,5 +78,6 @@ def check_parallel(config: AppConfig) -> ParallelSpec:
         problems.append(f"drafter.num_speculative_tokens {d.num_speculative_tokens} exceeds the head's block "
                         f"({spec.max_k} drafts)")
     if problems:
-        raise ValueError(f"{d.method} drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
+        raise ValueError(f"{d.method} drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: "
+                         + "; ".join(problems))
     return spec

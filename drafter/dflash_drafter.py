@@ -174,7 +174,8 @@ class ParallelDrafter(HeadDrafter):
                 return Proposal(r.seq_id, [], cache_miss=True)
             g = r.aux[lo - r.aux_start: n - r.aux_start].to(device=dev)
             kv = self.head.context_kv(g, torch.arange(lo, n, device=dev))
-            slot.append(torch.stack([k for k, _ in kv]).to(self.kv_dtype), torch.stack([v for _, v in kv]).to(self.kv_dtype))
+            slot.append(torch.stack([k for k, _ in kv]).to(self.kv_dtype),
+                        torch.stack([v for _, v in kv]).to(self.kv_dtype))
         slot.cut(n)
         slot.tokens = tokens[:n]
         return Block(r, tokens, n, max(0, min(r.k, s.max_k, self.max_len - len(tokens))))

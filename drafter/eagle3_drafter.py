@@ -67,8 +67,8 @@ class HeadRunner:
                 logits, state = nat["ops"].eagle3_step(
                     input_ids, head.embed_tokens.weight, hidden_in.reshape(1, -1).to(head.embed_tokens.weight.dtype),
                     nat["cos"][row:row + 1],
-                    nat["sin"][row:row + 1], nat["weights"], head.norm.weight, nat["lm_head"], nat["packed"], nat["parts"],
-                    nat["parts16"], nat["tiles"], kv.cache.k, kv.cache.v, kv.write_start,
+                    nat["sin"][row:row + 1], nat["weights"], head.norm.weight, nat["lm_head"], nat["packed"],
+                    nat["parts"], nat["parts16"], nat["tiles"], kv.cache.k, kv.cache.v, kv.write_start,
                     [kv.read_start + a for a in lo], [S - a for a in lo], *nat["args"])
                 return head.target_logits(logits.float()).unsqueeze(0), {"out": state.unsqueeze(0)}
 
@@ -116,8 +116,9 @@ class Eagle3Drafter(HeadDrafter):
     def __init__(self, config: Eagle3Config, head: EagleHead | None = None, eos_ids: set[int] | None = None):
         name = self._init_head(config, head, load_head, eos_ids)
         s = self.spec
-        shape = SimpleNamespace(num_hidden_layers=s.num_layers, num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim,
-                                num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size)
+        shape = SimpleNamespace(num_hidden_layers=s.num_layers, num_key_value_heads=s.num_key_value_heads,
+                                head_dim=s.head_dim, num_attention_heads=s.num_attention_heads,
+                                hidden_size=s.hidden_size)
         kv_dtype = DTYPES[resolve_kv_dtype(config.kv_cache_dtype, name, config.device)]
         self.cache = PagedKVCache(shape, self.max_len, int(config.cache_budget_mb * 2**20), kv_dtype, config.device)
         self.runner = HeadRunner(self.head, self.max_len)

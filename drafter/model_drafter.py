@@ -40,7 +40,8 @@ class ModelDrafter(BatchedDrafter):
     def __init__(self, config: DraftModelConfig, model=None):
         self._setup(config)
         em = EngineModel(config, model)
-        self.model, self.runner, self.cache, self.dtype, self.max_len = em.model, em.runner, em.cache, em.dtype, em.max_len
+        self.model, self.runner, self.cache = em.model, em.runner, em.cache
+        self.dtype, self.max_len = em.dtype, em.max_len
         self.eos_ids = eos_token_ids(None, model=self.model)  # the drafter shares the target's tokenizer
         # seq_id -> (a pre-draft tree's context length, the one branch (n, c) still wanted, or None: none)
         self.narrowed: dict[str, tuple[int, tuple[int, int] | None]] = {}
@@ -201,4 +202,5 @@ class ModelDrafter(BatchedDrafter):
         return self._batched(active, self._pass, out)
 
     def _pass(self, active: list[Feed]) -> list[torch.Tensor]:
-        return batched_forward(self.runner, self.cache, [a.slot for a in active], [a.feed for a in active], [1] * len(active))
+        return batched_forward(self.runner, self.cache, [a.slot for a in active], [a.feed for a in active],
+                               [1] * len(active))

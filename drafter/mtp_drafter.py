@@ -161,7 +161,8 @@ class MtpDrafter(HeadDrafter):
             out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
             return None
         m = len(tokens) - 1  # rows 0..m-1: pairs (x_{t+1}, h_t); x_m is the newest token, without a state
-        lo = min(slot.real, max(r.start - 1, 0) if not r.full else 0, max(m - 1, 0))  # rows still valid (one to redo at least)
+        # rows still valid (one to redo at least)
+        lo = min(slot.real, max(r.start - 1, 0) if not r.full else 0, max(m - 1, 0))
         if m > 0 and (r.aux is None or r.aux_start > lo or r.aux_start + r.aux.shape[0] < m):
             self.cache.release(r.seq_id)  # the states for these rows did not come: resend with all of them
             out[r.seq_id] = Proposal(r.seq_id, [], cache_miss=True)
@@ -208,7 +209,8 @@ class MtpDrafter(HeadDrafter):
         return Rows(r, slot, [], position, None, k, guess, guess[j + 1:], (guess[j], position, slot.tail))
 
     def _draft(self, entries: list[Rows], requests: list[DraftRequest], pinned: set[str], out: dict) -> None:
-        active = [(e, e.start) for e in entries]  # (entry, its next row: (token, position, fed-back state), None: first)
+        # (entry, its next row: (token, position, fed-back state), None: first)
+        active = [(e, e.start) for e in entries]
         while active:
             rows = {e.request.seq_id: row for e, row in active}
             still = []
@@ -257,7 +259,8 @@ class MtpDrafter(HeadDrafter):
         for e in entries:
             e.slot.kv.cut(rows[e.request.seq_id][1])
         return self._batch_pass(entries, [[rows[e.request.seq_id][0]] for e in entries],
-                                [rows[e.request.seq_id][1] for e in entries], [rows[e.request.seq_id][2][0] for e in entries])
+                                [rows[e.request.seq_id][1] for e in entries],
+                                [rows[e.request.seq_id][2][0] for e in entries])
 
     def _batch_pass(self, entries: list[Rows], ids: list[list[int]], starts: list[int], hidden: list[torch.Tensor]):
         """Rows ids[b] at positions starts[b].. after sequence b's held rows (its cache cut to starts[b]), one pass
@@ -304,6 +307,6 @@ def check(config: AppConfig) -> MtpSpec:
     mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
     theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)
     if mine != theirs:
-        raise ValueError(f"drafter.model {d.model!r}: its MTP layer (model_type, hidden_size, num_hidden_layers, vocab_size) "
-                         f"{mine} is not for verifier.model {config.verifier.model!r} {theirs}")
+        raise ValueError(f"drafter.model {d.model!r}: its MTP layer (model_type, hidden_size, num_hidden_layers, "
+                         f"vocab_size) {mine} is not for verifier.model {config.verifier.model!r} {theirs}")
     return spec

@@ -84,11 +84,14 @@ def check(config: AppConfig) -> PEagleSpec:
         spec = check_head(path, config.verifier.model)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"peagle drafter {str(path)!r}: not a usable P-EAGLE head: {e}") from None
-    if config.verifier.backend == "vllm" and (config.verifier.vllm_loop != "engine" or config.drafter_placement == "verifier"):
-        raise ValueError("a peagle drafter with verifier.backend vllm drafts on the drafter pool from the states vLLM's loop "
-                         "returns: use vllm_loop engine and drafter_placement pool (in vLLM's own engine the head would need "
-                         "parallel_drafting, which this app does not pass), or verifier.backend transformers")
+    if config.verifier.backend == "vllm" and (config.verifier.vllm_loop != "engine"
+                                              or config.drafter_placement == "verifier"):
+        raise ValueError("a peagle drafter with verifier.backend vllm drafts on the drafter pool from the states "
+                         "vLLM's loop returns: use vllm_loop engine and drafter_placement pool (in vLLM's own engine "
+                         "the head would need parallel_drafting, which this app does not pass), or verifier.backend "
+                         "transformers")
     problems = head_problems(spec, path, config.verifier.model)
     if problems:
-        raise ValueError(f"peagle drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: " + "; ".join(problems))
+        raise ValueError(f"peagle drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: "
+                         + "; ".join(problems))
     return spec

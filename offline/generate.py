@@ -46,13 +46,15 @@ def main(argv=None):
     ap.add_argument("--prompt", default="def fibonacci(n):\n")
     ap.add_argument("--target", default="models/tiny-code-target")
     ap.add_argument("--drafter", default="models/tiny-code-drafter", help=(
-        "a draft model, a Speculators EAGLE-3, DFlash or DSpark head for --target (a directory or a Hub id), or 'ngram'"))
+        "a draft model, a Speculators EAGLE-3, DFlash or DSpark head for --target (a directory or a Hub id), "
+        "or 'ngram'"))
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed", help="k per step: fixed, or adaptive (k the bound)")
+    ap.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
+                    help="k per step: fixed, or adaptive (k the bound)")
     ap.add_argument("--no-pipeline", action="store_true", help="do not pre-draft the next block during verification")
     args = ap.parse_args(argv)
 

@@ -349,7 +349,8 @@ def run(target_dir: str, drafter_dir: str, marker: str, tmp: Path, out: dict):
                 if peak["Verifier"] >= 2:
                     if "verifier_2_running_s" not in marks:
                         marks["verifier_2_running_s"] = now
-                        marks["verifier_placement_scaled"] = await asyncio.to_thread(on_own_pool, "Verifier", "verifier")
+                        marks["verifier_placement_scaled"] = await asyncio.to_thread(on_own_pool, "Verifier",
+                                                                                     "verifier")
                     # keep the load on a little, so requests cross the change and reach the new replica
                     if now - marks["verifier_2_running_s"] >= 10:
                         break

@@ -81,8 +81,8 @@ CHAT_FAMILIES = {
               "added": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
               "bos": None, "eos": "<|im_end|>"},
     "llama3.1": {"template": "llama3_1.jinja", "added": [],
-                 "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-                             "<|python_tag|>", "<|end_of_text|>"],
+                 "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                             "<|eom_id|>", "<|python_tag|>", "<|end_of_text|>"],
                  "bos": "<|begin_of_text|>", "eos": "<|eot_id|>"},
     "gpt-oss": {"template": "gptoss.jinja"},  # harmony's own token ids: harmony_bytes_tokenizer
 }
@@ -154,7 +154,8 @@ def chat_model_dir(family: str, path):
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 256}))
     else:  # gpt-oss's vocabulary is o200k's: its config and tokenizer only (a scripted verifier stands in)
-        common.update(vocab_size=HARMONY_VOCAB, eos_token_id=[HARMONY_SPECIAL["<|return|>"], HARMONY_SPECIAL["<|call|>"]])
+        common.update(vocab_size=HARMONY_VOCAB,
+                      eos_token_id=[HARMONY_SPECIAL["<|return|>"], HARMONY_SPECIAL["<|call|>"]])
         T.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16).save_pretrained(path)
         tok.save_pretrained(path)
         return path

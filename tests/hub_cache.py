@@ -61,7 +61,8 @@ def lay_out(hf_home: str | Path, repo_id: str, files: dict[str, Path | bytes], r
 def model_files(directory: str | Path) -> dict[str, Path]:
     """Every file of a model directory, by name (README and measurements left out)."""
     return {p.name: p for p in sorted(Path(directory).iterdir())
-            if p.is_file() and p.suffix in (".json", ".safetensors", ".model", ".jinja") and p.name != "acceptance.json"}
+            if p.is_file() and p.suffix in (".json", ".safetensors", ".model", ".jinja")
+            and p.name != "acceptance.json"}
 
 
 def head_files(head: str | Path, verifier: str) -> dict[str, Path | bytes]:

@@ -21,7 +21,8 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 
-CLASSES = {"glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+CLASSES = {"glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def family_config(family: str, layers: int):
@@ -29,12 +30,14 @@ def family_config(family: str, layers: int):
         # GLM-4.5's attention: q/k/v biases, half the head rotated (partial_rotary_factor 0.5, the class default)
         return T.Glm4MoeConfig(**COMMON, **MOE, head_dim=16, num_hidden_layers=layers, attention_bias=True)
     if family == "deepseek_v3":
-        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers, q_lora_rank=32, kv_lora_rank=16,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers,
+                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                  v_head_dim=16)
     if family == "glm4_moe_lite":
         # GLM-4.7-Flash: latent attention with interleaved rotary halves, qk_nope + qk_rope = v_head_dim as published
-        return T.Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers, q_lora_rank=32,
-                                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=32)
+        return T.Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers,
+                                   q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24,
+                                   v_head_dim=32)
     raise ValueError(family)
 
 
@@ -120,5 +123,5 @@ def served_args(tok, tmp_path: Path, engine: dict, family: str = CONTRACT_FAMILY
     path, _, _ = write_target(family, tmp_path / f"{family}-mtp", vocab=len(tok), copying=True)
     tok.save_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
-    return ({"model": str(path), **engine}, {"method": "mtp", "num_speculative_tokens": 4, "model": str(path), **engine},
-            tok, target)
+    return ({"model": str(path), **engine},
+            {"method": "mtp", "num_speculative_tokens": 4, "model": str(path), **engine}, tok, target)

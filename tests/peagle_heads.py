@@ -74,5 +74,5 @@ def served_args(tmp_path: Path, engine: dict) -> tuple[dict, dict, object, objec
 
     ver = VerifierEngine(VerifierConfig(model=str(TARGET), dtype="float32", cache_budget_mb=64, num_threads=1))
     path = from_eagle3_dir(HEAD, tmp_path / "peagle", mask_token_id=ver.tokenizer.pad_token_id or 0)
-    return ({"model": str(TARGET), **engine}, {"method": "peagle", "num_speculative_tokens": 4, "model": str(path), **engine},
-            ver.tokenizer, ver.model)
+    return ({"model": str(TARGET), **engine},
+            {"method": "peagle", "num_speculative_tokens": 4, "model": str(path), **engine}, ver.tokenizer, ver.model)

@@ -181,7 +181,8 @@ def main(target_dir: str, drafter_dir: str):
         while (running("Drafter") < 1 or running("Verifier") < 1) and time.monotonic() < deadline:
             time.sleep(1)
         code, body = asyncio.run(killed_mid_request(deployment, **sampled))
-        out[f"gumbel_{deployment.lower()}_kill_identical"] = code == 200 and body["choices"][0]["token_ids"] == gumbel_ref
+        out[f"gumbel_{deployment.lower()}_kill_identical"] = (code == 200
+                                                              and body["choices"][0]["token_ids"] == gumbel_ref)
     print(json.dumps(out), flush=True)
     serve.shutdown()
     ray.shutdown()

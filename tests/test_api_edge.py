@@ -220,12 +220,14 @@ def test_what_vllm_rejects_is_refused_over_http_with_the_parameter_named(serve_a
     base, *_ = serve_app
     client = OpenAI(base_url=f"{base}/v1", api_key="none")
     messages = [{"role": "user", "content": "def add(a, b):"}]
-    refused = [(client.completions.create, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    refused = [(client.completions.create, {"prompt": "x", "stream_options": {"include_usage": True}},
+                "stream_options"),
                (client.chat.completions.create, {"messages": messages, "stream_options": {"include_usage": True}},
                 "stream_options"),
                (client.chat.completions.create, {"messages": messages, "top_logprobs": 2}, "top_logprobs"),
                (client.chat.completions.create, {"messages": messages, "tool_choice": "auto"}, "tool_choice"),
-               (client.chat.completions.create, {"messages": messages, "extra_body": {"guided_json": {}}}, "guided_json"),
+               (client.chat.completions.create, {"messages": messages, "extra_body": {"guided_json": {}}},
+                "guided_json"),
                (client.completions.create, {"prompt": "x", "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs")]
     for create, kw, param in refused:
         with pytest.raises(BadRequestError) as e:
@@ -251,7 +253,8 @@ def test_speculation_carries_counters_and_the_timing_breakdown_when_asked(serve_
     asked = post(base, **req, return_timing=True).json()["choices"][0]["speculation"]
     header = httpx.post(f"{base}/v1/completions", timeout=120, headers={"x-splitspec-timing": "1"},
                         json={"model": "tiny", **req}).json()["choices"][0]["speculation"]
-    streamed = next(c["speculation"] for e in sse(base, **req, return_timing=True) for c in e["choices"] if c.get("speculation"))
+    streamed = next(c["speculation"] for e in sse(base, **req, return_timing=True) for c in e["choices"]
+                    if c.get("speculation"))
     for spec in (asked, header, streamed):
         assert spec["mean_step_ms"] >= spec["mean_forward_ms"] > 0 and "by_pre_draft" in spec, spec
         assert spec["num_drafts"] > 0 and set(plain) <= set(spec)  # the counters stay
@@ -374,7 +377,8 @@ def keyed_app(ray_cluster, serve_app, tiny_model_dirs):
     with side_app(serve_app, "keyed", {
         "model_name": "tiny", "api_keys": ["sk-test-1"], "max_body_bytes": 4096, "max_prompt_chars": 500,
         "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
-        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "cache_budget_mb": 16,
+                    "num_threads": 1},
         "k_policy": "fixed"}) as url:
         yield url
 

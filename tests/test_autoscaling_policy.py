@@ -9,7 +9,18 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from core.protocol import DraftRequest, VerifyRequest
-from deployments.autoscaling import BATCH_FILL, BATCH_TOKENS, BUSY, QUEUED, LoadWindow, PoolPolicy, drafter_policy, pool_decision, verifier_policy, work_tokens
+from deployments.autoscaling import (
+    BATCH_FILL,
+    BATCH_TOKENS,
+    BUSY,
+    QUEUED,
+    LoadWindow,
+    PoolPolicy,
+    drafter_policy,
+    pool_decision,
+    verifier_policy,
+    work_tokens,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -115,7 +126,8 @@ def pool_contexts(loads: dict, replicas_now: dict, ongoing: float):
 
 def decide(loads, replicas_now, ongoing=128):
     ctxs = pool_contexts(loads, replicas_now, ongoing)
-    ours = {"drafter": replicas(drafter_policy, ctxs["drafter"]), "verifier": replicas(verifier_policy, ctxs["verifier"])}
+    ours = {"drafter": replicas(drafter_policy, ctxs["drafter"]),
+            "verifier": replicas(verifier_policy, ctxs["verifier"])}
     default = {pool: replicas(replica_queue_length_autoscaling_policy, ctxs[pool]) for pool in ctxs}
     return ours, default
 

@@ -51,8 +51,9 @@ def test_bench_smoke(bench_urls, tmp_path):
 
     out = tmp_path
     # --- single-stream latency: every system but vLLM (its engine start takes minutes: see the slow test)
-    args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS), "--temperatures", "0,0.8",
-                          "--ks", "1,2", "--default-k", "2", "--hf-ks", "2", "--no-vllm", "--out", str(out)])
+    args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
+                          "--temperatures", "0,0.8", "--ks", "1,2", "--default-k", "2", "--hf-ks", "2", "--no-vllm",
+                          "--out", str(out)])
     lat = latency.run(args, urls=bench_urls)
     assert lat["skipped"]["vllm"].startswith("skipped")
     (out / "latency.json").write_text(json.dumps(lat))
@@ -83,8 +84,8 @@ def test_bench_smoke(bench_urls, tmp_path):
     assert set(lat["temperatures"]["0.8"]["systems"]) >= {"splitspec_default", "splitspec_k2", "reference_k2"}
 
     # --- per-step time breakdown
-    bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS), "--ks", "1,2",
-                                        "--default-k", "2", "--out", str(out)]), urls=bench_urls)
+    bd = breakdown.run(breakdown.parse(["--dtype", "float32", "--prompts", "1", "--max-tokens", str(TOKENS),
+                                        "--ks", "1,2", "--default-k", "2", "--out", str(out)]), urls=bench_urls)
     (out / "breakdown.json").write_text(json.dumps(bd))
     assert set(bd["per_config"]) == {"default", "k1", "k2"} and set(bd["workloads"]) == {"humaneval", "held-out"}
     assert bd["per_config"] == bd["workloads"]["humaneval"]["per_config"] and bd["heads"] is None  # no head app here
@@ -118,7 +119,8 @@ def test_bench_smoke(bench_urls, tmp_path):
         assert lv["throughput_ratio_on_vs_off"] > 0
 
     assert set(lat["workloads"]) == set(ld["workloads"]) == {"humaneval", "held-out"}
-    assert lat["temperatures"] == lat["workloads"]["humaneval"]["temperatures"] and ld["levels"] == ld["workloads"]["humaneval"]["levels"]
+    assert lat["temperatures"] == lat["workloads"]["humaneval"]["temperatures"]
+    assert ld["levels"] == ld["workloads"]["humaneval"]["levels"]
     assert lat["workloads"]["humaneval"]["workload"]["task_ids"][0].startswith("HumanEval/")
 
     # --- acceptance through the running server: its drafter, from the responses' speculation blocks
@@ -138,8 +140,10 @@ def test_bench_smoke(bench_urls, tmp_path):
     co = json.loads((out / "cost.json").read_text())
     assert set(co["workloads"]) == {"humaneval", "held-out"} and co["workloads"]["humaneval"]["levels"] == co["levels"]
     for r, lv in zip(co["levels"], ld["levels"]):
-        assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
-        assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6, rel_tol=1e-3)
+        assert math.isclose(r["usd_per_m_tokens_on"], 4.0 / (lv["spec_on"]["throughput_tok_s"] * 3600) * 1e6,
+                            rel_tol=1e-3)
+        assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6,
+                            rel_tol=1e-3)
     assert set(merged) >= {"latency", "breakdown", "load", "cost", "plots"} and "goals" not in merged
     assert json.loads((out / "results.json").read_text())["cost"] == co
     assert sorted(merged["plots"]) == ["breakdown.png", "load.png", "speedup_vs_k.png"]
@@ -250,8 +254,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 from bench import gpu
-gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--acceptance", "0.6,0.8", "--ks", "2,4", "--tokens", "48",
-          "--repeats", "1", "--out", {str(tmp_path)!r}])
+gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--acceptance", "0.6,0.8", "--ks", "2,4",
+          "--tokens", "48", "--repeats", "1", "--out", {str(tmp_path)!r}])
 """
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -343,7 +347,8 @@ def test_vllm_served_runs_the_vllm_backend_with_and_without_speculation(ray_clus
                    "--max-tokens", str(TOKENS), "--k", "2", "--dtype", "float32", "--out", str(tmp_path)])
     assert set(r["systems"]) == {"served_spec", "served_off"}
     assert r["same_tokens_as_reference"] == {"served_spec": 1.0, "served_off": 1.0}
-    assert r["systems"]["served_spec"]["ms_per_token"] > 0 and r["systems"]["served_spec"]["mean_acceptance_length"] >= 1
+    assert r["systems"]["served_spec"]["ms_per_token"] > 0
+    assert r["systems"]["served_spec"]["mean_acceptance_length"] >= 1
     assert (tmp_path / "vllm_served.json").exists()
 
 

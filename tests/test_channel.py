@@ -148,11 +148,13 @@ def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server,
         assert breaker.open(vmod.time.monotonic()) and breaker.backoff_s == vmod.CHANNEL_DOWN_S
         await server._propose(req)  # Serve answers; the replica is not bound while its breaker is open
         assert "s0" not in server._bound and server.drafter_calls["serve"] == 3
-        breaker.down_until = vmod.time.monotonic()  # the back-off expired: the next Serve answer binds it again (a probe)
+        # the back-off expired: the next Serve answer binds it again (a probe)
+        breaker.down_until = vmod.time.monotonic()
         await server._propose(req)
         assert server._bound["s0"] == ep
         await server._propose(req)  # the probe fails: twice the back-off
-        assert server._breakers[ep] is breaker and breaker.backoff_s == 2 * vmod.CHANNEL_DOWN_S and "s0" not in server._bound
+        assert server._breakers[ep] is breaker and breaker.backoff_s == 2 * vmod.CHANNEL_DOWN_S
+        assert "s0" not in server._bound
         server.channel.close()
 
     asyncio.run(main())

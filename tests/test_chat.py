@@ -108,7 +108,8 @@ def run_parser(fmt, body, text, stream_every: int = 1):
     parser, deltas, stream_finish = fmt.output(body, prompt), [], None
     for i in range(0, len(ids), stream_every):
         step = ids[i:i + stream_every]
-        text = tok.decode(ids[:i + stream_every], skip_special_tokens=True)[len(tok.decode(ids[:i], skip_special_tokens=True)):]
+        before = len(tok.decode(ids[:i], skip_special_tokens=True))
+        text = tok.decode(ids[:i + stream_every], skip_special_tokens=True)[before:]
         last = i + stream_every >= len(ids)
         delta, stream_finish = parser.delta(text, step, "stop" if last else None)
         if delta:
@@ -146,7 +147,8 @@ def test_reasoning_and_tool_calls_parsed_whole_and_streamed_alike(family, text, 
     streamed = joined(deltas)
     assert streamed.get("reasoning") == message.get("reasoning")
     assert (streamed.get("content") or None) == (message["content"] or None)
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    calls = [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Paris"})]
 
 
 def test_include_reasoning_false_tool_choice_none_and_one_call_at_a_time():
@@ -180,7 +182,8 @@ def test_the_output_tells_where_the_reasoning_ends():
         parser.advance([t])
     assert phases == [True] * (end + 1) + [False] * (len(ids) - end - 1)
     # thinking off: the prompt closed the reasoning, the output is all answer
-    off = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"enable_thinking": False})
+    off = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                chat_template_kwargs={"enable_thinking": False})
     assert not fmt.output(off, fmt.prompt_ids(off)).in_reasoning()
 
 
@@ -292,7 +295,8 @@ def test_harmony_answer_and_the_end_of_its_reasoning():
 
 
 TWO_TOOLS = TOOLS + [{"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "name": "get_time", "parameters": {"type": "object",
+                                       "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
                                        "required": ["zone"], "additionalProperties": False}}}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 

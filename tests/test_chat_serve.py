@@ -25,7 +25,8 @@ SCRIPT = [("<tool_response>", THINK_ANSWER), ("<think>\n\n</think>", ANSWER), ("
 
 # gpt-oss in harmony: the analysis channel, then a call; after the tool's result, the final channel
 GPTOSS_CALL = ("<|channel|>analysis<|message|>The user wants the weather, so I call the tool.<|end|><|start|>assistant"
-               "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+               "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+               "<|message|>{\"city\": \"Paris\"}<|call|>")
 GPTOSS_ANSWER = ("<|channel|>analysis<|message|>The tool says 18 C and clear.<|end|><|start|>assistant<|channel|>final"
                  "<|message|>It is 18 C and clear in Paris.<|return|>")
 GPTOSS_SCRIPT = [("functions.get_weather to=assistant", GPTOSS_ANSWER), ("", GPTOSS_CALL)]
@@ -107,7 +108,8 @@ def test_a_stream_adds_up_to_the_whole_response(chat_app):
 
     client = OpenAI(base_url=f"{chat_app}/v1", api_key="none")
     for messages, extra in [([{"role": "user", "content": "Weather?"}], {}),
-                            ([{"role": "user", "content": "Weather?"}], {"chat_template_kwargs": {"enable_thinking": False}}),
+                            ([{"role": "user", "content": "Weather?"}],
+                             {"chat_template_kwargs": {"enable_thinking": False}}),
                             ([{"role": "user", "content": "Weather?"}], {"include_reasoning": False}),
                             ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
                               "tool_calls": [{"id": "c1", "type": "function", "function": {
@@ -208,8 +210,9 @@ def test_both_verifier_backends_give_the_same_parsed_message(ray_cluster, chat_a
     want, _ = fmt.output(request, hf["prompt_token_ids"]).final(
         fmt.tokenizer.decode(ids, skip_special_tokens=True), ids, hf["finish_reason"])
     strip = {"tool_calls"}  # call ids are random per response
-    assert {k: v for k, v in hf["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
-    assert {k: v for k, v in vl["message"].items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}
+    wanted = {k: v for k, v in want.items() if k not in strip}
+    assert {k: v for k, v in hf["message"].items() if k not in strip} == wanted
+    assert {k: v for k, v in vl["message"].items() if k not in strip} == wanted
 
 
 def test_gpt_oss_harmony_tool_loop_with_reasoning_effort(ray_cluster, chat_app, tmp_path_factory):

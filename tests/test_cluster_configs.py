@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 RAY_SCHEMA = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"
 CRD_SCHEMA = ROOT / "tests" / "data" / "kuberay_rayservice_v1.schema.json"  # its $comment: source and version
-K8S_VERSIONS = ("1.29.0", "1.37.0")  # the Kubernetes APIs the manifest is checked against (kubernetes-validate ships them)
+# the Kubernetes APIs the manifest is checked against (kubernetes-validate ships them)
+K8S_VERSIONS = ("1.29.0", "1.37.0")
 POOLS = {"Drafter": "drafter_pool", "Verifier": "verifier_pool"}
 IMAGE = "splitspec:0.1.0-gpu"  # the manifest's image name: docs/clusters.md replaces it with the pushed image's
 
@@ -101,7 +102,8 @@ def test_aws_cluster_config_validates_and_maps_pools_to_gpu_node_types(gpu_serve
     assert types["verifier_h100"]["node_config"]["InstanceType"].startswith("p5.")  # NVIDIA H100
     # every node type names its image: the header's command writes the region's AMI into these fields
     assert {t["node_config"].get("ImageId") for t in types.values()} == {"ami-set-me-see-header"}
-    assert """sed -i "s/ImageId: .*/ImageId: $AMI/" configs/cluster_aws.yaml""" in (CONFIGS / "cluster_aws.yaml").read_text()
+    assert """sed -i "s/ImageId: .*/ImageId: $AMI/" configs/cluster_aws.yaml""" in (
+        CONFIGS / "cluster_aws.yaml").read_text()
 
 
 def test_aws_nodes_get_python_311_the_pinned_stack_and_the_serve_configs_models(gpu_serve):
@@ -311,7 +313,8 @@ def test_kuberay_service_reaches_only_pods_that_answer_ready_and_prometheus_scra
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         # Ray's metrics (splitspec_* included) on the port Prometheus keeps
         assert ports[metrics_port] == int(groups[name]["rayStartParams"]["metrics-export-port"]), name
-        assert re.fullmatch(keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"], labels["app.kubernetes.io/name"])
+        assert re.fullmatch(keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"],
+                            labels["app.kubernetes.io/name"])
         selected = all(labels.get(k) == v for k, v in selector.items())
         if name == "head":
             # KubeRay deploys the app only once the head pod is ready: an app-level probe there would block it
@@ -382,7 +385,8 @@ def test_the_vllm_gpu_config_gives_each_verifier_replica_its_tensor_parallel_gpu
     assert args.drafter.num_speculative_tokens <= v.vllm_num_speculative_tokens
 
 
-DEPLOY_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), ROOT / "serve_config.yaml", *ROOT.glob("bench/results/*/plan_serve.yaml")])
+DEPLOY_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), ROOT / "serve_config.yaml",
+                         *ROOT.glob("bench/results/*/plan_serve.yaml")])
 
 
 @pytest.mark.parametrize("path", DEPLOY_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -42,7 +42,8 @@ def test_greedy_is_the_targets_own_with_drafts_made_in_the_verifier_replica(colo
     from ray import serve
 
     _, tok, target, _ = serve_app
-    assert set(serve.status().applications["colocated"].deployments) == {"Router", "Verifier", "Metrics"}  # no drafter pool
+    # no drafter pool
+    assert set(serve.status().applications["colocated"].deployments) == {"Router", "Verifier", "Metrics"}
     before = verifier_stats()["drafter_calls"]
     for text in PROMPTS:
         body = complete(colocated_app, prompt=text, max_tokens=24, temperature=0, num_speculative_tokens=k)

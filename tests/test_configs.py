@@ -78,7 +78,8 @@ def test_gpu_cluster_config_places_pools_apart():
     deps = {d["name"]: d for d in application["deployments"]}
     assert deps["Verifier"]["ray_actor_options"]["resources"] == {"verifier_pool": 1}
     assert deps["Drafter"]["ray_actor_options"]["resources"] == {"drafter_pool": 1}
-    assert deps["Verifier"]["ray_actor_options"]["accelerator_type"] != deps["Drafter"]["ray_actor_options"]["accelerator_type"]
+    assert (deps["Verifier"]["ray_actor_options"]["accelerator_type"]
+            != deps["Drafter"]["ray_actor_options"]["accelerator_type"])
 
 
 def test_drafter_compatibility_compares_tokenizers_not_vocab_size(tmp_path):
@@ -102,7 +103,8 @@ def test_drafter_compatibility_compares_tokenizers_not_vocab_size(tmp_path):
     other.train_from_iterator([TINY_TEXT], trainers.BpeTrainer(  # the same text, special tokens in another order
         vocab_size=len(tok), special_tokens=["<|pad|>", "<|eos|>", "<|bos|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    other = PreTrainedTokenizerFast(tokenizer_object=other, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    other = PreTrainedTokenizerFast(tokenizer_object=other, bos_token="<|bos|>", eos_token="<|eos|>",
+                                    pad_token="<|pad|>")
     assert len(other) == len(tok)  # the same size: vocab_size alone cannot tell them apart
     tiny_llama(len(other), layers=1).save_pretrained(tmp_path / "other")
     other.save_pretrained(tmp_path / "other")
@@ -182,7 +184,8 @@ def test_removed_app_fields_are_ignored_with_a_warning_naming_them():
     base = {"verifier": {"model": "m"}, "drafter": {"method": "ngram"}}
     with pytest.warns(DeprecationWarning, match="pre_draft_alternatives") as seen:
         cfg = AppConfig.model_validate({**base, "pre_draft": "always", "pre_draft_alternatives": 2})
-    assert sorted(str(w.message).split()[0] for w in seen) == ["AppConfig.pre_draft", "AppConfig.pre_draft_alternatives"]
+    assert sorted(str(w.message).split()[0] for w in seen) == ["AppConfig.pre_draft",
+                                                              "AppConfig.pre_draft_alternatives"]
     assert cfg.pipeline_drafts and "pre_draft" not in cfg.model_dump()
     with pytest.raises(ValidationError, match="pre_drafts"):
         AppConfig.model_validate({**base, "pre_drafts": "always"})

@@ -32,7 +32,8 @@ def test_every_panel_reads_a_family_the_app_exports():
 
     from deployments import vllm_metrics as vm
 
-    ours = {*vm.ALL_COUNTERS, vm.PER_POS[0], *vm.SPLITSPEC_LABELED, *vm.GAUGES, *vm.ALL_HISTOGRAMS, "splitspec:replicas"}
+    ours = {*vm.ALL_COUNTERS, vm.PER_POS[0], *vm.SPLITSPEC_LABELED, *vm.GAUGES, *vm.ALL_HISTOGRAMS,
+            "splitspec:replicas"}
     rays = {"splitspec_queue_length", "splitspec_batch_latency_s"}  # deployments.metrics, names checked below
     queries = panel_queries()
     assert len({t for t, _, _ in queries}) >= 15
@@ -131,7 +132,8 @@ def _plot(api: str, start: float, end: float, out: Path):
     import matplotlib.pyplot as plt
 
     main = ["Requests running and waiting", "Time to first token", "Inter-token latency (per step)",
-            "Acceptance per position", "k played (steps per second by k)", "Pool utilisation (engine busy seconds per second)"]
+            "Acceptance per position", "k played (steps per second by k)",
+            "Pool utilisation (engine busy seconds per second)"]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for ax, title in zip(axes.flat, main):
         for t, legend, expr in panel_queries():

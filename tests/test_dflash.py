@@ -44,7 +44,8 @@ def random_head(spec: ParallelSpec, seed=0) -> ParallelHead:
 def drafter(method, head, **kw):
     from drafter.dflash_drafter import ParallelDrafter
 
-    return ParallelDrafter(ParallelHeadConfig(method=method, model="x", dtype="float32", **kw), head=head, eos_ids=set())
+    return ParallelDrafter(ParallelHeadConfig(method=method, model="x", dtype="float32", **kw), head=head,
+                           eos_ids=set())
 
 
 # ------------------------------------------------------------ format
@@ -81,7 +82,8 @@ def test_speculators_config_round_trips_and_refusals_name_the_field(method, tmp_
 def _request(seq_id, tokens, aux, aux_start, k=4, start=None, sampling=None):
     sp = sampling or SamplingParams(temperature=0)
     if start is None:
-        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux, aux_start=aux_start)
+        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux,
+                            aux_start=aux_start)
     return DraftRequest.for_tokens(seq_id, list(tokens), start, k=k, sampling=sp, seed=1, aux=aux, aux_start=aux_start)
 
 
@@ -144,9 +146,9 @@ def copying_head(target, method: str, mask: int) -> ParallelHead:
     tc = target.config
     V, H = tc.vocab_size, tc.hidden_size
     spec = ParallelSpec(method=method, hidden_size=H, num_attention_heads=4, num_key_value_heads=4, head_dim=H // 4,
-                        intermediate_size=2 * H, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=256, vocab_size=V,
-                        draft_vocab_size=V, target_hidden_size=H, aux_layer_ids=[0, 1], block_size=5, mask_token_id=mask,
-                        markov_rank=32 if method == "dspark" else 0)
+                        intermediate_size=2 * H, rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=256,
+                        vocab_size=V, draft_vocab_size=V, target_hidden_size=H, aux_layer_ids=[0, 1], block_size=5,
+                        mask_token_id=mask, markov_rank=32 if method == "dspark" else 0)
     torch.manual_seed(0)
     head = ParallelHead(spec)
     with torch.no_grad():
@@ -276,12 +278,14 @@ def head_dirs(copying, tiny_pair, tmp_path_factory):
 
 @pytest.mark.long  # a served app per head type
 @pytest.mark.parametrize("method", METHODS)
-def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve_app, head_dirs, copying, tiny_pair, method):
+def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve_app, head_dirs, copying, tiny_pair,
+                                                                            method):
     from tests.conftest import side_app
     from tests.test_processors import hf_greedy
 
     tok, (target, _) = tiny_pair[0], copying
-    args = {"model_name": "tiny", "verifier": {"model": None, "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
+    args = {"model_name": "tiny",
+            "verifier": {"model": None, "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
             "drafter": {"method": method, "model": str(head_dirs / method), "dtype": "float32", "num_threads": 1},
             "k_policy": "fixed"}
     with side_app(serve_app, method, args) as url:  # the verifier: the one the head's config names
@@ -293,7 +297,8 @@ def test_served_greedy_with_the_head_on_the_drafter_pool_equals_the_target(serve
             out = r.json()
             assert out["choices"][0]["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 40)
             spec = out["choices"][0]["speculation"]
-            assert spec["num_drafts"] > 3 and spec["mean_acceptance_length"] > (4.5 if method == "dspark" else 1.8), spec
+            assert spec["num_drafts"] > 3, spec
+            assert spec["mean_acceptance_length"] > (4.5 if method == "dspark" else 1.8), spec
             assert spec["degraded_steps"] == 0, spec
             assert spec["aux_bytes_per_token"] > 0, spec
 
@@ -316,7 +321,8 @@ def test_the_app_builder_reads_and_checks_the_head(head_dirs):
     from deployments.app import check_models, local_view, resolve_model_paths
 
     def built(**drafter):
-        args = {"verifier": {"model": None}, "drafter": {"method": "dspark", "model": str(head_dirs / "dspark"), **drafter}}
+        args = {"verifier": {"model": None},
+                "drafter": {"method": "dspark", "model": str(head_dirs / "dspark"), **drafter}}
         return resolve_model_paths(AppConfig.model_validate(args))
 
     cfg = built()  # the verifier the head's config names, k its block

@@ -69,7 +69,8 @@ def speculators_block(head, tokens: list[int], aux: torch.Tensor, anchor: int, w
     anchor (a sliding layer: the ``sliding_window`` before it) and its own block, causally in a sliding layer
     unless ``sliding_window_non_causal``. ``window_from="query"``: vLLM's kernel rule instead, the negative control."""
     s, sd = head.spec, {k: v.float() for k, v in head.state_dict().items()}
-    T, bs, D, nh, nkv, eps = aux.shape[0], s.block_size, s.head_dim, s.num_attention_heads, s.num_key_value_heads, s.rms_norm_eps
+    T, bs, D = aux.shape[0], s.block_size, s.head_dim
+    nh, nkv, eps = s.num_attention_heads, s.num_key_value_heads, s.rms_norm_eps
     ids = torch.tensor([tokens[anchor]] + [s.mask_token_id] * (bs - 1))
     noise = sd["embed_tokens.weight"][ids]
     target = _rms(aux.float() @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)

@@ -102,7 +102,8 @@ def _parallel_world(tiny_pair, name: str) -> World:
 
 
 def _peagle_world(tiny_pair, name: str) -> World:
-    """The shipped target and a P-EAGLE head made from its EAGLE-3 head (``tests.peagle_heads``); pre-drafts declined."""
+    """The shipped target and a P-EAGLE head made from its EAGLE-3 head (``tests.peagle_heads``); pre-drafts
+    declined."""
     from tests.peagle_heads import contract_world
 
     return World(*contract_world())
@@ -291,8 +292,8 @@ async def _speculate(seq: Sequence, drafter, ver, pre_draft: str) -> list:
     seq.capture = getattr(drafter, "aux_layers", ())
     try:
         return [info async for _, _, info in speculate(seq, propose, verify, FixedK(seq.k), Breaker(), True,
-                                                       recompute_aux=recompute_aux, narrow=getattr(drafter, "narrow", None),
-                                                       pre_draft=pre_draft)]
+                                                       recompute_aux=recompute_aux,
+                                                       narrow=getattr(drafter, "narrow", None), pre_draft=pre_draft)]
     finally:
         ver.release(seq.seq_id)
         drafter.release(seq.seq_id)
@@ -315,7 +316,8 @@ def check_pre_drafts(w: World, name: str) -> None:
         hits += sum(info.pre_draft == "hit" for info in infos)
     trees = [(r, p) for r, p in rec.calls if r.branches]
     chains = [(r, p) for r, p in rec.calls if r.provisional]
-    assert (trees if kind == "tree" else chains) and not (chains if kind == "tree" else trees), (len(trees), len(chains))
+    wanted, unwanted = (trees, chains) if kind == "tree" else (chains, trees)
+    assert wanted and not unwanted, (len(trees), len(chains))
     for r, p in trees:  # one answer per branch asked for
         assert p.branches is not None and len(p.branches) == len(r.branches)
     for _, p in chains:  # continued, or declined (a cache miss): never an error
@@ -433,7 +435,8 @@ def test_served_greedy_equals_the_target(serve_app, tiny_model_dirs, tiny_pair, 
 
     args, tok, target = _served_args(name, tiny_model_dirs, tmp_path, tiny_pair)
     # the shared app serves the draft model: the others get an app of their own beside it
-    served = contextlib.nullcontext(serve_app[0]) if name == "draft_model" else side_app(serve_app, f"contract-{name}", args)
+    served = (contextlib.nullcontext(serve_app[0]) if name == "draft_model"
+              else side_app(serve_app, f"contract-{name}", args))
     drafted = 0
     with served as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -480,7 +483,8 @@ def _heads_with_a_draft_vocabulary():
     from tests.test_dflash import tiny_spec as parallel_spec
     from tests.test_eagle3 import random_head, tiny_spec
 
-    return random_head(tiny_spec(draft_vocab=16, vocab=40), seed=1), parallel_head(parallel_spec("dspark", 40, 16), seed=2)
+    return (random_head(tiny_spec(draft_vocab=16, vocab=40), seed=1),
+            parallel_head(parallel_spec("dspark", 40, 16), seed=2))
 
 
 @pytest.mark.parametrize("which", ["eagle3", "dspark"])

@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.eagle3 import Eagle3Spec, EagleHead, aux_states, default_aux_layers, draft_vocabulary, load_head, save_head, ttt_mask
+from core.eagle3 import (
+    Eagle3Spec,
+    EagleHead,
+    aux_states,
+    default_aux_layers,
+    draft_vocabulary,
+    load_head,
+    save_head,
+    ttt_mask,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET, HEAD = ROOT / "models" / "tiny-code-target", ROOT / "models" / "tiny-code-eagle3"

@@ -166,7 +166,8 @@ def other_verifier(dest: Path, hidden: int) -> Path:
 def test_a_head_for_another_verifier_is_named_as_one_with_both_hidden_sizes(tmp_path):
     """The build-time check and the loader (a warm start's --init) name the two hidden sizes, not a weight's shape."""
     wide = other_verifier(tmp_path / "v96", 96)
-    message = "hidden states of size 128 (target_hidden_size), the verifier's hidden size is 96: the head belongs to another"
+    message = ("hidden states of size 128 (target_hidden_size), the verifier's hidden size is 96: "
+               "the head belongs to another")
     with pytest.raises(ValueError, match=re.escape(message)):
         app_check(DATA / "llama31", wide)
     with pytest.raises(UnsupportedHead, match=re.escape(message)):
@@ -198,8 +199,8 @@ def test_rope_in_old_and_new_keys_is_one_rope():
     cfg = json.loads((DATA / "llama31" / "config.json").read_text())
     a = Eagle3Spec.from_config({**cfg, "transformer_layer_config": {**cfg["transformer_layer_config"], **old}}, 8)
     new = {k: v for k, v in cfg["transformer_layer_config"].items() if k not in ("rope_theta", "rope_scaling")}
-    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **{k: v for k, v in old["rope_scaling"].items()
-                                                                              if k != "type"}}
+    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0,
+                              **{k: v for k, v in old["rope_scaling"].items() if k != "type"}}
     b = Eagle3Spec.from_config({**cfg, "transformer_layer_config": new}, 8)
     assert a == b
 

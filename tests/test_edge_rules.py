@@ -102,7 +102,7 @@ def test_vllm_fields_not_served_are_named_with_the_reason():
         assert err.param == name and "unsupported parameter" in err.message and "(" in err.message, err.message
 
 
-@pytest.mark.heavy  # imports vLLM (about 8 s)
+@pytest.mark.heavy  # imports vLLM (seconds)
 def test_each_rejected_row_is_vllms_own_rule():
     from vllm import SamplingParams
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VChat

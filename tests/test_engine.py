@@ -68,7 +68,8 @@ def test_max_tokens_inside_a_draft(tiny_pair):
     p = prompts(tok, 1)[0]
     want = reference(tiny_pair[1], p, 7)
     for k in (3, 8):
-        seq = Sequence(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), k, tok, ver.eos_ids, ver.max_len)
+        seq = Sequence(p, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), k, tok, ver.eos_ids,
+                       ver.max_len)
         while not seq.done:
             step([seq], dr, ver)
         assert seq.output_ids == want and seq.finish_reason == "length"
@@ -112,7 +113,8 @@ def make_limited(tiny_pair, blocks, max_len):
     tok, t, d = tiny_pair
     probe = VerifierEngine(VerifierConfig(model="tiny", max_model_len=max_len), model=t, tokenizer=tok)
     mb = block_budget_mb(probe, blocks)
-    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=mb, max_model_len=max_len), model=t, tokenizer=tok)
+    ver = VerifierEngine(VerifierConfig(model="tiny", cache_budget_mb=mb, max_model_len=max_len), model=t,
+                         tokenizer=tok)
     dr = ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=mb * d.config.num_hidden_layers
                                        / t.config.num_hidden_layers, max_model_len=max_len), model=d)
     return tok, ver, dr

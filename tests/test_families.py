@@ -47,8 +47,8 @@ def build(family: str):
     T = transformers
     if family == "llama3":
         cfg = T.LlamaConfig(**COMMON, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32})
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
         model = T.LlamaForCausalLM(cfg)
     elif family == "llama_yarn":
         cfg = T.LlamaConfig(**COMMON, rope_parameters={
@@ -63,9 +63,9 @@ def build(family: str):
                                                         moe_intermediate_size=32, norm_topk_prob=True))
     elif family == "gemma4":
         cfg = T.Gemma4TextConfig(
-            **{**COMMON, "num_hidden_layers": 8}, sliding_window=WINDOW, global_head_dim=32, num_global_key_value_heads=1,
-            attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-            final_logit_softcapping=30.0,
+            **{**COMMON, "num_hidden_layers": 8}, sliding_window=WINDOW, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB, final_logit_softcapping=30.0,
             layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"])
         model = T.Gemma4ForCausalLM(cfg)
     elif family == "gpt_oss":
@@ -187,8 +187,10 @@ def test_greedy_through_the_loop_equals_generate(family, k):
     accepted: the acceptance is printed and must be high), token for token the target's own ``generate``."""
     name, model = family
     tok = tiny_tokenizer(VOCAB)
-    ver = VerifierEngine(VerifierConfig(model=name, cache_budget_mb=16, max_model_len=MAX_LEN), model=model, tokenizer=tok)
-    drafter = ModelDrafter(DraftModelConfig(model=name, cache_budget_mb=16, max_model_len=MAX_LEN), model=model) if k else None
+    ver = VerifierEngine(VerifierConfig(model=name, cache_budget_mb=16, max_model_len=MAX_LEN), model=model,
+                         tokenizer=tok)
+    drafter = (ModelDrafter(DraftModelConfig(model=name, cache_budget_mb=16, max_model_len=MAX_LEN), model=model)
+               if k else None)
     ps = prompts()
     seqs = generate(ps, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), k, drafter, ver)
     ties = []
@@ -245,7 +247,8 @@ def test_states_for_heads_are_the_residual_stream_entering_each_layer(family):
                                        msg=f"{name}, {runner.kind}, layer {L}")
     ver = VerifierEngine(VerifierConfig(model=name, cache_budget_mb=16, max_model_len=MAX_LEN), model=model,
                          tokenizer=tiny_tokenizer(VOCAB))
-    torch.testing.assert_close(ver.aux_states(seq, layers), torch.cat([want[L] for L in layers], -1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ver.aux_states(seq, layers), torch.cat([want[L] for L in layers], -1),
+                               atol=1e-4, rtol=1e-4)
     assert not capture_states(model, layers).modules[0]._forward_pre_hooks  # the hooks are removed after each pass
 
 
@@ -257,7 +260,8 @@ def test_load_causal_lm_runs_every_family_from_a_directory(family, tmp_path):
     tiny_tokenizer(VOCAB).save_pretrained(tmp_path)
     loaded = load_causal_lm(str(tmp_path), torch.float32)
     assert loaded.config._attn_implementation == attention_implementation(loaded.config)
-    ver = VerifierEngine(VerifierConfig(model=str(tmp_path), dtype="float32", cache_budget_mb=16, max_model_len=MAX_LEN))
+    ver = VerifierEngine(VerifierConfig(model=str(tmp_path), dtype="float32", cache_budget_mb=16,
+                                        max_model_len=MAX_LEN))
     seq = tokens(30, 5)
     (s,) = generate([seq], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), 0, None, ver)
     assert s.output_ids == reference(model, seq)[:4]

@@ -257,7 +257,8 @@ def test_fma_linear_is_the_float32_sum_and_the_same_at_every_width():
                 y = ops.fma_linear(x, parts, bias)
                 assert y.shape == (T, w.shape[0]) and y.dtype == torch.float32
                 exact = x.double() @ w.double().T + (bias.double() if bias.numel() else 0)
-                bound = (width + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T + bias.double().abs().sum() + 1)
+                bound = (width + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T
+                                                    + bias.double().abs().sum() + 1)
                 assert ((y.double() - exact).abs() <= bound).all()
                 for t in {0, T // 2, T - 1}:
                     assert torch.equal(ops.fma_linear(x[t:t + 1], parts, bias)[0], y[t])
@@ -266,7 +267,8 @@ def test_fma_linear_is_the_float32_sum_and_the_same_at_every_width():
     with pytest.raises(RuntimeError, match="all float32 or all bf16"):
         ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 16)], torch.empty(0))
     with pytest.raises(RuntimeError, match="all float32 or all bf16"):
-        ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 32), torch.zeros(8, 32, dtype=torch.bfloat16)], torch.empty(0))
+        ops.fma_linear(torch.zeros(1, 32), [torch.zeros(8, 32), torch.zeros(8, 32, dtype=torch.bfloat16)],
+                       torch.empty(0))
 
 
 def test_fma_linear_reads_bf16_weights_as_the_float32_values_they_are():
@@ -363,7 +365,8 @@ def test_amx_linear_is_the_float32_sum_rounded_once():
         w = torch.randn(n_out, width, generator=g).bfloat16()
         tiles = ops.amx_pack(w)
         assert tiles.shape == (n_out // 16, width // 32, 16, 16, 2)
-        assert torch.equal(tiles[1 % tiles.shape[0], 0, 3, 5], w[(1 % tiles.shape[0]) * 16 + 5, 6:8])  # k-pair 3, output 5
+        # k-pair 3, output 5
+        assert torch.equal(tiles[1 % tiles.shape[0], 0, 3, 5], w[(1 % tiles.shape[0]) * 16 + 5, 6:8])
         for T in (1, 2, 5, 9, 16):
             x = torch.randn(T, width, generator=g).bfloat16()
             for bias in (torch.randn(n_out, generator=g).bfloat16(), torch.empty(0, dtype=torch.bfloat16)):
@@ -372,8 +375,8 @@ def test_amx_linear_is_the_float32_sum_rounded_once():
     with pytest.raises(RuntimeError, match="amx_pack"):
         ops.amx_pack(torch.zeros(20, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bias of 16"):  # a bias that does not fit is refused, not read past
-        ops.amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16), ops.amx_pack(torch.zeros(16, 32, dtype=torch.bfloat16)),
-                       torch.zeros(8, dtype=torch.bfloat16))
+        ops.amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16),
+                       ops.amx_pack(torch.zeros(16, 32, dtype=torch.bfloat16)), torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_native_bf16_forward_on_amx_as_without_it():

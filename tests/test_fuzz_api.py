@@ -67,7 +67,8 @@ structured = st.fixed_dictionaries({
 
 
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(body=st.one_of(bodies, valid_ish, numeric, structured), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(body=st.one_of(bodies, valid_ish, numeric, structured),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_no_request_gets_a_5xx(serve_app, body, path):
     base, *_ = serve_app
     # encoded here: httpx refuses NaN/Infinity, which a client can still send (the server must say 400)

@@ -77,7 +77,8 @@ def test_greedy_equivalence_batched(engines, refs, method, k):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     seqs = generate(ps, params, k, drafters[method], ver)
     near_ties = []
-    bad = [i for i, (p, s) in enumerate(zip(ps, seqs)) if not compare(target, p, s.output_ids, refs[tuple(p)], near_ties)]
+    bad = [i for i, (p, s) in enumerate(zip(ps, seqs))
+           if not compare(target, p, s.output_ids, refs[tuple(p)], near_ties)]
     assert not bad, f"prompts {bad} differ from the target's greedy output"
     assert len(near_ties) <= 2, near_ties
     accepted = sum(s.stats.num_accepted_tokens for s in seqs)

@@ -97,7 +97,8 @@ def test_images_install_the_project_and_build_the_native_forward(kind):
     assert "python -m core.native" in run
     assert any(ins == "RUN" and "core.native" in v for ins, v in steps[[s[0] for s in steps].index("COPY") + 1:])
     # the dependency layer installs the package's dependencies before its code is copied; once it is, the package
-    after_copy = "\n".join(v for ins, v in steps[len(steps) - [s[0] for s in reversed(steps)].index("COPY"):] if ins == "RUN")
+    last_copy = len(steps) - [s[0] for s in reversed(steps)].index("COPY")
+    after_copy = "\n".join(v for ins, v in steps[last_copy:] if ins == "RUN")
     assert "pip install --no-cache-dir --no-deps -e ." in after_copy
     for ins, value in steps:
         if ins == "COPY":

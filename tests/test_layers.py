@@ -38,7 +38,8 @@ def test_engine_packages_import_without_serving_stack():
     out = subprocess.run([sys.executable, "-c", PROBE.format(blocked=SERVING_ONLY, packages=ENGINE_PACKAGES)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for must in ("core.protocol", "core.loop", "drafter.model_drafter", "verifier.engine", "verifier.vllm_engine", "verifier.vllm_proposer"):
+    for must in ("core.protocol", "core.loop", "drafter.model_drafter", "verifier.engine", "verifier.vllm_engine",
+                 "verifier.vllm_proposer"):
         assert must in out.stdout.split(), out.stdout
 
 
@@ -121,7 +122,8 @@ def test_the_length_check_finds_a_long_function(tmp_path):
 def test_the_policy_and_the_router_stay_under_400_lines():
     modules = [ROOT / "core" / "policy.py", ROOT / "deployments" / "router.py"]
     modules += sorted((ROOT / "core" / "policy").glob("*.py")) if (ROOT / "core" / "policy").is_dir() else []
-    big = {str(m.relative_to(ROOT)): n for m in modules if m.exists() and (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES}
+    big = {str(m.relative_to(ROOT)): n for m in modules
+           if m.exists() and (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not big, big
 
 

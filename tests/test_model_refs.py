@@ -67,7 +67,8 @@ def test_ids_resolve_to_the_commit_their_revision_names_and_stay_on_it(hf_home):
     assert pinned({"verifier": {"model": TARGET}, "drafter": {"method": "ngram"}}).verifier.model == f"{TARGET}@{newer}"
     snapshot = hf_home / "hub" / "models--test-org--tiny-code-target" / "snapshots" / t
     assert hub.localize(cfg.verifier.model_dump())["model"] == str(snapshot)
-    assert (snapshot / "model.safetensors").read_bytes() == (SHIPPED / "tiny-code-target" / "model.safetensors").read_bytes()
+    shipped = SHIPPED / "tiny-code-target" / "model.safetensors"
+    assert (snapshot / "model.safetensors").read_bytes() == shipped.read_bytes()
 
 
 def test_a_revision_pins_its_commit(hf_home):
@@ -75,7 +76,8 @@ def test_a_revision_pins_its_commit(hf_home):
     v1 = lay_out(hf_home, TARGET, model_files(SHIPPED / "tiny-code-target"), revisions=("v1",))
     assert main != v1
     for ref, commit in ((f"{TARGET}@v1", v1), (f"{TARGET}@main", main), (TARGET, main), (f"{TARGET}@{v1}", v1)):
-        assert pinned({"verifier": {"model": ref}, "drafter": {"method": "ngram"}}).verifier.model == f"{TARGET}@{commit}"
+        cfg = pinned({"verifier": {"model": ref}, "drafter": {"method": "ngram"}})
+        assert cfg.verifier.model == f"{TARGET}@{commit}"
 
 
 @pytest.mark.parametrize("field", ["verifier.model", "drafter.model", "the head's verifier"])
@@ -186,7 +188,8 @@ def test_replicas_load_the_pinned_ids_from_their_nodes_cache(hf_home):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     async def run():
-        return [t for g in [g async for g in server.speculate(prompt, params, "a", k=4)] for ids, _, _ in g for t in ids]
+        return [t for g in [g async for g in server.speculate(prompt, params, "a", k=4)]
+                for ids, _, _ in g for t in ids]
 
     out = asyncio.run(run())
     plain = VerifierEngine(VerifierConfig(model=str(SHIPPED / "tiny-code-target"), dtype="float32", cache_budget_mb=64))

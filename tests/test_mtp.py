@@ -59,7 +59,8 @@ def vllm_drafts(path, model, extra, states: torch.Tensor, tokens: list[int], k: 
             m.weight.data.copy_(w)
             return m.forward_native
 
-        final, enorm, hnorm = norm(model.model.norm.weight), norm(extra[base + "enorm.weight"]), norm(extra[base + "hnorm.weight"])
+        final = norm(model.model.norm.weight)
+        enorm, hnorm = norm(extra[base + "enorm.weight"]), norm(extra[base + "hnorm.weight"])
         head_norm = norm(extra[base + "shared_head.norm.weight"])
         ids, pos = list(tokens[1:]), list(range(len(tokens) - 1))
         prev = [final(s) for s in states]  # the target's returned hidden states
@@ -68,7 +69,8 @@ def vllm_drafts(path, model, extra, states: torch.Tensor, tokens: list[int], k: 
             e = model.model.embed_tokens(torch.tensor(ids))
             p = torch.tensor(pos)
             e = torch.where(p.unsqueeze(-1) == 0, 0, e)
-            h = F.linear(torch.cat([enorm(e), hnorm(torch.stack(prev))], -1), extra[base + "eh_proj.weight"]).unsqueeze(0)
+            h = F.linear(torch.cat([enorm(e), hnorm(torch.stack(prev))], -1),
+                         extra[base + "eh_proj.weight"]).unsqueeze(0)
             T = h.shape[1]
             causal = torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
             out = block(h, attention_mask=causal.view(1, 1, T, T), position_ids=p.unsqueeze(0),
@@ -157,7 +159,8 @@ def _request(seq_id, tokens, aux, aux_start, k=4, start=None, sampling=None):
 
     sp = sampling or SamplingParams(temperature=0)
     if start is None:
-        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux, aux_start=aux_start)
+        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux,
+                            aux_start=aux_start)
     return DraftRequest.for_tokens(seq_id, list(tokens), start, k=k, sampling=sp, seed=1, aux=aux, aux_start=aux_start)
 
 

@@ -45,10 +45,12 @@ def speculators(lay: dict, draft_vocab: int, **extra) -> dict:
 def eagle(lay: dict, draft_vocab: int, **extra) -> dict:
     """vLLM's own EAGLE-3 layout, as the AWS gpt-oss P-EAGLE heads ship (served with parallel_drafting: true)."""
     return {"architectures": ["LlamaForCausalLMEagle3"], **lay, "draft_vocab_size": draft_vocab,
-            "target_hidden_size": TARGET_HIDDEN, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}, **extra}
+            "target_hidden_size": TARGET_HIDDEN, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+            **extra}
 
 
-LLAMA3 = {"rope_parameters": None, "rope_theta": 500000.0,  # the old keys, as the published EAGLE-layout heads write them
+# the old keys, as the published EAGLE-layout heads write them
+LLAMA3 = {"rope_parameters": None, "rope_theta": 500000.0,
           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8}}
 VARIANTS = {
@@ -71,11 +73,13 @@ def random_state(spec: PEagleSpec, seed: int) -> dict[str, torch.Tensor]:
         if "norm" in name:
             w = 1 + 0.2 * torch.randn(p.shape, generator=g)
         else:
-            w = torch.randn(p.shape, generator=g) * (0.5 if "embed" in name or "mask_hidden" in name else p.shape[-1] ** -0.5)
+            scale = 0.5 if "embed" in name or "mask_hidden" in name else p.shape[-1] ** -0.5
+            w = torch.randn(p.shape, generator=g) * scale
         state[name] = w.bfloat16().float()
     state["mask_hidden"] = state["mask_hidden"].reshape(-1)  # as published: one row, vLLM views it [1, -1]
     if spec.draft_vocab_size != spec.vocab_size:
-        state["d2t"], state["t2d"] = draft_vocabulary(torch.randint(0, 1000, (VOCAB,), generator=g), spec.draft_vocab_size)
+        state["d2t"], state["t2d"] = draft_vocabulary(torch.randint(0, 1000, (VOCAB,), generator=g),
+                                                      spec.draft_vocab_size)
     return state
 
 
@@ -162,7 +166,8 @@ def vllm_block(cfg: dict, state: dict, aux: torch.Tensor, tokens: list[int], k: 
             o = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ Vh
             h = F.linear(o.transpose(0, 1).reshape(T, nh * D), state[p + "self_attn.o_proj.weight"])
             h, residual = norm(p + "post_attention_layernorm.weight", H).forward_native(h, residual)
-            gate, up = F.linear(h, torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])).chunk(2, -1)
+            gate_up = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+            gate, up = F.linear(h, gate_up).chunk(2, -1)
             hidden = F.linear(F.silu(gate) * up, state[p + "mlp.down_proj.weight"])
         out = norm("norm.weight", H).forward_native(hidden, residual)[0]
     rows = out[n1 - 1:]  # token_indices_to_sample: the bonus slot and the placeholders
@@ -259,7 +264,8 @@ def _request(seq_id, tokens, aux, aux_start, k=4, start=None, sampling=None):
 
     sp = sampling or SamplingParams(temperature=0)
     if start is None:
-        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux, aux_start=aux_start)
+        return DraftRequest(seq_id, 0, None, list(tokens), k=k, sampling=sp, seed=1, full=True, aux=aux,
+                            aux_start=aux_start)
     return DraftRequest.for_tokens(seq_id, list(tokens), start, k=k, sampling=sp, seed=1, aux=aux, aux_start=aux_start)
 
 
@@ -267,7 +273,8 @@ def tiny_head(vocab=40, seed=0):
     from tests.peagle_heads import from_eagle3_head
     from tests.test_eagle3 import random_head, tiny_spec
 
-    return from_eagle3_head(random_head(tiny_spec(draft_vocab=30, vocab=vocab), seed=seed), mask_token_id=vocab - 1, seed=seed)
+    return from_eagle3_head(random_head(tiny_spec(draft_vocab=30, vocab=vocab), seed=seed), mask_token_id=vocab - 1,
+                            seed=seed)
 
 
 def drafter(head, **kw):
@@ -354,8 +361,8 @@ def test_greedy_with_the_shipped_heads_p_eagle_equals_the_target(tmp_path):
     accepted = drafted = 0
     for i, text in enumerate(CODE[:3]):
         ids = ver.tokenizer(text)["input_ids"]
-        seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), 4, ver.tokenizer, ver.eos_ids,
-                       ver.max_len, seq_id=f"p{i}")
+        seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), 4, ver.tokenizer,
+                       ver.eos_ids, ver.max_len, seq_id=f"p{i}")
         asyncio.run(speculate_local(seq, dr, ver, FixedK(4)))
         assert seq.output_ids == hf_greedy(ver.model, ids, 32), text
         accepted += seq.stats.num_accepted_tokens

@@ -65,7 +65,8 @@ def test_the_curve_comes_from_the_acceptance_json():
 
 def test_the_plan_covers_every_shape_and_its_json_holds_the_figures(tmp_path):
     acc = tmp_path / "acceptance.json"
-    acc.write_text(json.dumps({"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
+    acc.write_text(json.dumps({"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0,
+                                            "k_max": 8,
                                             "tokens_per_step_by_k": [1.8, 2.5, 3.0, 3.4, 3.7, 3.9, 4.0, 4.1],
                                             "per_position_acceptance_rate": [.8, .65, .5, .4, .3, .2, .15, .1]}]}))
     P.main(["--acceptance", str(acc), "--out", str(tmp_path), "--concurrency", "16", "--tpot-ms", "20"])
@@ -82,7 +83,8 @@ def test_the_plan_covers_every_shape_and_its_json_holds_the_figures(tmp_path):
         out = data["traffic"]["output_tokens"]
         assert r["tpot_ms"] == pytest.approx((r["batch"] * r["prefill_ms"] + out * r["decode_tpot_ms"]) / out, rel=1e-3)
         assert r["tokens_per_s_per_replica"] == pytest.approx(1e3 * r["batch"] / r["tpot_ms"], rel=1e-3)
-        assert r["usd_per_m_tokens"] == pytest.approx(r["usd_per_hour"] / (r["demand_tokens_per_s"] * 3600) * 1e6, rel=1e-3)
+        assert r["usd_per_m_tokens"] == pytest.approx(r["usd_per_hour"] / (r["demand_tokens_per_s"] * 3600) * 1e6,
+                                                      rel=1e-3)
         assert r["verifier_replicas"] * r["batch"] >= 16 and (r["drafter_replicas"] > 0) == (r["placement"] == "split")
     met = [r for r in data["shapes"] if r["meets_target"]]
     rec = data["recommendation"]
@@ -92,7 +94,8 @@ def test_the_plan_covers_every_shape_and_its_json_holds_the_figures(tmp_path):
 
     cfg = yaml.safe_load((tmp_path / "plan_serve.yaml").read_text())
     AppConfig(**cfg["applications"][0]["args"])
-    assert (tmp_path / "plan.md").read_text().count("\n|") == len(data["shapes"]) + 2  # the header, its rule, a row a shape
+    # the header, its rule, a row a shape
+    assert (tmp_path / "plan.md").read_text().count("\n|") == len(data["shapes"]) + 2
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -118,7 +121,8 @@ def test_the_recommendation_follows_the_drafter_pools_price():
 
 
 def test_cost_rises_with_the_price_and_nothing_else_moves():
-    v, d, curve, traffic = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b"), P.Curve.geometric(0.8), P.Traffic(512, 256, 16)
+    v, d = P.load_shape("llama-3.1-8b"), P.load_shape("llama-3.2-1b")
+    curve, traffic = P.Curve.geometric(0.8), P.Traffic(512, 256, 16)
 
     def shape_cost(price):
         m = _machines()
@@ -141,10 +145,12 @@ def test_the_cpu_probe_measures_this_machine():
 
 
 def test_the_check_sets_projection_beside_measurement():
-    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4, "load_average": [1, 1, 1]}
+    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4,
+             "load_average": [1, 1, 1]}
     acc = {"results": [{"workload": w, "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
                         "tokens_per_step_by_k": [1.7, 2.2, 2.6, 2.9, 3.1, 3.3, 3.4, 3.5],
-                        "per_position_acceptance_rate": [.7, .5, .4, .3, .25, .2, .15, .1]} for w in ("humaneval", "held-out")]}
+                        "per_position_acceptance_rate": [.7, .5, .4, .3, .25, .2, .15, .1]}
+                       for w in ("humaneval", "held-out")]}
 
     def systems(scale):
         sy = {"splitspec_off": {"k": 0, "ms_per_token": 5.0 * scale, "ms_per_token_runs": [4.9 * scale, 5.1 * scale]}}
@@ -190,27 +196,32 @@ def test_the_served_terms_come_from_the_breakdowns_own_requests():
     bd = _breakdown()
     for k, e in ((e["k"], e) for e in bd["workloads"]["humaneval"]["per_config"].values()):
         e["verify_forward_ms"], e["steps"] = (1.2 * (3.0 + 0.1 * k) * 100 + 30.0) / 101, 101
-    eng = {"verify_ms_by_width": {str(w): 3.0 + 0.1 * (w - 1) for w in range(1, 10)}, "prefill_ms": [(100, 20.0), (200, 40.0)]}
+    eng = {"verify_ms_by_width": {str(w): 3.0 + 0.1 * (w - 1) for w in range(1, 10)},
+           "prefill_ms": [(100, 20.0), (200, 40.0)]}
     assert P.served_verify_factor(P.served_terms(bd, "humaneval", range(1, 9)), eng) == pytest.approx(1.2, abs=1e-3)
 
 
 def test_the_check_composes_the_probed_terms():
     """With the engine probe and the breakdown's served terms, a row's projection is their composition: a
     step's parts over the curve's tokens per step, the prefill spread over the output."""
-    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4, "load_average": [1, 1, 1]}
+    probe = {"bandwidth": [(1e6, 40e9), (6e7, 15e9)], "flops": 60e9, "forward_overhead_s": 2e-4,
+             "load_average": [1, 1, 1]}
     acc = {"results": [{"workload": "humaneval", "drafter": "draft_model", "temperature": 0.0, "k_max": 8,
                         "tokens_per_step_by_k": [1.7, 2.2, 2.6, 2.9, 3.1, 3.3, 3.4, 3.5],
                         "per_position_acceptance_rate": [.7, .5, .4, .3, .25, .2, .15, .1]}]}
     eng = {"verify_ms_by_width": {str(w): 3.0 + 0.1 * (w - 1) for w in range(1, 10)},
            "draft_ms_by_k": {str(k): 0.2 * k for k in range(1, 9)}, "prefill_ms": [(100, 20.0), (200, 40.0)],
            "loop_overhead_ms": {"plain": 0.1, "speculative": 0.2}, "samples_per_width": 10}
-    sy = {"splitspec_off": {"k": 0, "ms_per_token": 4.0}, "reference_off": {"k": 0, "ms_per_token": 3.2, "forward_ms_decode": 3.0}}
+    sy = {"splitspec_off": {"k": 0, "ms_per_token": 4.0},
+          "reference_off": {"k": 0, "ms_per_token": 3.2, "forward_ms_decode": 3.0}}
     for k in (1, 2, 4, 8):
         sy[f"splitspec_k{k}"] = {"k": k, "ms_per_token": 2.5}
         sy[f"reference_k{k}"] = {"k": k, "ms_per_token": 2.0, "forward_ms_decode": 3.0 + 0.1 * k}
     lat = {"config": {"dtype": "bfloat16", "max_tokens": 101},
-           "workloads": {"humaneval": {"workload": {"prompt_tokens": [100, 200]}, "temperatures": {"0": {"systems": sy}}}}}
-    out = P.check_cpu(lat, acc, probe, 0.7, 0.63, engines={"humaneval": eng}, breakdown=_breakdown())["workloads"]["humaneval"]
+           "workloads": {"humaneval": {"workload": {"prompt_tokens": [100, 200]},
+                                       "temperatures": {"0": {"systems": sy}}}}}
+    out = P.check_cpu(lat, acc, probe, 0.7, 0.63, engines={"humaneval": eng},
+                      breakdown=_breakdown())["workloads"]["humaneval"]
     assert out["model"] == "probes"
     rows = {r["k"]: r for r in out["rows"]}
     # plain: (prefill 30 + the overhead, then 100 steps of verify(1) + the overhead) / 101 tokens
@@ -229,8 +240,10 @@ def test_the_check_composes_the_probed_terms():
     assert best["regret"] == 0.0  # every fixed k measured the same here
     assert best["measured_k"] == 1 and best["measured_ms_per_token"] == 2.5
     assert "Engine probe" in P.check_markdown({"machine": {"bandwidth_bytes_per_s": probe["bandwidth"], "flops": 60e9,
-                                                           "forward_overhead_ms": 0.2, "step_overhead_ms": 0.7, "rpc_ms": 0.63},
-                                               "tolerance": 0.2, "workloads": {"humaneval": out}, "load_average_at_probe": [1, 1, 1]})
+                                                           "forward_overhead_ms": 0.2, "step_overhead_ms": 0.7,
+                                                           "rpc_ms": 0.63},
+                                               "tolerance": 0.2, "workloads": {"humaneval": out},
+                                               "load_average_at_probe": [1, 1, 1]})
 
 
 @pytest.mark.heavy  # the shipped pair's engines, a few seconds
@@ -247,7 +260,7 @@ def test_the_engine_probe_times_every_width_and_k():
     assert set(e["loop_overhead_ms"]) == {"plain", "speculative"}
 
 
-@pytest.mark.heavy  # the GPU kit's CPU-capable parts at tiny shapes, about 15 s
+@pytest.mark.heavy  # the GPU kit's CPU-capable parts at tiny shapes
 def test_the_planner_reads_the_gpu_kits_output(tmp_path):
     """The kit's output, made by running the kit (tiny shapes, on this CPU, one forward, the shipped pair's
     acceptance on one HumanEval prompt): the check sets every pass and loop row beside a projection, and the
@@ -261,7 +274,8 @@ def test_the_planner_reads_the_gpu_kits_output(tmp_path):
     assert pc["probes"]["flops"] > 0 and len(pc["probes"]["bandwidth"]) == 2
     (fw,) = pc["by_forward"]
     et = fw["engine_terms"]
-    assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"] and list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
+    assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"]
+    assert list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
     assert kit["acceptance"]["results"][0]["workload"] == "humaneval"
     chk = P.check_gpu(kit, _machines(), "H100-SXM")
     assert len(chk["rows"]) == 1 + 5 + 4 and len(chk["loop"]) == 1
@@ -305,5 +319,5 @@ def test_the_plan_reads_the_workload_writes_a_config_that_fits_and_heads_with_pl
     with pytest.raises(SystemExit):
         P.main(["--help"])
     text = capsys.readouterr().out
-    assert all(f"--{o}" in text for o in ("verifier", "drafter", "workload", "prompt-tokens", "output-tokens", "tpot-ms",
-                                          "concurrency", "price", "verifier-model"))
+    assert all(f"--{o}" in text for o in ("verifier", "drafter", "workload", "prompt-tokens", "output-tokens",
+                                          "tpot-ms", "concurrency", "price", "verifier-model"))

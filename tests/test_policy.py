@@ -111,7 +111,8 @@ def test_a_larger_load_starts_plain_where_a_smaller_one_chose_plain():
     loses = {(4, True): (8, 0.020), (4, False): (4, 0.008), (16, True): (32, 0.040), (16, False): (16, 0.014)}
     gate, used = run(loses, [4, 16])
     assert min(gate.choices.items())[1].best is False
-    assert sum(used[16][:120]) == 0, [i for i, a in enumerate(used[16]) if a]  # no speculation before the first try is due
+    # no speculation before the first try is due
+    assert sum(used[16][:120]) == 0, [i for i, a in enumerate(used[16]) if a]
     assert sum(used[16]) <= 2 * 16 + 4  # the tries, nothing more
     fresh, fresh_used = run(loses, [16])
     assert sum(fresh_used[16][:64]) >= 12  # measured afresh: speculation tried at once
@@ -255,7 +256,8 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     end = server.clock()
     server.clock = lambda: end + GATE_HOLD_S
     server._gate_step([], streams=GATE_MIN_STREAMS - 1)
-    assert server.speculating and server.gate_load() == 0  # a few streams, the burst over: the requests' policies decide
+    # a few streams, the burst over: the requests' policies decide
+    assert server.speculating and server.gate_load() == 0
     server, arms = run(0.030, 0.012)  # 24 tokens in 30 ms against 8 in 12: speculation pays
     c = choice(server)
     assert sum(arms) >= 200 * (1 - c.run / c.explore_every) - c.run, sum(arms)
@@ -268,9 +270,10 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
 
 
 def _noisy_gate(gate, now: list, spec_over_plain: float, steps: int, seed: int = 0):
-    """Drive a replica's gate with 16 streams on fake time (``now``, its clock's): a plain engine step emits 16 tokens in 25.6 ms (+-10%);
-    a speculating one 16-80 tokens, at ``spec_over_plain`` times plain's seconds per token on average (+-50%),
-    as served steps vary with the text's luck. -> (the arm of each step, seconds per token over all-plain)."""
+    """Drive a replica's gate with 16 streams on fake time (``now``, its clock's): a plain engine step emits 16
+    tokens in 25.6 ms (+-10%); a speculating one 16-80 tokens, at ``spec_over_plain`` times plain's seconds per
+    token on average (+-50%), as served steps vary with the text's luck. -> (the arm of each step, seconds per
+    token over all-plain)."""
     import random
 
     from core.protocol import VerifyResult

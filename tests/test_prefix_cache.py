@@ -132,7 +132,8 @@ def test_a_heads_states_beside_cached_blocks_come_out_of_the_budget():
     a = list(range(3, 67))  # four full blocks: two blocks' worth of states
     hold_with_states("a", a)
     assert len(cache._ballast) == 2 and cache.free_blocks == 2 and accounted(cache)
-    assert torch.equal(cache.states_of(cache.slots["a"].blocks[:4]), torch.arange(64 * D, dtype=torch.float32).view(-1, D))
+    assert torch.equal(cache.states_of(cache.slots["a"].blocks[:4]),
+                       torch.arange(64 * D, dtype=torch.float32).view(-1, D))
     assert hold_with_states("b", a) == 48  # a hit with states for the same layers
     assert cache.claim("c", 0, None, a, set(), layers=(7,)).prefix_hit == 0  # not for other layers
     for seq in ("a", "b", "c"):
@@ -295,7 +296,8 @@ def test_prefix_cache_metrics_count_prompt_tokens_and_hits_once_per_choice():
     first.end()
     second.end()
     text = x.local.exposition().decode()
-    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache")}
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+           if line.startswith("vllm:prefix_cache")}
     assert got['vllm:prefix_cache_queries_total{engine="0",model_name="m"}'] == 85
     assert got['vllm:prefix_cache_hits_total{engine="0",model_name="m"}'] == 32
 

@@ -43,7 +43,8 @@ def test_cached_tokens_salts_and_metrics_over_http(serve_app):
     # a chat turn streamed, then the conversation's next turn: usage on the stream's last chunk
     msgs = [{"role": "system", "content": prompt}, {"role": "user", "content": "print(1)"}]
     chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={"cache_salt": chat}))
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"cache_salt": chat}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
     reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     nxt = client.chat.completions.create(model="tiny", messages=msgs + [{"role": "assistant", "content": reply},

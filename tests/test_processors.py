@@ -44,7 +44,8 @@ def naive_greedy(model, prompt, n, params: SamplingParams, stop_ids=()):
                 logits[t] += b
             for t in set(toks):  # repetition: prompt and output
                 if params.repetition_penalty != 1.0:
-                    logits[t] = logits[t] / params.repetition_penalty if logits[t] > 0 else logits[t] * params.repetition_penalty
+                    penalty = params.repetition_penalty
+                    logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
             for t in set(out):
                 logits[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
             toks.append(int(logits.argmax()))
@@ -177,13 +178,15 @@ def run_production(target, draft, params, n=N, k=K, stale_verifier=False):
                     vals, top = vals[vals > 0], top[vals > 0]
                     sparse_q[key] = top, vals / vals.sum()
                 top, vals = sparse_q[key]
-                t = int(top[sample_inverse_cdf(vals.unsqueeze(0), torch.tensor([uniform(seed, len(ctx), Stream.DRAFT)]))[0]])
+                u = torch.tensor([uniform(seed, len(ctx), Stream.DRAFT)])
+                t = int(top[sample_inverse_cdf(vals.unsqueeze(0), u)[0]])
                 drafts.append(t), ids.append(top.tolist()), probs.append(vals.tolist()), ctx.append(t)
             logits = target[[seq[-1]] + drafts]  # [k+1, V]: row i predicts the token after draft i
             q = DraftProbs(ids, probs) if params.verification == "rejection" else None
             r = VerifyRequest("s", 0, None, list(seq), drafts, params, seed, q, num_prompt=1)
             if stale_verifier:  # wrong: every row penalised as if the block's drafts were not output yet
-                logits = torch.cat([apply_processors(logits[i:i + 1], params, History(list(seq), 1)) for i in range(k + 1)])
+                logits = torch.cat([apply_processors(logits[i:i + 1], params, History(list(seq), 1))
+                                    for i in range(k + 1)])
                 r.sampling = params.model_copy(update={"frequency_penalty": 0.0, "presence_penalty": 0.0})
             res = decide(r, logits, seq + drafts)
             seq.extend(res.tokens)

@@ -64,7 +64,7 @@ def stand_in(family: str):
             **common, sliding_window=16, global_head_dim=32, num_global_key_value_heads=1,
             attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=VOCAB, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]))
+            layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2))
     model = model.float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
@@ -170,7 +170,8 @@ def test_a_cluster_config_puts_each_pool_on_its_node_type(name):
 
 
 def test_the_one_machine_config_is_the_cluster_one_but_for_placement():
-    one, cluster = application(load("serve_gpu_qwen3_8b_one_machine.yaml")), application(load("serve_gpu_qwen3_8b_eagle3.yaml"))
+    one = application(load("serve_gpu_qwen3_8b_one_machine.yaml"))
+    cluster = application(load("serve_gpu_qwen3_8b_eagle3.yaml"))
     for role in ("verifier", "drafter"):
         assert one["args"][role]["model"] == cluster["args"][role]["model"]
     assert one["args"]["drafter_placement"] == cluster["args"]["drafter_placement"] == "verifier"
@@ -220,7 +221,8 @@ def test_a_published_config_serves_greedy_equal_to_its_target(name, stand_ins, o
     finally:
         serve.delete(route)
     target = stand_ins[CONFIGS[name]][0]
-    plain = VerifierEngine(VerifierConfig(model=str(target), dtype="float32", cache_budget_mb=16, max_model_len=MAX_LEN))
+    plain = VerifierEngine(VerifierConfig(model=str(target), dtype="float32", cache_budget_mb=16,
+                                          max_model_len=MAX_LEN))
     (ref,) = generate([choice["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                       0, None, plain)
     assert choice["token_ids"] == ref.output_ids

@@ -38,7 +38,8 @@ def _deploy(name: str, tiny_model_dirs, ready_without_drafter: bool):
 
     target_dir, drafter_dir = tiny_model_dirs
     args = {
-        "model_name": "tiny", "max_tokens_limit": 64, "k_policy": "fixed", "ready_without_drafter": ready_without_drafter,
+        "model_name": "tiny", "max_tokens_limit": 64, "k_policy": "fixed",
+        "ready_without_drafter": ready_without_drafter,
         "drafter_timeout_s": 0.5,
         "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,

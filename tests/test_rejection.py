@@ -183,8 +183,8 @@ def test_decide_sampled_position_by_position_is_the_batched_rule(verification):
             logits = torch.randn(k + 1, vocab, generator=g) * 2
             p = processed_probs(logits, params)  # [k+1, V]
             # drafts: the target's likeliest token at some positions (so some are accepted), any token at others
-            draft = [int(p[i].argmax()) if torch.rand(1, generator=g) < 0.6 else int(torch.randint(0, vocab, (1,), generator=g))
-                     for i in range(k)]
+            draft = [int(p[i].argmax()) if torch.rand(1, generator=g) < 0.6
+                     else int(torch.randint(0, vocab, (1,), generator=g)) for i in range(k)]
             if case % 4 == 0:
                 q = None  # one-hot drafts
             elif case % 4 == 1:  # q == p at every position: a rejection leaves an empty residual
@@ -200,12 +200,13 @@ def test_decide_sampled_position_by_position_is_the_batched_rule(verification):
             res = decide(r, logits)
             d = torch.tensor([draft], dtype=torch.long).view(1, k)
             if verification == "gumbel":
-                tokens, n_acc = gumbel_verify(d, p.unsqueeze(0), gumbel_noise(seed, range(first, first + k + 1), vocab).unsqueeze(0))
+                noise = gumbel_noise(seed, range(first, first + k + 1), vocab).unsqueeze(0)
+                tokens, n_acc = gumbel_verify(d, p.unsqueeze(0), noise)
             else:
                 q_dense = q.dense(vocab).unsqueeze(0) if q is not None else None
-                tokens, n_acc = rejection_sample(d, q_dense, p.unsqueeze(0),
-                                                 uniforms(seed, range(first, first + k), Stream.ACCEPT).unsqueeze(0),
-                                                 uniforms(seed, range(first, first + k + 1), Stream.SAMPLE).unsqueeze(0))
+                accept = uniforms(seed, range(first, first + k), Stream.ACCEPT).unsqueeze(0)
+                sample = uniforms(seed, range(first, first + k + 1), Stream.SAMPLE).unsqueeze(0)
+                tokens, n_acc = rejection_sample(d, q_dense, p.unsqueeze(0), accept, sample)
             assert res.tokens == [t for t in tokens[0].tolist() if t != PAD], (k, case)
             assert res.num_accepted == int(n_acc[0]) and res.num_drafts == k, (k, case)
             checked += 1

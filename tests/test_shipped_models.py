@@ -81,8 +81,9 @@ def test_pair_reaches_the_acceptance_its_model_card_reports(pair):
 def test_cli_generates_with_speculation_and_prints_statistics(drafter):
     """The in-process CLI with each shipped drafter (a draft model, the EAGLE-3 head, n-grams; the DFlash and
     DSpark heads: tests/test_dflash.py)."""
-    out = subprocess.run([sys.executable, "-m", "offline.generate", "--prompt", "import os\n\ndef ", "--drafter", drafter,
-                          "--max-tokens", "32", "-k", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "offline.generate", "--prompt", "import os\n\ndef ",
+                          "--drafter", drafter, "--max-tokens", "32", "-k", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "mean_acceptance_length" in out.stdout and "tokens in" in out.stdout
     assert "'num_draft_tokens': 0," not in out.stdout or drafter == "ngram", out.stdout

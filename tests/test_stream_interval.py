@@ -67,7 +67,8 @@ def test_a_replica_streams_the_same_tokens_in_fewer_items(tiny_engines):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(interval_s, seq_id):
-        server = VerifierServer({}, engine=ver, options=VerifierOptions(stream_interval_s=interval_s))  # no drafter pool: plain decoding
+        # no drafter pool: plain decoding
+        server = VerifierServer({}, engine=ver, options=VerifierOptions(stream_interval_s=interval_s))
         return _collect(server.speculate(prompt, params, seq_id))
 
     each = run(0.0, "a")

@@ -44,7 +44,8 @@ EOS = 1
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},  # (xgrammar lets free strings hold raw control characters)
+        # (xgrammar lets free strings hold raw control characters)
+        "name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
         "kind": {"enum": ["cat", "dog", "owl"]},
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
         "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -75,7 +76,8 @@ def _heads(V: int):
     from tests.test_dflash import tiny_spec as parallel_spec
     from tests.test_eagle3 import random_head, tiny_spec
 
-    spec = tiny_spec(draft_vocab=V // 2, vocab=V)  # half the vocabulary: q is 0 on the rest (and masked rows may be empty)
+    # half the vocabulary: q is 0 on the rest (and masked rows may be empty)
+    spec = tiny_spec(draft_vocab=V // 2, vocab=V)
     spec.aux_layer_ids = [0, 1, 2]
     head = random_head(spec, seed=4)
     with torch.no_grad():
@@ -88,11 +90,15 @@ def drafters(tok, target, names=("draft_model", "ngram", "eagle3", "dflash", "ds
     V = target.config.vocab_size
     eagle, dflash, dspark = _heads(V) if set(names) & {"eagle3", "dflash", "dspark"} else (None,) * 3
     make = {
-        "draft_model": lambda: ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64), model=noisy_copy(target, 0.15)),
+        "draft_model": lambda: ModelDrafter(DraftModelConfig(model="tiny", cache_budget_mb=64),
+                                            model=noisy_copy(target, 0.15)),
         "ngram": lambda: NgramDrafter(NgramConfig(max_n=3)),
-        "eagle3": lambda: Eagle3Drafter(Eagle3Config(model="tiny", dtype="float32", cache_budget_mb=64), head=eagle, eos_ids={EOS}),
-        "dflash": lambda: ParallelDrafter(ParallelHeadConfig(method="dflash", model="x", dtype="float32"), head=dflash, eos_ids={EOS}),
-        "dspark": lambda: ParallelDrafter(ParallelHeadConfig(method="dspark", model="x", dtype="float32"), head=dspark, eos_ids={EOS}),
+        "eagle3": lambda: Eagle3Drafter(Eagle3Config(model="tiny", dtype="float32", cache_budget_mb=64),
+                                        head=eagle, eos_ids={EOS}),
+        "dflash": lambda: ParallelDrafter(ParallelHeadConfig(method="dflash", model="x", dtype="float32"),
+                                          head=dflash, eos_ids={EOS}),
+        "dspark": lambda: ParallelDrafter(ParallelHeadConfig(method="dspark", model="x", dtype="float32"),
+                                          head=dspark, eos_ids={EOS}),
     }
     out = {}
     for name in names:
@@ -120,7 +126,8 @@ def test_thirty_seeded_sampled_outputs_all_match(peaked, kind):
     tok, target = peaked
     dr = drafters(tok, target, ["draft_model"])["draft_model"]
     ver = _engines(target, tok, dr)
-    c = {"json": json_schema_constraint(SCHEMA), "regex": Constraint("regex", REGEX), "choice": choice_constraint(CHOICES)}[kind]
+    c = {"json": json_schema_constraint(SCHEMA), "regex": Constraint("regex", REGEX),
+         "choice": choice_constraint(CHOICES)}[kind]
     prompt = tok("def add(a, b):")["input_ids"]
     params = [SamplingParams(temperature=0.8, max_tokens=160, seed=s) for s in range(30)]
     seqs = generate([prompt] * 30, params, 4, dr, ver, constraint=c)
@@ -209,9 +216,10 @@ def test_bad_too_large_and_slow_constraints_are_grammar_errors_naming_the_field(
         assert e.value.param == c.param
     with pytest.raises(GrammarError, match="characters"):
         Constraint("regex", "a" * 70_000, param="structured_outputs.regex")
-    # a schema that compiles in about 0.15 s here: past the (test's) bound of 0.02 s, a 400, not a wait
+    # a schema that takes several times the (test's) bound of 0.02 s to compile: a 400, not a wait
     slow = json_schema_constraint({"type": "object", "properties": {
-        f"p{i}": {"type": "string", "pattern": "^[a-z]{1,30}@[a-z]{2,20}$"} for i in range(200)}}, param="structured_outputs.json")
+        f"p{i}": {"type": "string", "pattern": "^[a-z]{1,30}@[a-z]{2,20}$"} for i in range(200)}},
+        param="structured_outputs.json")
     with pytest.raises(GrammarError, match="within") as e:
         g.compile(slow)
     assert e.value.param == "structured_outputs.json"
@@ -313,7 +321,8 @@ def _sampled_outcomes(tok, target, drafter, ver, c, verification="rejection", k=
 
 @pytest.mark.heavy  # 3000 sampled sequences per drafter through the loop
 @pytest.mark.parametrize("name,verification", [("draft_model", "gumbel"), ("ngram", "rejection"),
-                                               ("eagle3", "rejection"), ("dflash", "rejection"), ("dspark", "rejection")])
+                                               ("eagle3", "rejection"), ("dflash", "rejection"),
+                                               ("dspark", "rejection")])
 def test_outputs_under_a_grammar_follow_the_masked_target(flat, name, verification):
     """(The draft model with rejection sampling: the next test, beside its control.)"""
     tok, target = flat

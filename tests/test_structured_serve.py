@@ -67,14 +67,16 @@ def _json_object(text: str) -> bool:
 
 def test_structured_outputs_on_both_endpoints_streamed_equal_not_n_choices(serve_app):
     base, *_ = serve_app
-    cases = [("/v1/completions", {"prompt": "def add(a, b):"}, {"structured_outputs": {"regex": r"[a-z]{2,5}-[0-9]{1,3}"}},
+    cases = [("/v1/completions", {"prompt": "def add(a, b):"},
+              {"structured_outputs": {"regex": r"[a-z]{2,5}-[0-9]{1,3}"}},
               lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", t)),
              ("/v1/completions", {"prompt": "class Point:"}, {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
               lambda t: t in ("yes", "no", "maybe")),
              ("/v1/chat/completions", {"messages": MESSAGES}, {"structured_outputs": {"json": SCHEMA}},
               lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
              ("/v1/chat/completions", {"messages": MESSAGES},
-              {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}},
+              {"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}},
               lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
              ("/v1/chat/completions", {"messages": MESSAGES}, {"response_format": {"type": "json_object"}},
               _json_object)]
@@ -97,12 +99,17 @@ def test_structured_outputs_on_both_endpoints_streamed_equal_not_n_choices(serve
 def test_constraints_that_cannot_be_served_are_400s_naming_the_field_and_others_run_on(serve_app):
     base, *_ = serve_app
     bad = [("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
-           ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs.grammar"),
-           ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs.regex"),
+           ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= nothing"}},
+            "structured_outputs.grammar"),
+           ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a" * 70_000}},
+            "structured_outputs.regex"),
            ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
-               "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
-           ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
-           ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, "ignore_eos"),
+               "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema"),
+           ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"json": "{not json"}},
+            "structured_outputs.json"),
+           ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "ignore_eos": True},
+            "ignore_eos"),
            ("/v1/completions", {"prompt": "x", "guided_json": {}}, "guided_json"),
            ("/v1/completions", {"prompt": "x", "guided_choice": ["a"]}, "guided_choice")]
     good = {"prompt": "def add(a, b):", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -110,8 +117,10 @@ def test_constraints_that_cannot_be_served_are_400s_naming_the_field_and_others_
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
-            flight = [asyncio.create_task(c.post(f"{base}/v1/completions", json={"model": "tiny", **good})) for _ in range(3)]
-            refusals = [await c.post(f"{base}{path}", json={"model": "tiny", "max_tokens": 8, **body}) for path, body, _ in bad]
+            flight = [asyncio.create_task(c.post(f"{base}/v1/completions", json={"model": "tiny", **good}))
+                      for _ in range(3)]
+            refusals = [await c.post(f"{base}{path}", json={"model": "tiny", "max_tokens": 8, **body})
+                        for path, body, _ in bad]
             return refusals, [await f for f in flight]
 
     refusals, others = asyncio.run(run())

@@ -32,21 +32,25 @@ def test_captured_states_are_the_targets_and_opted_out_requests_are_not_recorded
     tok = tiny_tokenizer()
     target = tiny_llama(len(tok), layers=4, peak=30.0, eos_token_id=None).eval()
     ver = capture_engine(tmp_path, target, tok)
-    drafter = ModelDrafter(DraftModelConfig(model="tiny", dtype="float32", cache_budget_mb=16), model=noisy_copy(target, 0.2))
+    drafter = ModelDrafter(DraftModelConfig(model="tiny", dtype="float32", cache_budget_mb=16),
+                           model=noisy_copy(target, 0.2))
     prompts = [tok("def add(a, b):\n")["input_ids"], tok("class Point:\n")["input_ids"], tok("for i in")["input_ids"]]
     params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=24, capture=False),
               SamplingParams(temperature=0.8, seed=3, max_tokens=24)]
     seqs = generate(prompts, params, 4, drafter, ver)
     want = target.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
-                           attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long), pad_token_id=2)[0, len(prompts[0]):]
+                           attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
+                           pad_token_id=2)[0, len(prompts[0]):]
     assert seqs[0].output_ids == want.tolist()  # recording changes nothing the request gets
     records, layers = read_shards(tmp_path / "shards")
     assert layers == [1, 2, 4] and ver.capture.stats["opted_out"] == 1
-    assert sorted(len(r["tokens"]) for r in records) == sorted(len(prompts[i]) + len(seqs[i].output_ids) - 1 for i in (0, 2))
+    assert sorted(len(r["tokens"]) for r in records) == sorted(len(prompts[i]) + len(seqs[i].output_ids) - 1
+                                                               for i in (0, 2))
     for rec in records:
         i = 0 if rec["tokens"][: len(prompts[0])] == prompts[0] else 2
         full = prompts[i] + seqs[i].output_ids
-        assert rec["tokens"] == full[:-1] and rec["num_prompt"] == len(prompts[i])  # every kept token, the last emitted one has no state yet
+        # every kept token, the last emitted one has no state yet
+        assert rec["tokens"] == full[:-1] and rec["num_prompt"] == len(prompts[i])
         with torch.no_grad():
             hs = target(input_ids=torch.tensor([rec["tokens"]]), output_hidden_states=True).hidden_states
             logits = target(input_ids=torch.tensor([rec["tokens"]])).logits[0]
@@ -84,8 +88,8 @@ def test_a_served_run_with_capture_produces_shards_the_trainer_consumes(serve_ap
             "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 16, "num_threads": 1,
                          "capture": {"dir": str(shards), "layers": [0, 1], "max_bytes": budget, "shard_bytes": 1,
                                      "flush_interval_s": 0.0}},
-            "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
-                        "cache_budget_mb": 16, "num_threads": 1}}
+            "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32",
+                        "num_speculative_tokens": 4, "cache_budget_mb": 16, "num_threads": 1}}
     with side_app(serve_app, "capture", args, overrides={"Verifier": {"num_replicas": 1}}) as base:
         replies = []
         for i in range(6):
@@ -112,10 +116,11 @@ def test_a_served_run_with_capture_produces_shards_the_trainer_consumes(serve_ap
     assert all(r["num_prompt"] == len(rep["choices"][0]["prompt_token_ids"]) for r, rep in zip(records, replies[2:5]))
     # the trainer reads the shards directly: no target forward, the distribution from the recorded last layer
     out = tmp_path / "head"
-    eagle3.main(["--target", str(target_dir), "--captured", str(shards), "--out", str(out), "--work", str(tmp_path / "work"),
-                 "--steps", "4", "--batch", "2", "--seq-len", "32", "--warmup", "1", "--eval-every", "4", "--ckpt-every", "4",
-                 "--eval-windows", "2", "--draft-vocab", "64", "--acceptance-prompts", "1", "--acceptance-max-tokens", "6",
-                 "--compare", "none", "--no-bf16-target", "--threads", "1", "--no-progress", "--held-out-percent", "30"])
+    eagle3.main(["--target", str(target_dir), "--captured", str(shards), "--out", str(out),
+                 "--work", str(tmp_path / "work"), "--steps", "4", "--batch", "2", "--seq-len", "32", "--warmup", "1",
+                 "--eval-every", "4", "--ckpt-every", "4", "--eval-windows", "2", "--draft-vocab", "64",
+                 "--acceptance-prompts", "1", "--acceptance-max-tokens", "6", "--compare", "none", "--no-bf16-target",
+                 "--threads", "1", "--no-progress", "--held-out-percent", "30"])
     run = json.loads((tmp_path / "work" / "history.json").read_text())
     assert len(run["curve"]) == 4 and all(c > 0 for c in run["curve"])
     spec = check_head(out, target_dir)

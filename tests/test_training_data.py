@@ -62,8 +62,8 @@ def test_each_reply_is_learned_after_its_served_prompt_with_a_template(chat_toke
     # example's start: here the second prompt extends the first turn, so one example holds both
     for i, reply in zip([2, 4], learned(examples)):
         prompt = data.encode(tok, data.render(tok, CONVERSATION[:i], add_generation_prompt=True))
-        assert any(ids[: len(prompt) + len(reply)] == prompt + reply and all(mask[len(prompt): len(prompt) + len(reply)])
-                   for ids, mask in examples)
+        n = len(prompt) + len(reply)
+        assert any(ids[:n] == prompt + reply and all(mask[len(prompt): n]) for ids, mask in examples)
 
 
 def test_sharegpt_and_openai_shapes_give_the_same_example(chat_tokenizer, tmp_path):
@@ -105,7 +105,8 @@ def test_a_regenerated_reply_is_learned_as_its_served_token_ids(chat_tokenizer, 
     tok = chat_tokenizer if template else tiny_tokenizer()
     served = tok("    return", add_special_tokens=False)["input_ids"][::-1] + [tok.eos_token_id]  # not the text's own
     record = {"conversations": [{"from": "human", "value": "def f():"},
-                                {"from": "gpt", "value": tok.decode(served, skip_special_tokens=True), "token_ids": served}]}
+                                {"from": "gpt", "value": tok.decode(served, skip_special_tokens=True),
+                                 "token_ids": served}]}
     (ids, mask), = data.chat_examples(tok, data.normalise(record))
     prompt = data.encode(tok, data.render(tok, [{"role": "user", "content": "def f():"}], add_generation_prompt=True))
     assert ids == prompt + served and mask == [False] * len(prompt) + [True] * len(served)

@@ -92,10 +92,12 @@ def test_a_chat_dataset_trains_a_head_the_server_loads(chat_target, tmp_path):
     # what the server's build check and the drafter pool's loader read; then served greedy is the target's own
     spec = check_head(out, target_dir)
     assert spec.aux_layer_ids == [1, 2] and spec.draft_vocab_size == 128
-    drafter = Eagle3Drafter(Eagle3Config(model=str(out), dtype="float32", cache_budget_mb=8, verifier_model=str(target_dir)))
+    drafter = Eagle3Drafter(Eagle3Config(model=str(out), dtype="float32", cache_budget_mb=8,
+                                         verifier_model=str(target_dir)))
     verifier = VerifierEngine(VerifierConfig(model=str(target_dir), dtype="float32", cache_budget_mb=16), model=target,
                               tokenizer=tok)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "write code 3"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "write code 3"}], tokenize=False,
+                                     add_generation_prompt=True)
     ids = tok(prompt)["input_ids"]
     (seq,) = generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), 4, drafter, verifier)
     want = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
@@ -121,8 +123,8 @@ def test_a_warm_start_from_the_shipped_head_lowers_kl_on_humaneval(tmp_path):
     eagle3.main(["--target", str(target), "--init", str(head), "--data", str(path), "--held-out", str(held),
                  "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"), "--steps", "8", "--batch", "4",
                  "--seq-len", "128", "--lr", "3e-5", "--warmup", "2", "--eval-every", "8", "--ckpt-every", "8",
-                 "--eval-windows", "8", "--acceptance-prompts", "2", "--acceptance-max-tokens", "16", "--compare", "none",
-                 "--no-bf16-target", "--threads", "2", "--no-progress"])
+                 "--eval-windows", "8", "--acceptance-prompts", "2", "--acceptance-max-tokens", "16",
+                 "--compare", "none", "--no-bf16-target", "--threads", "2", "--no-progress"])
     history = json.loads((tmp_path / "work" / "history.json").read_text())["history"]
     before, after = history[0]["held_out_kl"], history[-1]["held_out_kl"]
     print("held-out KL on HumanEval prompts: before", before, "after", after)
@@ -172,9 +174,9 @@ def test_a_draft_model_distils_from_the_same_chat_data(chat_target, tmp_path):
     chats = chat_dataset(tmp_path / "chats.jsonl", 24)
     distill.main(["--target", str(target_dir), "--data", str(chats), "--out", str(tmp_path / "drafter"),
                   "--work", str(tmp_path / "work"), "--hidden", "32", "--heads", "2", "--intermediate", "64",
-                  "--seq-len", "96", "--batch", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "1", "--eval-every", "6",
-                  "--ckpt-every", "6", "--eval-windows", "4", "--acceptance-prompts", "2", "--acceptance-max-tokens", "8",
-                  "--no-bf16-target", "--threads", "1", "--no-progress"])
+                  "--seq-len", "96", "--batch", "4", "--steps", "6", "--lr", "1e-2", "--warmup", "1",
+                  "--eval-every", "6", "--ckpt-every", "6", "--eval-windows", "4", "--acceptance-prompts", "2",
+                  "--acceptance-max-tokens", "8", "--no-bf16-target", "--threads", "1", "--no-progress"])
     history = json.loads((tmp_path / "work" / "history.json").read_text())
     assert history[-1]["held_out_kl"] < history[0]["held_out_kl"]
     acc = json.loads((tmp_path / "drafter" / "acceptance.json").read_text())

@@ -23,19 +23,19 @@ def tiny_target(tmp_path):
     docs = tmp_path / "code.jsonl"
     parts = [p for p in TINY_TEXT.split("\n\n") if p.strip()]
     # conversations with uneven learned spans, so the workers' halves of a batch hold different counts
-    docs.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": parts[i % len(parts)][: 8 + i]},
-                                                       {"role": "assistant", "content": parts[(i + 1) % len(parts)][: 20 + 3 * i]}]})
-                              for i in range(16)) + "\n")
+    docs.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": parts[i % len(parts)][: 8 + i]},
+        {"role": "assistant", "content": parts[(i + 1) % len(parts)][: 20 + 3 * i]}]}) for i in range(16)) + "\n")
     return tmp_path / "target", docs
 
 
 def run(tmp_path, target, docs, name, extra):
     work = tmp_path / name
-    eagle3.main(["--target", str(target), "--data", str(docs), "--out", str(tmp_path / f"head-{name}"), "--work", str(work),
-                 "--steps", "5", "--batch", "4", "--seq-len", "40", "--lr", "3e-3", "--warmup", "1", "--eval-every", "5",
-                 "--ckpt-every", "5", "--eval-windows", "2", "--draft-vocab", "96", "--acceptance-prompts", "1",
-                 "--acceptance-max-tokens", "4", "--compare", "none", "--no-bf16-target", "--threads", "2", "--no-progress",
-                 "--seed", "3"] + extra)
+    eagle3.main(["--target", str(target), "--data", str(docs), "--out", str(tmp_path / f"head-{name}"),
+                 "--work", str(work), "--steps", "5", "--batch", "4", "--seq-len", "40", "--lr", "3e-3",
+                 "--warmup", "1", "--eval-every", "5", "--ckpt-every", "5", "--eval-windows", "2",
+                 "--draft-vocab", "96", "--acceptance-prompts", "1", "--acceptance-max-tokens", "4",
+                 "--compare", "none", "--no-bf16-target", "--threads", "2", "--no-progress", "--seed", "3"] + extra)
     return json.loads((work / "history.json").read_text())
 
 

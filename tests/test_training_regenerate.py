@@ -14,9 +14,12 @@ from offline.training import data
 from offline.training.regenerate import main as regenerate_main
 
 CONVERSATIONS = [
-    {"id": 0, "conversations": [{"from": "human", "value": "def add(a, b):"}, {"from": "gpt", "value": "written by another model"},
-                                {"from": "human", "value": "class Point:"}, {"from": "gpt", "value": "also another model's"}]},
-    {"id": 1, "messages": [{"role": "system", "content": "code only"}, {"role": "user", "content": "for i in range(10):"},
+    {"id": 0, "conversations": [{"from": "human", "value": "def add(a, b):"},
+                                {"from": "gpt", "value": "written by another model"},
+                                {"from": "human", "value": "class Point:"},
+                                {"from": "gpt", "value": "also another model's"}]},
+    {"id": 1, "messages": [{"role": "system", "content": "code only"},
+                           {"role": "user", "content": "for i in range(10):"},
                            {"role": "assistant", "content": "a reply to replace"}]},
     {"id": 2, "messages": [{"role": "user", "content": "print(i)"}, {"role": "assistant", "content": "another reply"}]},
 ]
@@ -38,7 +41,8 @@ def test_regeneration_through_the_server_is_the_targets_greedy_reply_and_resumes
     out = tmp_path / "regenerated.jsonl"
     first = {"id": 0, "kept": "a line written by an earlier run"}
     out.write_text(json.dumps(first) + "\n" + '{"id": 1, "mess')  # an earlier run stopped inside line 2
-    regenerate_main(["--url", f"{url}/v1", "--model", "tiny", "--data", str(src), "--out", str(out), "--max-tokens", "6"])
+    regenerate_main(["--url", f"{url}/v1", "--model", "tiny", "--data", str(src), "--out", str(out),
+                     "--max-tokens", "6"])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3 and lines[0] == first  # continued after the complete line, not redone
     for want, got in zip(CONVERSATIONS[1:], lines[1:]):
@@ -53,8 +57,8 @@ def test_regeneration_through_the_server_is_the_targets_greedy_reply_and_resumes
             so_far.append(g)
     # ShareGPT keeps its shape; its second reply follows the regenerated first one
     out.unlink()
-    regenerate_main(["--url", f"{url}/v1", "--model", "tiny", "--data", str(src), "--out", str(out), "--max-tokens", "6",
-                     "--limit", "1"])
+    regenerate_main(["--url", f"{url}/v1", "--model", "tiny", "--data", str(src), "--out", str(out),
+                     "--max-tokens", "6", "--limit", "1"])
     (got,) = [json.loads(line) for line in out.read_text().splitlines()]
     turns = got["conversations"]
     assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]

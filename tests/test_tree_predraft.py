@@ -175,7 +175,8 @@ async def _speculate(seq, drafter, ver, k, m, pipeline=True):
     async def verify(requests):
         return ver.verify(requests)
 
-    infos = [info async for _, _, info in speculate(seq, propose, verify, FixedK(k), Breaker(), pipeline, alternatives=m)]
+    infos = [info async for _, _, info in speculate(seq, propose, verify, FixedK(k), Breaker(), pipeline,
+                                                    alternatives=m)]
     ver.release(seq.seq_id)
     drafter.release(seq.seq_id)
     return infos

@@ -371,7 +371,8 @@ def test_serve_vllm_config_and_bounds():
     cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
     app = AppConfig.model_validate(cfg["applications"][0]["args"])
     assert app.verifier.backend == "vllm" and app.verifier.vllm_kv_cache_gib <= 1
-    assert app.verifier.vllm_loop == "engine" and app.drafter.num_speculative_tokens <= app.verifier.vllm_num_speculative_tokens
+    assert app.verifier.vllm_loop == "engine"
+    assert app.drafter.num_speculative_tokens <= app.verifier.vllm_num_speculative_tokens
     for bad in ({"backend": "sglang"}, {"vllm_kv_cache_gib": 0}, {"vllm_block_size": 24}, {"vllm_max_num_seqs": 0},
                 {"vllm_tracked_sequences": 0}, {"vllm_loop": "async"}, {"vllm_num_speculative_tokens": 0},
                 {"vllm_num_speculative_tokens": 33}, {"tensor_parallel_size": 0}):
@@ -481,7 +482,8 @@ def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
             r = httpx.post(f"{base}/v1/completions", timeout=180, json={
                 "model": "tiny", "prompt": text, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                 "num_speculative_tokens": 4, "return_token_ids": True})
-            results.append((text, r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text))
+            results.append((text, r.status_code,
+                            r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
@@ -541,7 +543,8 @@ def test_the_vllm_internals_the_proposer_relies_on():
 
     for runner in (GPUModelRunner, CPUModelRunner):
         load = inspect.getsource(runner.load_model)
-        assert load.index("self.drafter.load_model(self.model)") < load.index("self._setup_eagle3_aux_hidden_state_outputs()")
+        assert (load.index("self.drafter.load_model(self.model)")
+                < load.index("self._setup_eagle3_aux_hidden_state_outputs()"))
     setup = inspect.getsource(GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
     assert "self.use_aux_hidden_state_outputs" in setup and "self._get_eagle3_aux_layers_from_config()" in setup
     assert "self.model.set_aux_hidden_state_layers(aux_layers)" in setup
@@ -552,7 +555,8 @@ def test_the_vllm_internals_the_proposer_relies_on():
     sample = inspect.getsource(GPUModelRunner.sample_tokens)
     assert "self.propose_draft_token_ids(" in sample and "aux_hidden_states," in sample
     # a row's fed tokens are query_start_loc[i]..query_start_loc[i + 1] in the states, as in the input ids
-    assert "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens" in inspect.getsource(GPUModelRunner._prepare_inputs)
+    prepare = inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert "self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens" in prepare
     assert "additional_config" in fields
 
 

@@ -59,7 +59,8 @@ def test_modes_and_refusals():
         AppConfig.model_validate({**base, "drafter_placement": "verifier",
                                   "verifier": {**VERIFIER, "vllm_loop": "per_step"}})
     with pytest.raises(ValidationError, match="vllm_num_speculative_tokens"):  # vLLM verifies at most that many
-        AppConfig.model_validate({**base, "drafter_placement": "verifier", "drafter": {**HEAD_CFG, "num_speculative_tokens": 6}})
+        AppConfig.model_validate({**base, "drafter_placement": "verifier",
+                                  "drafter": {**HEAD_CFG, "num_speculative_tokens": 6}})
 
 
 def _proposer(rows: int):
@@ -320,7 +321,8 @@ def test_served_head_in_vllms_engine_is_the_target_with_its_acceptance(ray_clust
     finally:
         serve.delete("vllm_eagle_in")
     want, _ = _transformers_path(CODE, tok)
-    full = [a for _, steps in want for k, a in steps if k == K]  # vLLM drafts K at every step, the loop fewer at the end
+    # vLLM drafts K at every step, the loop fewer at the end
+    full = [a for _, steps in want for k, a in steps if k == K]
     ref = sum(full) / (K * len(full))
     print("vLLM in-engine acceptance", accepted / drafted, "head on the pool", ref)
     assert abs(accepted / drafted - ref) <= 0.05, (accepted / drafted, ref)

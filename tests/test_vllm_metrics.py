@@ -30,7 +30,8 @@ def test_families_are_vllms_own():
     src = inspect.getsource(vl) + inspect.getsource(vs)
     assert 'labelnames = ["model_name", "engine"]' in src
     flat = " ".join(src.split()).replace('( "', '("').replace('" )', '")')
-    for name, doc in {**COUNTERS, **GAUGES, PER_POS[0]: PER_POS[1], **{n: d for n, (d, _) in HISTOGRAMS.items()}}.items():
+    docs = {**COUNTERS, **GAUGES, PER_POS[0]: PER_POS[1], **{n: d for n, (d, _) in HISTOGRAMS.items()}}
+    for name, doc in docs.items():
         assert f'"{name}"' in src, name
         assert doc in flat, (name, doc)
 
@@ -159,7 +160,8 @@ async def _traffic(base: str, n_requests: int) -> list[dict]:
                                                          stream_options={"include_usage": True}, **common)
                 specs, usage, metrics = [], None, None
                 async for c in stream:  # each choice's block on its last chunk
-                    specs += [ch.model_extra["speculation"] for ch in c.choices if (ch.model_extra or {}).get("speculation")]
+                    specs += [ch.model_extra["speculation"] for ch in c.choices
+                              if (ch.model_extra or {}).get("speculation")]
                     if c.usage is not None:
                         usage, metrics = c.usage, (c.model_extra or {}).get("metrics")
                 return {"specs": specs, "n": n, "prompt": usage.prompt_tokens, "out": usage.completion_tokens,
@@ -171,8 +173,9 @@ async def _traffic(base: str, n_requests: int) -> list[dict]:
                     {"role": "user", "content": f"write {i} lines"}], **common)
             else:
                 r = await client.completions.create(model="tiny", prompt=f"class C{i}:", n=n, **common)
-            return {"specs": [ch.model_extra["speculation"] for ch in r.choices], "n": n, "prompt": r.usage.prompt_tokens,
-                    "out": r.usage.completion_tokens, "metrics": r.model_extra.get("metrics")}
+            return {"specs": [ch.model_extra["speculation"] for ch in r.choices], "n": n,
+                    "prompt": r.usage.prompt_tokens, "out": r.usage.completion_tokens,
+                    "metrics": r.model_extra.get("metrics")}
 
     return await asyncio.gather(*(one(i) for i in range(n_requests)))
 
@@ -193,7 +196,8 @@ def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_c
     from tests.conftest import side_app
 
     target_dir, drafter_dir = tiny_model_dirs
-    args = {"model_name": "tiny", "max_tokens_limit": 512, "k_policy": "fixed", "per_request_spec_decode_metrics": "summary",
+    args = {"model_name": "tiny", "max_tokens_limit": 512, "k_policy": "fixed",
+            "per_request_spec_decode_metrics": "summary",
             "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 64, "num_threads": 1},
             "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32",
                         "num_speculative_tokens": 4, "cache_budget_mb": 32, "num_threads": 1}}
@@ -218,8 +222,10 @@ def test_metrics_endpoint_sums_router_replicas(serve_app, tiny_model_dirs, ray_c
                          timeout=15)
         assert after, (counters(httpx.get(f"{base}/metrics", timeout=30).text), want)
         _check_families(after, len(specs), specs)
-        reps = {(x.labels["deployment"], x.labels["state"]): x.value for x in _parse(after)["splitspec:replicas"].samples}
-        assert reps[("Router", "RUNNING")] == reps[("Router", "TARGET")] == 2 and reps[("Metrics", "RUNNING")] == 1, reps
+        reps = {(x.labels["deployment"], x.labels["state"]): x.value
+                for x in _parse(after)["splitspec:replicas"].samples}
+        assert reps[("Router", "RUNNING")] == reps[("Router", "TARGET")] == 2, reps
+        assert reps[("Metrics", "RUNNING")] == 1, reps
         # Speculators' evaluation script reads the acceptance rate the responses report
         accepted, drafted = want["vllm:spec_decode_num_accepted_tokens"], want["vllm:spec_decode_num_draft_tokens"]
         got = _speculators_acceptance(before, after)
@@ -273,4 +279,5 @@ def _check_per_request(results: list[dict]):
         assert round(m["mean_acceptance_length"], 4) == s["mean_acceptance_length"]
         assert round(m["draft_acceptance_rate"], 4) == s["acceptance_rate"]
         # accepted at position i or beyond: the histogram's tail
-        assert [sum(m["acceptance_histogram"][i + 1:]) for i in range(len(s["accepted_per_pos"]))] == s["accepted_per_pos"]
+        tails = [sum(m["acceptance_histogram"][i + 1:]) for i in range(len(s["accepted_per_pos"]))]
+        assert tails == s["accepted_per_pos"]

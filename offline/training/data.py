@@ -40,7 +40,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 class TokenData:
     ids: torch.Tensor  # [N] int32: every example, one after another
     mask: torch.Tensor  # [N] bool: the tokens the loss learns
-    starts: torch.Tensor | None = None  # [n] int64: the examples' starts (a window lies in one example, or begins one); None: anywhere
+    # [n] int64: the examples' starts (a window lies in one example, or begins one); None: anywhere
+    starts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -206,7 +207,8 @@ def load(paths: list[Path], tokenizer, held_out: list[Path] | None = None,
         train = [r for r, f in zip(train, flags) if not f]
 
     def tokens(recs):
-        parts = [p for r in recs for p in (chat_examples(tokenizer, r) if isinstance(r, list) else [text_example(tokenizer, r)])]
+        parts = [p for r in recs
+                 for p in (chat_examples(tokenizer, r) if isinstance(r, list) else [text_example(tokenizer, r)])]
         return concat(parts, starts=any(isinstance(r, list) for r in recs))
 
     return tokens(train), tokens(held), held

@@ -76,7 +76,8 @@ def train(head: ParallelHead, target, windows, steps: int, lr: float = 1e-3, anc
     g = torch.Generator().manual_seed(seed)
     params = [p for n, p in head.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + torch.cos(torch.tensor(i / max(steps, 1) * 3.14159)).item()))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 0.5 * (1 + torch.cos(torch.tensor(i / max(steps, 1) * 3.14159)).item()))
     head.train()
     stats = {}
     k = head.spec.max_k
@@ -99,7 +100,8 @@ def train(head: ParallelHead, target, windows, steps: int, lr: float = 1e-3, anc
 
 
 def new_head(target, method: str, block: int, mask_token: int, counts: torch.Tensor, draft_vocab: int,
-             aux_layers: list[int], layers: int = 1, markov_rank: int = 32, intermediate: int | None = None) -> ParallelHead:
+             aux_layers: list[int], layers: int = 1, markov_rank: int = 32,
+             intermediate: int | None = None) -> ParallelHead:
     """A head at the target's width (its embedding, frozen; lm_head and final norm from the target's)."""
     tc = target.config.get_text_config()
     heads = tc.num_attention_heads
@@ -131,7 +133,8 @@ def new_head(target, method: str, block: int, mask_token: int, counts: torch.Ten
 
 @torch.no_grad()
 def regenerated(target, ids: torch.Tensor, n: int, prompt_len: int, length: int, work: Path, seed: int) -> torch.Tensor:
-    """[n, length] windows: corpus prompts of prompt_len tokens and the target's greedy continuation (cached in work)."""
+    """[n, length] windows: corpus prompts of prompt_len tokens and the target's greedy continuation (cached in
+    work)."""
     from offline.training.loop import batch_at
 
     cache = work / f"regenerated-{n}-{prompt_len}-{length}-{seed}.pt"
@@ -220,7 +223,8 @@ def main(argv=None) -> None:
     stats = train(head, target, windows, args.steps, args.lr, args.anchors, args.seed, progress, first_anchor)
     minutes = (time.time() - t0) / 60
     arch = list(target.config.architectures or [])
-    save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)  # before the evaluation
+    # before the evaluation
+    save_head(head, args.out, head.spec.to_config(str(args.target), arch), dtype=torch.bfloat16)
     head = load_head(args.out, verifier=args.target)  # the card's figures are the exported file's
     prompts = [tokenizer(p)["input_ids"] for p in held_out_prompts(args.acceptance_prompts)]
     truths = greedy_continuations(target, prompts, args.acceptance_max_tokens)
@@ -228,16 +232,21 @@ def main(argv=None) -> None:
     (args.out / "acceptance.json").write_text(json.dumps(acc, indent=1) + "\n")
     s = head.spec
     card = [f"# {args.out.name}", "",
-            f"A {args.method} head for `{args.target}`, trained by `python -m offline.training.dflash` (Speculators format).", "",
-            f"- head: {s.num_layers} decoder layer(s), hidden {s.hidden_size}; block {s.block_size} ({s.max_k} drafts per pass); "
-            f"aux layers {s.aux_layer_ids}; draft vocabulary {s.draft_vocab_size} of {s.vocab_size}; mask token {s.mask_token_id}",
-            f"- training: {args.steps} steps x {args.batch} x {args.seq_len} tokens x {args.anchors} blocks, lr {args.lr}, seed "
-            f"{args.seed}; {minutes:.1f} min on {args.threads} CPU thread(s); last step KL {stats['kl']:.3f}, top-1 {stats['top1']:.3f}",
-            f"- command: `python -m offline.training.dflash --target {args.target} --out {args.out} --method {args.method} "
-            f"--steps {args.steps} --block {args.block}" + (f" --regenerate {args.regenerate}" if args.regenerate else "") + "`", "",
+            f"A {args.method} head for `{args.target}`, trained by `python -m offline.training.dflash` "
+            "(Speculators format).", "",
+            f"- head: {s.num_layers} decoder layer(s), hidden {s.hidden_size}; block {s.block_size} "
+            f"({s.max_k} drafts per pass); aux layers {s.aux_layer_ids}; draft vocabulary {s.draft_vocab_size} "
+            f"of {s.vocab_size}; mask token {s.mask_token_id}",
+            f"- training: {args.steps} steps x {args.batch} x {args.seq_len} tokens x {args.anchors} blocks, "
+            f"lr {args.lr}, seed {args.seed}; {minutes:.1f} min on {args.threads} CPU thread(s); "
+            f"last step KL {stats['kl']:.3f}, top-1 {stats['top1']:.3f}",
+            f"- command: `python -m offline.training.dflash --target {args.target} --out {args.out} "
+            f"--method {args.method} --steps {args.steps} --block {args.block}"
+            + (f" --regenerate {args.regenerate}" if args.regenerate else "") + "`", "",
             f"Greedy acceptance of the exported head (this directory's bfloat16 `model.safetensors`) on {len(prompts)} "
             f"held-out prompts x {args.acceptance_max_tokens} tokens, k = {acc['k']}: "
-            f"mean acceptance length {acc['mean_acceptance_length']}, per position {acc['per_position_acceptance_rate']}."]
+            f"mean acceptance length {acc['mean_acceptance_length']}, "
+            f"per position {acc['per_position_acceptance_rate']}."]
     (args.out / "README.md").write_text("\n".join(card) + "\n")
     print(json.dumps(acc), flush=True)
 

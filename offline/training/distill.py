@@ -156,7 +156,8 @@ def write_model_card(out: Path, target_dir: Path, args, history: list, acceptanc
         if key.startswith("temperature_"):
             t = float(key.split("_")[1])
             lines.append(f"| {'greedy' if t == 0 else f'temperature {t}'} | {m['acceptance_rate']:.3f} | "
-                         f"{m['mean_acceptance_length']:.2f} | {', '.join(f'{a:.2f}' for a in m['per_position_acceptance_rate'])} |")
+                         f"{m['mean_acceptance_length']:.2f} | "
+                         f"{', '.join(f'{a:.2f}' for a in m['per_position_acceptance_rate'])} |")
     lines += ["", "Acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts",
               "(bonus token included), as vLLM's spec_decode metrics define them.", ""]
     (out / "README.md").write_text("\n".join(lines))
@@ -166,15 +167,18 @@ def write_model_card(out: Path, target_dir: Path, args, history: list, acceptanc
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=Path("models/tiny-code-target"))
-    add_model_args(ap, out="models/tiny-code-drafter", work="build/distill", layers=1, hidden=128, heads=2, intermediate=384)
+    add_model_args(ap, out="models/tiny-code-drafter", work="build/distill", layers=1, hidden=128, heads=2,
+                   intermediate=384)
     add_schedule_args(ap, steps=700, lr=3e-3, warmup=50, ckpt_every=50, eval_every=100, seq_len=512, batch=8)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--generated-every", type=int, default=0,
                     help="every N steps train on target-generated continuations instead of corpus text (0: never)")
     ap.add_argument("--generated-temperature", type=float, default=0.8)
     ap.add_argument("--data", type=Path, nargs="+", default=None,
-                    help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
-    ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
+                    help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files "
+                    "(default: the stdlib)")
+    ap.add_argument("--held-out", type=Path, nargs="+", default=None,
+                    help="held-out records (default: a split of --data)")
     add_training_args(ap, "run the target's forward pass under bf16 autocast (faster on CPUs with AVX512-BF16)")
     args = ap.parse_args(argv)
 

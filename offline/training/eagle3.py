@@ -320,9 +320,10 @@ def export_dtype(head: nn.Module, start: dict[str, torch.Tensor] | None) -> tupl
         changed += int(moved.sum())
         lost += int((moved & (w.bfloat16() == w0.bfloat16())).sum())
     if changed and lost / changed > 0.01:
-        return torch.float32, (f"float32: in bfloat16, {100 * lost / changed:.1f}% of the {changed} weights this warm start "
-                               "changed would round back to the initial head's values")
-    return torch.bfloat16, f"bfloat16 ({100 * lost / max(changed, 1):.1f}% of the {changed} changed weights round back in it)"
+        return torch.float32, (f"float32: in bfloat16, {100 * lost / changed:.1f}% of the {changed} weights this "
+                               "warm start changed would round back to the initial head's values")
+    return torch.bfloat16, (f"bfloat16 ({100 * lost / max(changed, 1):.1f}% of the {changed} changed weights round "
+                            "back in it)")
 
 
 def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict, train_s: float):
@@ -342,7 +343,8 @@ def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict,
     lines = [
         f"# {out.name}", "",
         f"An EAGLE-3 draft head for `{args.target}`, {origin}. Speculators format: vLLM loads it with "
-        "`speculative_config={\"method\": \"eagle3\", \"model\": \"" + str(out) + "\", \"num_speculative_tokens\": 4}`.", "",
+        "`speculative_config={\"method\": \"eagle3\", \"model\": \"" + str(out)
+        + "\", \"num_speculative_tokens\": 4}`.", "",
         f"- head: {s.num_layers} decoder layer(s), hidden {s.hidden_size}, {s.num_attention_heads} heads, intermediate "
         f"{s.intermediate_size}; {n_params / 1e6:.2f}M trainable parameters (the embedding is the target's, frozen)",
         f"- aux layers {s.aux_layer_ids} of the target's {len(s.aux_layer_ids)} x {s.target_hidden_size}-wide states; "
@@ -356,7 +358,8 @@ def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict,
         f"{history[-1]['held_out_kl']:.4f} nats/token at the end" if history else "",
         f"- command: `{command}`",
         f"- weights: {acc.get('export', 'bfloat16')}", "",
-        f"## Greedy acceptance on {h['num_prompts']} held-out prompts (k = {h['k']}, {h['max_tokens']} new tokens each)", "",
+        f"## Greedy acceptance on {h['num_prompts']} held-out prompts (k = {h['k']}, "
+        f"{h['max_tokens']} new tokens each)", "",
         "Simulated with the reference implementation (`core.eagle3`) on the target's own greedy continuation, with",
         "the head as this directory's `model.safetensors` holds it (and the initial head as its file holds it);",
         "the draft model row drafts with its own greedy continuation on the same prompts.", "",
@@ -364,7 +367,8 @@ def write_model_card(out: Path, args, head: EagleHead, history: list, acc: dict,
     ]
 
     def row(name, m):
-        return f"| {name} | {m['mean_acceptance_length']:.2f} | {', '.join(f'{a:.2f}' for a in m['per_position_acceptance_rate'])} |"
+        rates = ", ".join(f"{a:.2f}" for a in m["per_position_acceptance_rate"])
+        return f"| {name} | {m['mean_acceptance_length']:.2f} | {rates} |"
 
     if before:
         lines.append(row(f"`{args.init}` (before)", before))
@@ -386,8 +390,10 @@ def parser() -> argparse.ArgumentParser:
         "start from this Speculators eagle3 head (a warm start; use a small --lr such as 3e-5: "
         "docs/decisions/0028-warm-start-learning-rate.md)"))
     ap.add_argument("--data", type=Path, nargs="+", default=None,
-                    help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files (default: the stdlib)")
-    ap.add_argument("--held-out", type=Path, nargs="+", default=None, help="held-out records (default: a split of --data)")
+                    help="JSONL conversations (ShareGPT or OpenAI messages) or texts, or text files "
+                    "(default: the stdlib)")
+    ap.add_argument("--held-out", type=Path, nargs="+", default=None,
+                    help="held-out records (default: a split of --data)")
     ap.add_argument("--held-out-percent", type=int, default=5,
                     help="records held out without --held-out, by a hash: at least 4, never more than half")
     ap.add_argument("--captured", type=Path, default=None, help="a directory of verifier.capture shards")
@@ -399,7 +405,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--prompt-chars", type=int, default=400, help="length of the held-out text prompts")
-    ap.add_argument("--workers", type=int, default=0, help="run as a Ray Train job on this many workers (0: in process)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="run as a Ray Train job on this many workers (0: in process)")
     ap.add_argument("--use-gpu", action="store_true", help="Ray Train workers on GPUs (nccl); default CPUs (gloo)")
     ap.add_argument("--ray-address", default=None, help="the Ray cluster (default: the running one, else a local one)")
     add_schedule_args(ap, steps=600, lr=1e-3, warmup=30, ckpt_every=25, eval_every=100, seq_len=256, batch=8)
@@ -477,8 +484,8 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
     (args.work / "history.json").write_text(json.dumps({"history": result.history, "curve": result.curve}, indent=1))
 
     dtype, export = export_dtype(head.cpu(), start if args.init else None)
-    save_head(head, args.out, Eagle3Spec.to_config(head.spec, str(args.target), list(target.config.architectures or [])),
-              dtype=dtype)
+    save_head(head, args.out,
+              Eagle3Spec.to_config(head.spec, str(args.target), list(target.config.architectures or [])), dtype=dtype)
     print(f"wrote {args.out}: {export}")
     head = load_head(args.out, verifier=args.target).float().eval()  # the card's figures are the exported file's
     target.cpu()

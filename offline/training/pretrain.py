@@ -92,7 +92,8 @@ def held_out_loss(model, ids: torch.Tensor, seq_len: int, max_windows: int = 64)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, out="models/tiny-code-target", work="build/pretrain", layers=8, hidden=512, heads=8, intermediate=1408)
+    add_model_args(ap, out="models/tiny-code-target", work="build/pretrain", layers=8, hidden=512, heads=8,
+                   intermediate=1408)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--context", type=int, default=1024, help="max_position_embeddings")
     add_schedule_args(ap, steps=1000, lr=1.5e-3, warmup=100, ckpt_every=50, eval_every=250, seq_len=512, batch=8)
@@ -188,7 +189,8 @@ def write_model_card(args, model, tokenizer, history, n_train_tokens: int):
         f"- training: {final['step']} steps x {args.batch} sequences x {args.seq_len} tokens"
         f" ({final['step'] * args.batch * args.seq_len / 1e6:.1f}M tokens, of {n_train_tokens / 1e6:.1f}M train"
         f" tokens), AdamW, peak lr {args.lr}, cosine, bf16 autocast, seed {args.seed}, on 2 CPU cores",
-        f"- **held-out loss: {final['held_out_loss']:.3f} nats/token** (perplexity {math.exp(final['held_out_loss']):.1f})",
+        f"- **held-out loss: {final['held_out_loss']:.3f} nats/token**"
+        f" (perplexity {math.exp(final['held_out_loss']):.1f})",
         "",
         "| step | held-out loss (nats/token) |",
         "|---|---|",

