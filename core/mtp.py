@@ -45,7 +45,8 @@ from torch import nn
 from core.layers import RMSNorm
 
 # model_type -> (transformers' class prefix, whether vLLM feeds back the normed output: its MTP model returns a tuple)
-FAMILIES = {"glm4_moe": ("Glm4Moe", False), "glm4_moe_lite": ("Glm4MoeLite", False), "deepseek_v3": ("DeepseekV3", True)}
+FAMILIES = {"glm4_moe": ("Glm4Moe", False), "glm4_moe_lite": ("Glm4MoeLite", False),
+            "deepseek_v3": ("DeepseekV3", True)}
 
 
 class UnsupportedMtp(ValueError):

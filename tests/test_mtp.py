@@ -386,7 +386,8 @@ def test_the_glm47_flash_config_builds_with_a_stand_in_under_its_id(tmp_path, mo
     from tests.helpers import tiny_tokenizer
     from tests.hub_cache import lay_out, model_files, offline_home
 
-    config = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_gpu_glm47_flash_mtp.yaml").read_text())
+    root = Path(__file__).resolve().parent.parent
+    config = yaml.safe_load((root / "configs" / "serve_gpu_glm47_flash_mtp.yaml").read_text())
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     args = json.loads(json.dumps(app["args"]))

@@ -68,10 +68,10 @@ def test_a_short_run_from_an_eagle3_head_writes_a_head_the_pool_serves(tmp_path)
     tok.save_pretrained(tmp_path / "target")
     out, work = tmp_path / "head", tmp_path / "work"
     peagle.main(["--target", str(tmp_path / "target"), "--out", str(out), "--work", str(work), "--steps", "6",
-                 "--batch", "4", "--seq-len", "96", "--lr", "3e-3", "--warmup", "1", "--eval-every", "3", "--ckpt-every",
-                 "3", "--eval-windows", "4", "--draft-vocab", "128", "--anchors", "8", "--corpus-files", "4",
-                 "--acceptance-prompts", "2", "--acceptance-max-tokens", "8", "--no-bf16-target", "--threads", "1",
-                 "--no-progress"])
+                 "--batch", "4", "--seq-len", "96", "--lr", "3e-3", "--warmup", "1", "--eval-every", "3",
+                 "--ckpt-every", "3", "--eval-windows", "4", "--draft-vocab", "128", "--anchors", "8",
+                 "--corpus-files", "4", "--acceptance-prompts", "2", "--acceptance-max-tokens", "8", "--no-bf16-target",
+                 "--threads", "1", "--no-progress"])
     acc = json.loads((out / "acceptance.json").read_text())
     kl = [h["held_out_kl"] for h in acc["history"]]
     assert len(kl) == 3 and kl[-1] < kl[0], kl
@@ -80,7 +80,8 @@ def test_a_short_run_from_an_eagle3_head_writes_a_head_the_pool_serves(tmp_path)
     assert spec.layout == "speculators" and spec.speculative_tokens == 4 and spec.mask_token_id == tok.pad_token_id
     drafter = PEagleDrafter(PEagleConfig(model=str(out), dtype="float32", cache_budget_mb=8,
                                          verifier_model=str(tmp_path / "target")))
-    verifier = VerifierEngine(VerifierConfig(model="t", dtype="float32", cache_budget_mb=16), model=target, tokenizer=tok)
+    verifier = VerifierEngine(VerifierConfig(model="t", dtype="float32", cache_budget_mb=16), model=target,
+                              tokenizer=tok)
     ids = tok("def add(a, b):")["input_ids"]
     (seq,) = generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), 4, drafter, verifier)
     want = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16,

@@ -210,13 +210,15 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
 
 def write_card(args, acc: dict) -> None:
     def row(name, m):
-        return f"| {name} | {m['mean_acceptance_length']:.2f} | {', '.join(f'{a:.2f}' for a in m['per_position_acceptance_rate'])} |"
+        rates = ", ".join(f"{a:.2f}" for a in m["per_position_acceptance_rate"])
+        return f"| {name} | {m['mean_acceptance_length']:.2f} | {rates} |"
 
     h = acc["history"]
     lines = [f"# {args.out.name}", "",
-             f"A P-EAGLE head for `{args.target}` (Speculators `peagle` format; `drafter: {{method: peagle}}`), trained by "
-             f"`python -m offline.training.peagle` from `{args.init or 'a new head'}`: blocks of {args.block}, "
-             f"{args.anchors} anchors per batch, {args.steps} steps x {args.batch} x {args.seq_len} tokens, lr {args.lr}, "
+             f"A P-EAGLE head for `{args.target}` (Speculators `peagle` format; `drafter: {{method: peagle}}`), "
+             f"trained by `python -m offline.training.peagle` from `{args.init or 'a new head'}`: blocks of "
+             f"{args.block}, {args.anchors} anchors per batch, {args.steps} steps x {args.batch} x {args.seq_len} "
+             f"tokens, lr {args.lr}, "
              f"seed {args.seed}, {acc['train_s'] / 60:.1f} min"
              + (f" on {args.workers} Ray Train workers" if args.workers else f" on {args.threads} CPU thread(s)") + ".",
              "", f"Held-out KL over the block positions: {h[0]['held_out_kl']:.4f} at the start, "
@@ -236,16 +238,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("build/peagle/tiny-code-peagle"))
     ap.add_argument("--work", type=Path, default=Path("build/peagle/work"), help="checkpoints and token cache")
     ap.add_argument("--init", type=Path, default=None, help="start from this Speculators eagle3 or peagle head")
-    ap.add_argument("--data", type=Path, nargs="+", default=None, help="as offline.training.eagle3's (default: the stdlib)")
+    ap.add_argument("--data", type=Path, nargs="+", default=None,
+                    help="as offline.training.eagle3's (default: the stdlib)")
     ap.add_argument("--held-out", type=Path, nargs="+", default=None)
     ap.add_argument("--held-out-percent", type=int, default=5)
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--aux-layers", type=lambda s: [int(i) for i in s.split(",")], default=None)
     ap.add_argument("--block", type=int, default=4, help="k: the drafts of one pass the head learns")
     ap.add_argument("--anchors", type=int, default=16, help="anchors per batch, each with block - 1 placeholder rows")
-    ap.add_argument("--mask-token", type=int, default=None, help="the placeholder token (default: the tokenizer's pad)")
+    ap.add_argument("--mask-token", type=int, default=None,
+                    help="the placeholder token (default: the tokenizer's pad)")
     ap.add_argument("--eval-windows", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=0, help="run as a Ray Train job on this many workers (0: in process)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="run as a Ray Train job on this many workers (0: in process)")
     ap.add_argument("--use-gpu", action="store_true")
     ap.add_argument("--ray-address", default=None)
     add_schedule_args(ap, steps=200, lr=3e-4, warmup=10, ckpt_every=25, eval_every=50, seq_len=256, batch=8)
