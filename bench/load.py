@@ -38,11 +38,15 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=1, help="on/off pairs per concurrency level (ratio: their median)")
     ap.add_argument("--multi-turn", action="store_true", help="the conversations workload, prefix cache on and off")
+    ap.add_argument("--system-tokens", type=int, default=850, help="--multi-turn: the shared system prompt's tokens")
+    ap.add_argument("--turn-tokens", type=int, default=24, help="--multi-turn: each user turn's tokens")
+    ap.add_argument("--vllm", action="store_true", help="--multi-turn: vLLM's own server too, its prefix cache on")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
-    if args.multi_turn and args.max_tokens > 24:  # 640 + 5 x (48 + 24) tokens and a step's drafts: 1,024
-        ap.error(f"--multi-turn: --max-tokens {args.max_tokens}: at most 24 (five turns fill the pair's context)")
+    if args.multi_turn and args.system_tokens + 5 * (args.turn_tokens + args.max_tokens) + 8 > 1024:
+        ap.error("--multi-turn: the system prompt, five turns and their answers (and 8 drafts) exceed the pair's "
+                 "context of 1,024 tokens")
     return args
 
 
@@ -159,7 +163,8 @@ async def _measure_chats(url, args) -> list[dict]:
 
     from bench.common import TARGET
 
-    system, convs = workloads.conversations(AutoTokenizer.from_pretrained(TARGET))
+    system, convs = workloads.conversations(AutoTokenizer.from_pretrained(TARGET), system_tokens=args.system_tokens,
+                                            turn_tokens=args.turn_tokens)
     out = []
     async with httpx.AsyncClient(timeout=1800) as client:
         await _chats(client, url, system, convs[:1], 1, None, args)  # warm-up
@@ -182,9 +187,18 @@ def _run_chats(args, sc: Scenario, url: str | None, t0: float) -> dict:
     with contextlib.ExitStack() as stack:
         url = url or stack.enter_context(serving({"load": app}, args.threads))["load"]
         levels = asyncio.run(_measure_chats(url, args))
+    peer = {}
+    if args.vllm:  # vLLM's own server, its draft_model speculation at the peers' k, its prefix caching on
+        from bench.common import PEER_K, vllm_python
+        from bench.vllm import VllmServer
+
+        with VllmServer(vllm_python(), PEER_K, args.threads, 1024, args.dtype, prefix_caching=True) as server:
+            peer["vllm_levels"] = asyncio.run(_measure_chats(server.wait_ready(), args))
     return {"scenario": "load-multi-turn", "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                                                      "temperature": args.temperature, "threads": args.threads},
-            "environment": environment(args.threads), "levels": levels, "duration_s": round(time.perf_counter() - t0, 1)}
+                                                      "temperature": args.temperature, "threads": args.threads,
+                                                      "system_tokens": args.system_tokens, "turn_tokens": args.turn_tokens},
+            "environment": environment(args.threads), "levels": levels, **peer,
+            "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def run(args, url: str | None = None) -> dict:

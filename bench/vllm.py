@@ -228,13 +228,14 @@ class VllmServer:
 
     def __init__(self, python: str, k: int, threads: int, max_model_len: int = MAX_MODEL_LEN,
                  dtype: str = BENCH_DTYPE, method: str = "draft_model", drafter: str = DRAFTER,
-                 first_cpu: int = 0, start_timeout_s: float = 900):
+                 first_cpu: int = 0, start_timeout_s: float = 900, prefix_caching: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--tokenizer", TARGET,
                "--served-model-name", "tiny-code", "--dtype", dtype, "--max-model-len", str(max_model_len),
-               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", "--no-enable-prefix-caching",
-               "--disable-uvicorn-access-log"]
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", "--disable-uvicorn-access-log",
+               *(["--enable-prefix-caching", "--enable-prompt-tokens-details"] if prefix_caching
+                 else ["--no-enable-prefix-caching"])]
         if k > 0:
             cmd += ["--speculative-config", json.dumps({"method": method, "model": drafter, "num_speculative_tokens": k})]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -15,6 +15,7 @@ from configs.models import (
     ParallelHeadConfig,
     SamplingParams,
     VerifierConfig,
+    VllmOptions,
     from_yaml,
     to_yaml,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ParallelHeadConfig",
     "SamplingParams",
     "VerifierConfig",
+    "VllmOptions",
     "from_yaml",
     "to_yaml",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from configs import AppConfig
+from core.backends import check as check_backend
 from drafter.registry import METHODS, load, method
 
 
@@ -34,6 +35,7 @@ def build_app_with(args: dict, overrides: dict[str, dict] | None = None):
 
     config = resolve_model_paths(AppConfig.model_validate(args))  # ids pinned to commits
     aux_layers = check_models(local_view(config))
+    check_backend(config.verifier)  # (a vLLM whose internals the backend was not written against: named here)
     check_chat(local_view(config))
     cfg = config.model_dump(mode="json")
     overrides = overrides or {}
@@ -161,8 +163,8 @@ def check_chat(config: AppConfig):
 
     from deployments.chat import ChatFormat
 
-    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name,
-               AutoConfig.from_pretrained(v.model).model_type)
+    model_type = AutoConfig.from_pretrained(v.model).model_type
+    ChatFormat(AutoTokenizer.from_pretrained(v.model), v, config.model_name, model_type)
 
 
 def check_models(config: AppConfig) -> tuple[int, ...]:

@@ -301,10 +301,10 @@ class ForcedToolCalls:
         """(name, arguments) of each call whose name is out so far: the arguments as far as they go."""
         if self.name is not None:
             return [(self.name, text)] if text.strip() else []
-        from vllm.tool_parsers.streaming import _scan_required_tool_calls
+        from verifier.vllm_compat import scan_required_tool_calls
 
         return [(s.name, text[s.args_start:len(text) if s.args_end is None else s.args_end])
-                for s in _scan_required_tool_calls(text) if s.ready]
+                for s in scan_required_tool_calls(text) if s.ready]
 
     def finish(self, finish_reason: str | None) -> str | None:
         return "tool_calls" if finish_reason == "stop" and self.name is None else finish_reason

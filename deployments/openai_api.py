@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from configs.models import MAX_SPECULATIVE_TOKENS
+from core.backends import Capabilities
 from core.grammar import Constraint, GrammarError, choice_constraint, json_schema_constraint
 
 MAX_STOP_CHARS = 1024  # per stop string: each one is searched in the output at every step
@@ -41,7 +42,8 @@ def invalid(param: str, message: str) -> PydanticCustomError:
 # vLLM request fields this server does not serve, and why: a 400 that says so, never a silent ignore
 UNSUPPORTED = {
     # the guided decoding fields vLLM 0.32 removed: each names its replacement
-    **{f"guided_{kind}": f"removed in vLLM 0.32: use structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar")},
+    **{f"guided_{kind}": f"removed in vLLM 0.32: use structured_outputs.{kind}"
+       for kind in ("json", "regex", "choice", "grammar")},
     "guided_decoding_backend": "removed in vLLM 0.32: the grammar engine is xgrammar",
     "guided_whitespace_pattern": "removed in vLLM 0.32: JSON is generated compact",
     "structural_tag": "use structured_outputs.structural_tag",
@@ -56,8 +58,8 @@ UNSUPPORTED = {
     **dict.fromkeys(("truncate_prompt_tokens", "truncation_side"),
                     "prompts are never truncated: one beyond the context is a 400"),
     **dict.fromkeys(("echo", "add_special_tokens"), "the chat template's prompt, tokenized as it is"),
-    "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the model "
-                             "writes; reasoning_effort and chat_template_kwargs reach the chat template",
+    "thinking_token_budget": "a reasoning budget is not honoured: ending the reasoning early would change what the "
+                             "model writes; reasoning_effort and chat_template_kwargs reach the chat template",
     "priority": "no priority scheduling",
     "kv_transfer_params": "no disaggregated prefill: each verifier replica prefills its own requests",
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "text prompts only"),
@@ -174,18 +176,22 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000, description="vLLM extension; 0 or -1 disables; at most the vocabulary.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens below min_p x the top token's probability.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "vLLM extension: drop tokens below min_p x the top token's probability."))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension; 1 is off.")
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description="Token id (as a string) -> bias in [-100, 100].")
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description=(
+        "Token id (as a string) -> bias in [-100, 100]."))
     min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM extension: generate at least this many tokens.")
-    stop_token_ids: list[int] | None = Field(None, max_length=256, description="vLLM extension: token ids that end generation.")
+    stop_token_ids: list[int] | None = Field(None, max_length=256, description=(
+        "vLLM extension: token ids that end generation."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=16, description="Choices per request, each its own speculative sequence (choice i seeded seed + i).")
+    n: int = Field(1, ge=1, le=16, description=(
+        "Choices per request, each its own speculative sequence (choice i seeded seed + i)."))
     logprobs: bool | int | None = None
     return_token_ids: bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating after EOS.")
@@ -203,9 +209,9 @@ class _Common(BaseModel):
         "(as does the header x-splitspec-timing: 1).")
     user: str | None = None
     cache_salt: str | None = Field(
-        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt share "
-        "cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at most 128 "
-        "characters, none of @ / \\ or NUL.")
+        None, description="vLLM extension: the prefix cache is salted with it, so only requests with the same salt "
+        "share cached prefixes (requests without one share theirs). Random and long enough to be unguessable; at "
+        "most 128 characters, none of @ / \\ or NUL.")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema: the output is generated under the schema's grammar.")
     structured_outputs: StructuredOutputs | None = Field(
@@ -313,7 +319,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = Field(None, max_length=256)
-    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="An assistant's calls, rendered by the template.")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description=(
+        "An assistant's calls, rendered by the template."))
     tool_call_id: str | None = Field(None, max_length=256, description="A tool message's answer to this call.")
     reasoning: str | None = Field(None, description="An assistant's reasoning, for templates that render it.")
     reasoning_content: str | None = Field(None, description="Deprecated name of reasoning (vLLM's).")
@@ -324,7 +331,8 @@ class ChatMessage(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="OpenAI's function names (and vLLM's dots and colons).")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description=(
+        "OpenAI's function names (and vLLM's dots and colons)."))
     description: str | None = Field(None, max_length=100_000)
     parameters: dict | None = Field(None, description="The arguments' JSON Schema.")
     strict: bool | None = None
@@ -370,8 +378,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True, description="Needs logprobs true, as vLLM's.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opening (vLLM's).")
     continue_final_message: bool = Field(False, description=(
-        "The final (assistant) message is left open for the model to continue (vLLM's); not with add_generation_prompt."))
-    documents: list[dict[str, str]] | None = Field(None, max_length=1024, description="Documents for templates that render them (RAG).")
+        "The final (assistant) message is left open for the model to continue (vLLM's); not with "
+        "add_generation_prompt."))
+    documents: list[dict[str, str]] | None = Field(None, max_length=1024, description=(
+        "Documents for templates that render them (RAG)."))
     chat_template: str | None = Field(None, min_length=1, max_length=200_000, description=(
         "A template for this request only: served where the app sets verifier.trust_request_chat_template."))
     chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=64, description=(
@@ -387,17 +397,21 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
         "auto (the default with tools), none, required, or a named function (these two constrain the output to "
         "calls matching the tools' schemas)."))
-    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call in a response (the first).")
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "false: at most one tool call in a response (the first)."))
     functions: list[dict] | None = Field(None, description="Deprecated form of tools; must be empty.")
     function_call: str | dict | None = Field(None, description="Deprecated form of tool_choice: none or auto.")
     modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=2, description="Only [\"text\"].")
     store: bool | None = Field(None, description=(
-        "Only false: this server stores no completions; false also keeps the request out of the verifier's traffic capture "
+        "Only false: this server stores no completions; false also keeps the request out of the verifier's traffic "
+        "capture "
         "(VerifierConfig.capture, docs/training.md)."))
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Accepted and ignored (OpenAI keeps it with stored completions).")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description=(
+        "Accepted and ignored (OpenAI keeps it with stored completions)."))
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
         None, description="Accepted; every request is served alike.")
-    prompt_cache_key: str | None = Field(None, max_length=1024, description="Accepted; prefix caching here is per sequence, automatic.")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description=(
+        "Accepted; prefix caching here is per sequence, automatic."))
     safety_identifier: str | None = Field(None, max_length=1024, description="Accepted and ignored, as user.")
     prediction: PredictionContent | None = Field(
         None, description="Predicted Outputs: text the answer is expected to mostly repeat; where it continues the "
@@ -436,7 +450,8 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _one_prompt_ending(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise invalid("continue_final_message", "continue_final_message needs add_generation_prompt false (as vLLM)")
+            raise invalid("continue_final_message",
+                          "continue_final_message needs add_generation_prompt false (as vLLM)")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise invalid("continue_final_message", "continue_final_message needs an assistant message last")
         return self
@@ -518,10 +533,10 @@ def generation_defaults(model_dir: str) -> dict:
 
 
 def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_size: int, max_tokens_limit: int,
-                       defaults: dict, verification: str, backend: str, vllm_loop: str = "per_step"):
+                       defaults: dict, verification: str, capabilities: Capabilities):
     """The request's ``SamplingParams``, every bound checked here: a bad value is a 400 naming
-    its parameter, never an error inside the engine. ``backend`` vllm with ``vllm_loop`` engine:
-    vLLM's own loop and sampler (rejection sampling only; penalties applied by vLLM)."""
+    its parameter, never an error inside the engine, nor one the verifier backend cannot serve
+    (its ``capabilities``)."""
     from pydantic import ValidationError
 
     from configs import SamplingParams
@@ -535,7 +550,7 @@ def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_si
     _in_vocabulary(body, fields["top_k"], vocab_size)
     if body.min_tokens > max_new:
         raise OpenAIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_new}", param="min_tokens")
-    verification = _backend_limits(body, fields, backend, vllm_loop, verification)
+    verification = _backend_limits(body, fields, capabilities, verification)
     try:
         return SamplingParams(
             **fields, seed=body.seed, max_tokens=max_new, stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
@@ -546,7 +561,8 @@ def to_sampling_params(body: _Common, *, prompt_len: int, max_len: int, vocab_si
     except ValidationError as e:  # a generation_config default out of bounds, or a combination
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise OpenAIError(400, f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}", param=param) from None
+        msg = f"{param + ': ' if param else ''}{err.get('msg', 'invalid value')}"
+        raise OpenAIError(400, msg, param=param) from None
 
 
 def _max_new(body: _Common, prompt_len: int, max_len: int, max_tokens_limit: int) -> int:
@@ -578,30 +594,22 @@ def _in_vocabulary(body: _Common, top_k: int, vocab_size: int):
                               param="stop_token_ids")
 
 
-def _backend_limits(body: _Common, fields: dict, backend: str, vllm_loop: str, verification: str) -> str:
-    """What the vllm verifier backend cannot do: a model default dropped, a request's own value a
+def _backend_limits(body: _Common, fields: dict, caps: Capabilities, verification: str) -> str:
+    """What the verifier backend cannot do (its ``caps``): a model default dropped, a request's own value a
     400 naming it (``fields`` adjusted in place). Returns the verification to use."""
     given = body.model_fields_set
-    engine_loop = backend == "vllm" and vllm_loop == "engine"
-    if engine_loop:  # vLLM's rejection sampler is the only verification there
+    if not caps.gumbel:  # rejection sampling is the only verification there
         if body.verification == "gumbel":
-            raise OpenAIError(400, "verification 'gumbel' is not supported with the vllm verifier backend's engine "
-                              "loop (vLLM's rejection sampler); use 'rejection'", param="verification")
+            raise OpenAIError(400, f"verification 'gumbel' is not supported with {caps.label}; use 'rejection'",
+                              param="verification")
         verification = "rejection"
-        # vLLM 0.32 refuses min_p and logit_bias in an engine that speculates: a model default is
-        # not imposed, a request's own value is a 400 naming it
-        if "min_p" not in given:
-            fields["min_p"] = 0.0
-        if fields["min_p"] > 0:
-            raise OpenAIError(400, "min_p is not supported with the vllm verifier backend's engine loop "
-                              "(vLLM 0.32 speculative decoding)", param="min_p")
-        if body.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported with the vllm verifier backend's engine loop "
-                              "(vLLM 0.32 speculative decoding)", param="logit_bias")
-    if backend == "vllm" and not engine_loop and "repetition_penalty" not in given:
-        fields["repetition_penalty"] = 1.0  # a model default the vLLM backend cannot apply: not imposed
-    if backend == "vllm" and not engine_loop and fields["repetition_penalty"] != 1.0:
-        # vLLM returns log-probabilities, and a repetition penalty scales logits, not log-probabilities
-        raise OpenAIError(400, "repetition_penalty is not supported with the vllm verifier backend",
-                          param="repetition_penalty")
+    # a sampling parameter the backend cannot apply: a model default is not imposed, a request's own value is a
+    # 400 naming it
+    for name, off, served in (("min_p", 0.0, caps.min_p), ("repetition_penalty", 1.0, caps.repetition_penalty)):
+        if not served and name not in given:
+            fields[name] = off
+        if not served and fields[name] != off:
+            raise OpenAIError(400, f"{name} is not supported with {caps.label}", param=name)
+    if body.logit_bias and not caps.logit_bias:
+        raise OpenAIError(400, f"logit_bias is not supported with {caps.label}", param="logit_bias")
     return verification

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from configs import AppConfig, SamplingParams
+from core.backends import Capabilities, capabilities
 from core.grammar import Constraint, GrammarError, Grammars
 from core.models import context_limit, eos_token_ids
 from core.sequence import Sequence
@@ -82,7 +83,8 @@ class Router:
         self.created = int(time.time())
         self.active = 0  # requests running on this router replica
         # vLLM's metric families, summed over the router replicas by the hub (GET /metrics)
-        self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub, where().get("replica_id", ""))
+        self.exporter = Exporter(self.model_name, d.num_speculative_tokens or 0, metrics_hub,
+                                 where().get("replica_id", ""))
         self._grammars = None  # structured outputs' compiled grammars (core.grammar), made at the first such request
 
     # ---------------------------------------------------------------- HTTP
@@ -142,6 +144,11 @@ class Router:
         return await self._serve("chat", body, prompt_ids, request, top, self._prediction_ids(body))
 
     # ---------------------------------------------------------------- internals
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the verifier backend serves (``core.backends``): what a request may ask for."""
+        return capabilities(self.config.verifier)
+
     def _prediction_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The tokens of a chat request's predicted output ([]: none)."""
         if body.prediction is None:
@@ -153,8 +160,8 @@ class Router:
         if len(text) > self.config.max_prompt_chars:
             raise OpenAIError(400, f"prediction has {len(text)} characters; the limit is "
                               f"{self.config.max_prompt_chars}", param="prediction")
-        if text and self.config.verifier.backend == "vllm":
-            raise OpenAIError(400, "prediction is not supported with the vllm verifier backend", param="prediction")
+        if text and not self.capabilities.predicted_outputs:
+            raise OpenAIError(400, f"prediction is not supported with {self.capabilities.label}", param="prediction")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def _params(self, body, prompt_len: int) -> SamplingParams:
@@ -163,8 +170,7 @@ class Router:
                               param="model", code="model_not_found")
         return to_sampling_params(body, prompt_len=prompt_len, max_len=self.max_len, vocab_size=self.vocab_size,
                                   max_tokens_limit=self.config.max_tokens_limit, defaults=self.defaults,
-                                  verification=self.config.verification, backend=self.config.verifier.backend,
-                                  vllm_loop=self.config.verifier.vllm_loop)
+                                  verification=self.config.verification, capabilities=self.capabilities)
 
     async def _constraint(self, body) -> Constraint | None:
         """The request's structured output, compiled here once (off the event loop, within the grammar's time
@@ -175,10 +181,8 @@ class Router:
         if c is None:
             return None
         param = c.param.split(".")[0]
-        v = self.config.verifier
-        if v.backend == "vllm" and v.vllm_loop != "engine":  # (vLLM's own loop masks p with its structured outputs)
-            raise OpenAIError(400, f"{param} is not supported with the vllm verifier backend's per-step loop "
-                              "(vllm_loop: per_step); vllm_loop: engine serves it", param=param)
+        if not self.capabilities.structured_outputs:
+            raise OpenAIError(400, f"{param} is not supported with {self.capabilities.label}", param=param)
         if body.ignore_eos:
             raise OpenAIError(400, "ignore_eos cannot be combined with a structured output, which ends where its "
                               "grammar does", param="ignore_eos")
@@ -222,14 +226,15 @@ class Router:
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
         reply = Reply(rid, endpoint, body, prompt_ids, self.tokenizer, self.model_name, logprobs,
                       # predicted output tokens verified and kept / dropped, every choice's (OpenAI's usage details)
-                      predicted={"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0} if prediction else None)
+                      predicted={"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+                      if prediction else None)
         if endpoint == "chat":  # each choice's output read by its own parser (vLLM's parsers keep state)
             reply.parsers = [self.chat.output(body, prompt_ids) for _ in range(body.n)]
         if endpoint == "completions" and body.echo:
             reply.echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
         if reply.echo and logprobs is not None:  # the prompt's own logprobs lead the choice's (the first is None)
-            if self.config.verifier.backend == "vllm":
-                raise OpenAIError(400, "echo with logprobs is not supported with the vllm verifier backend",
+            if not self.capabilities.echo_logprobs:
+                raise OpenAIError(400, f"echo with logprobs is not supported with {self.capabilities.label}",
                                   param="echo")
             reply.echo_logprobs = await self.verifier.prompt_logprobs.remote(prompt_ids, logprobs)
         return reply
@@ -242,7 +247,8 @@ class Router:
             params = params.model_copy(update={"seed": (params.seed + i) % 2**63})
         k = self.config.drafter.num_speculative_tokens
         if body.num_speculative_tokens is not None:
-            k = min(k, body.num_speculative_tokens) if self.config.clamp_speculative_tokens else body.num_speculative_tokens
+            asked = body.num_speculative_tokens
+            k = min(k, asked) if self.config.clamp_speculative_tokens else asked
         # a non-streaming request's tokens are needed only at its end: its replica sends them in fewer,
         # larger chunks (unless the router must find stop strings in them as they come)
         interval_s = None if body.stream or params.stop else self.config.collect_interval_ms / 1000

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.backends import capabilities
+
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import AppConfig
     from core.dflash import ParallelSpec
@@ -50,9 +52,10 @@ def check_eagle3(config: AppConfig) -> Eagle3Spec:
         spec = check_head(path, config.verifier.model)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"eagle3 drafter {str(path)!r}: not a usable Speculators eagle3 head: {e}") from None
-    if config.verifier.backend == "vllm" and config.verifier.vllm_loop != "engine":
-        raise ValueError("an eagle3 drafter needs the verifier's hidden states: with verifier.backend vllm use "
-                         "vllm_loop engine (vLLM's loop returns them; per_step does not)")
+    caps = capabilities(config.verifier)
+    if not caps.aux_states:
+        raise ValueError(f"an eagle3 drafter needs the verifier's hidden states, which {caps.label} does not return: "
+                         "use verifier.backend transformers, or vllm with verifier.vllm.loop engine")
     problems = head_problems(spec, path, config.verifier.model)
     if problems:
         raise ValueError(f"eagle3 drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: "
@@ -70,9 +73,10 @@ def check_parallel(config: AppConfig) -> ParallelSpec:
         spec = check_head(path, config.verifier.model)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"{d.method} drafter {str(path)!r}: not a usable Speculators {d.method} head: {e}") from None
-    if config.verifier.backend == "vllm":
-        raise ValueError(f"a {d.method} drafter needs the verifier's hidden states on every step: use verifier.backend "
-                         "transformers")
+    caps = capabilities(config.verifier)
+    if not caps.step_states:
+        raise ValueError(f"a {d.method} drafter needs the verifier's hidden states on every step, which {caps.label} "
+                         "does not return: use verifier.backend transformers")
     problems = head_problems(spec, path, config.verifier.model)
     if d.num_speculative_tokens and d.num_speculative_tokens > spec.max_k:
         problems.append(f"drafter.num_speculative_tokens {d.num_speculative_tokens} exceeds the head's block "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from core.backends import capabilities
 from core.mtp import MtpHead, RowCache
 from core.mtp import load_head as load_mtp
 from core.protocol import DraftRequest, Proposal, cut_chain, prefix_hash
@@ -299,10 +300,12 @@ def check(config: AppConfig) -> MtpSpec:
         raise ValueError(f"mtp drafter {d.model!r}: {e}") from None
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"mtp drafter {d.model!r}: not a checkpoint with MTP layers: {e}") from None
-    if config.verifier.backend == "vllm":
-        raise ValueError("an mtp drafter needs the verifier's last hidden states on every step: use verifier.backend "
-                         "transformers (vLLM 0.32's GLM and DeepSeek models capture no states for a drafter outside "
-                         "the engine; vLLM runs their MTP layers itself as speculative method mtp)")
+    caps = capabilities(config.verifier)
+    if not caps.step_states:
+        raise ValueError(f"an mtp drafter needs the verifier's last hidden states on every step, which {caps.label} "
+                         "does not return: use verifier.backend transformers (vLLM's GLM and DeepSeek models "
+                         "capture no states for a drafter outside the engine; vLLM runs their MTP layers itself as "
+                         "speculative method mtp)")
     target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
     mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
     theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.backends import capabilities
 from core.kv_cache import batched_forward
 from core.peagle import PEagleHead, load_head
 from core.protocol import DraftRequest, Proposal
@@ -84,12 +85,12 @@ def check(config: AppConfig) -> PEagleSpec:
         spec = check_head(path, config.verifier.model)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"peagle drafter {str(path)!r}: not a usable P-EAGLE head: {e}") from None
-    if config.verifier.backend == "vllm" and (config.verifier.vllm_loop != "engine"
-                                              or config.drafter_placement == "verifier"):
-        raise ValueError("a peagle drafter with verifier.backend vllm drafts on the drafter pool from the states "
-                         "vLLM's loop returns: use vllm_loop engine and drafter_placement pool (in vLLM's own engine "
-                         "the head would need parallel_drafting, which this app does not pass), or verifier.backend "
-                         "transformers")
+    caps = capabilities(config.verifier)
+    in_engine = config.drafter_placement == "verifier" and not caps.local_drafter
+    if not caps.aux_states or (in_engine and config.drafter.method not in caps.in_engine_drafters):
+        raise ValueError(f"a peagle drafter with {caps.label} needs the states it returns on the drafter pool: use "
+                         "verifier.vllm.loop engine and drafter_placement pool (in vLLM's own engine the head would "
+                         "need parallel_drafting, which this app does not pass), or verifier.backend transformers")
     problems = head_problems(spec, path, config.verifier.model)
     if problems:
         raise ValueError(f"peagle drafter {str(path)!r} does not fit verifier {config.verifier.model!r}: "

@@ -279,13 +279,14 @@ def test_every_status_is_counted(ray_cluster, serve_app):
 
 
 def test_generation_config_defaults_apply_when_a_request_omits_them(tmp_path):
+    from core.backends import backend
     from deployments.openai_api import CompletionRequest, generation_defaults, to_sampling_params
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.2, "eos_token_id": 2}))
     defaults = generation_defaults(str(tmp_path))
     kw = dict(prompt_len=3, max_len=64, vocab_size=100, max_tokens_limit=32, defaults=defaults,
-              verification="gumbel", backend="transformers")
+              verification="gumbel", capabilities=backend("transformers").capabilities)
     p = to_sampling_params(CompletionRequest(prompt="x"), **kw)
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.9, 40, 1.2)
     p = to_sampling_params(CompletionRequest(prompt="x", temperature=0, top_k=-1), **kw)  # given: kept
@@ -409,10 +410,11 @@ def test_api_keys_body_and_prompt_limits(keyed_app, serve_app):
 
 
 def test_vllm_backend_drops_a_default_repetition_penalty_but_refuses_a_requested_one():
+    from core.backends import backend
     from deployments.openai_api import CompletionRequest, OpenAIError, to_sampling_params
 
     kw = dict(prompt_len=3, max_len=64, vocab_size=100, max_tokens_limit=32, defaults={"repetition_penalty": 1.05},
-              verification="gumbel", backend="vllm")
+              verification="gumbel", capabilities=backend("vllm").modes["per_step"])
     assert to_sampling_params(CompletionRequest(prompt="x"), **kw).repetition_penalty == 1.0
     with pytest.raises(OpenAIError) as e:
         to_sampling_params(CompletionRequest(prompt="x", repetition_penalty=1.3), **kw)
@@ -422,10 +424,11 @@ def test_vllm_backend_drops_a_default_repetition_penalty_but_refuses_a_requested
 def test_vllm_engine_loop_takes_penalties_and_refuses_gumbel_by_name():
     """vLLM's own loop applies repetition penalties itself and has only rejection sampling: a server
     default of gumbel becomes rejection, a request that asks for gumbel gets a 400 naming it."""
+    from core.backends import backend
     from deployments.openai_api import CompletionRequest, OpenAIError, to_sampling_params
 
     kw = dict(prompt_len=3, max_len=64, vocab_size=100, max_tokens_limit=32, defaults={"repetition_penalty": 1.05},
-              verification="gumbel", backend="vllm", vllm_loop="engine")
+              verification="gumbel", capabilities=backend("vllm").modes["engine"])
     p = to_sampling_params(CompletionRequest(prompt="x", temperature=0.8), **kw)
     assert p.verification == "rejection" and p.repetition_penalty == 1.05
     assert to_sampling_params(CompletionRequest(prompt="x", repetition_penalty=1.3), **kw).repetition_penalty == 1.3

@@ -127,7 +127,7 @@ def test_a_failing_drafter_replica_is_avoided_by_its_own_breaker(drafter_server,
     """Per drafter replica: a replica whose channel fails gets no direct calls while its breaker is
     open (Serve's router places the sequences meanwhile, speculation goes on), the back-off doubles
     when the probe after it fails again."""
-    from deployments import verifier as vmod
+    from deployments import drafter_link as vmod
     from deployments.verifier import VerifierServer
 
     _, _, ver, _ = tiny_engines

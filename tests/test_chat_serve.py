@@ -183,7 +183,7 @@ def test_both_verifier_backends_give_the_same_parsed_message(ray_cluster, chat_a
     model = str(chat_model_dir("qwen3", tmp_path_factory.mktemp("qwen3-real")))
     chat = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
     engines = {"transformers": {"cache_budget_mb": 16, "num_threads": 1},
-               "vllm": {"backend": "vllm", "vllm_kv_cache_gib": 0.25, "vllm_max_num_seqs": 8, "max_model_len": 1024}}
+               "vllm": {"backend": "vllm", "vllm": {"kv_cache_gib": 0.25, "max_num_seqs": 8}, "max_model_len": 1024}}
     body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
             "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     base = chat_app.rsplit("/", 1)[0]

@@ -373,7 +373,7 @@ def test_the_vllm_gpu_config_gives_each_verifier_replica_its_tensor_parallel_gpu
     ServeDeploySchema.model_validate(config)
     args = AppConfig.model_validate(config["applications"][0]["args"])
     v = args.verifier
-    assert v.backend == "vllm" and v.vllm_loop == "engine" and v.device == "cuda" and v.vllm_enforce_eager is None
+    assert v.backend == "vllm" and v.vllm.loop == "engine" and v.device == "cuda" and v.vllm.enforce_eager is None
     dep = deployments(config)["Verifier"]
     bundles = dep["placement_group_bundles"]
     assert dep["placement_group_strategy"] == "STRICT_PACK"
@@ -382,7 +382,7 @@ def test_the_vllm_gpu_config_gives_each_verifier_replica_its_tensor_parallel_gpu
     opts = dep["ray_actor_options"]  # the replica itself fits the first bundle, which has no GPU
     assert not bundles[0].get("GPU") and not opts.get("num_gpus")
     assert all(bundles[0].get(r, 0) >= n for r, n in {"CPU": opts.get("num_cpus", 1), **opts["resources"]}.items())
-    assert args.drafter.num_speculative_tokens <= v.vllm_num_speculative_tokens
+    assert args.drafter.num_speculative_tokens <= v.vllm.num_speculative_tokens
 
 
 DEPLOY_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), ROOT / "serve_config.yaml",

@@ -5,6 +5,7 @@ row is vLLM's rule, against vLLM's own request models and SamplingParams."""
 import pytest
 from pydantic import ValidationError
 
+from core.backends import backend
 from deployments.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -15,6 +16,7 @@ from deployments.openai_api import (
 
 MESSAGES = [{"role": "user", "content": "def f(x):"}]
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+TRANSFORMERS = backend("transformers").capabilities
 
 # (endpoint, body, the parameter the 400 names): vLLM's request validators
 PROTOCOL = [
@@ -74,7 +76,7 @@ def refusal(endpoint: str, body: dict) -> OpenAIError | None:
         return validation_error(e.errors())
     try:
         to_sampling_params(req, prompt_len=4, max_len=512, vocab_size=1000, max_tokens_limit=256, defaults={},
-                           verification="rejection", backend="transformers")
+                           verification="rejection", capabilities=TRANSFORMERS)
     except OpenAIError as e:
         return e
     return None

@@ -411,6 +411,7 @@ def test_the_app_builder_reads_and_checks_the_head(tmp_path):
     backend drafts on the pool from its loop's states; a head for another verifier, vLLM's per-step loop and vLLM's
     own engine are refused, each naming what is wrong."""
     from configs import AppConfig
+    from configs.models import VllmOptions
     from deployments.app import check_models, local_view, resolve_model_paths
     from tests.peagle_heads import from_eagle3_dir
     from tests.test_eagle3 import HEAD, TARGET
@@ -425,11 +426,13 @@ def test_the_app_builder_reads_and_checks_the_head(tmp_path):
     assert Path(cfg.verifier.model).resolve() == TARGET.resolve() and cfg.drafter.num_speculative_tokens == 4
     assert check_models(local_view(cfg)) == tuple(json.loads((HEAD / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"])
-    vllm = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"backend": "vllm"})})
+    on_vllm = cfg.verifier.model_copy(update={"backend": "vllm", "vllm": VllmOptions()})
+    vllm = cfg.model_copy(update={"verifier": on_vllm})
     assert check_models(local_view(vllm)) == check_models(local_view(cfg))  # vLLM's loop sends the states to the pool
+    per_step = on_vllm.model_copy(update={"vllm": VllmOptions(loop="per_step")})
     for refused in (vllm.model_copy(update={"drafter_placement": "verifier"}),
-                    vllm.model_copy(update={"verifier": vllm.verifier.model_copy(update={"vllm_loop": "per_step"})})):
-        with pytest.raises(ValueError, match="vllm_loop engine and drafter_placement pool"):
+                    vllm.model_copy(update={"verifier": per_step})):
+        with pytest.raises(ValueError, match="vllm.loop engine and drafter_placement pool"):
             check_models(local_view(refused))
     cfg_json = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg_json, "target_hidden_size": 999}))
@@ -463,7 +466,7 @@ def test_served_greedy_with_the_head_in_the_verifier_replica_equals_the_target(s
 
 @pytest.mark.long  # starts a vLLM engine (tens of seconds on a small CPU)
 def test_with_vllms_loop_the_head_on_the_pool_gives_the_targets_greedy(tmp_path):
-    """backend vllm, vllm_loop engine: vLLM's runner computes the states, its proposer sends them to a drafter replica
+    """backend vllm, vllm.loop engine: vLLM's runner computes the states, its proposer sends them to a drafter replica
     running the P-EAGLE drafter (in process, over the direct channel); greedy equals the target's own generate and
     drafts are accepted."""
     import asyncio

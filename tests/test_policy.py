@@ -229,7 +229,7 @@ def test_a_replica_gates_speculation_by_what_its_engine_steps_emit_per_second(ti
     go plain (but for the runs that re-measure speculation); where speculation emits faster, they speculate;
     a few streams are never gated."""
     from core.protocol import VerifyResult
-    from deployments.verifier import GATE_HOLD_S, GATE_MIN_STREAMS
+    from deployments.replica_gate import GATE_HOLD_S, GATE_MIN_STREAMS
 
     def run(spec_cost, plain_cost, steps=400, prefill_every=0):
         server, now = _gate_server(tiny_engines)
@@ -366,7 +366,7 @@ def test_gated_adaptive_requests_decode_plain_in_large_batches_and_the_same_toke
 
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
-    from deployments.verifier import GATE_MIN_STREAMS, ReplicaGatedK
+    from deployments.replica_gate import GATE_MIN_STREAMS, ReplicaGatedK
 
     plans = []  # (streams running on the replica, k) of every step's plan
     next_k = ReplicaGatedK.next_k
@@ -420,7 +420,7 @@ def test_a_burst_s_choice_holds_for_its_next_requests_which_never_call_the_draft
 
     from configs import SamplingParams
     from deployments.drafter import DrafterServer
-    from deployments.verifier import GATE_HOLD_S, GATE_MIN_STREAMS
+    from deployments.replica_gate import GATE_HOLD_S, GATE_MIN_STREAMS
 
     tok, _, ver, drafter = tiny_engines
     server, now = _gate_server(tiny_engines)

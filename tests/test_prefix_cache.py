@@ -310,12 +310,13 @@ def test_the_multi_turn_workload_shares_a_system_prompt_and_fits_the_pairs_conte
     from bench.workloads import conversations
 
     tok = AutoTokenizer.from_pretrained(TARGET)
-    system, convs = conversations(tok)
-    assert len(system) == 640 and len(convs) == 8 and all(len(c) == 5 for c in convs)
+    args = parse(["--multi-turn", "--max-tokens", "8"])
+    system, convs = conversations(tok, system_tokens=args.system_tokens, turn_tokens=args.turn_tokens)
+    assert len(system) == 850 and len(convs) == 8 and all(len(c) == 5 for c in convs)
     turns = [t for c in convs for t in c]
-    assert len({tuple(t) for t in turns}) == 40 and all(0 < len(t) <= 48 for t in turns)  # HumanEval tasks, no repeat
-    assert len(system) + 5 * (48 + 24) + 8 + 1 <= 1024
-    assert conversations(tok) == (system, convs)  # the same tasks every run
+    assert len({tuple(t) for t in turns}) == 40 and all(0 < len(t) <= 24 for t in turns)  # HumanEval tasks, no repeat
+    assert len(system) + 5 * (24 + 8) + 8 + 1 <= 1024
+    assert conversations(tok, system_tokens=850, turn_tokens=24) == (system, convs)  # the same tasks every run
     with pytest.raises(SystemExit):
         parse(["--multi-turn", "--max-tokens", "64"])
 

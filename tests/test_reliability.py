@@ -200,7 +200,7 @@ def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict
     output is unchanged (greedy: the target's own)."""
     from ray import serve
 
-    from deployments.verifier import GATE_HOLD_S
+    from deployments.replica_gate import GATE_HOLD_S
     from tests.test_serve import ref_greedy
 
     _, tok, target, _ = serve_app

@@ -1,5 +1,5 @@
 """A verifier replica streams a request's steps to the router in groups, at most one per
-``stream_interval_ms`` (``deployments.verifier.coalesced``): fewer stream items, the same tokens."""
+``stream_interval_ms`` (``deployments.coalesce.coalesced``): fewer stream items, the same tokens."""
 
 import asyncio
 
@@ -14,7 +14,7 @@ def _collect(gen):
 
 
 def test_steps_are_grouped_by_interval_the_first_at_once_the_last_when_done():
-    from deployments.verifier import coalesced
+    from deployments.coalesce import coalesced
 
     now = [0.0]
 
@@ -35,7 +35,7 @@ def test_steps_are_grouped_by_interval_the_first_at_once_the_last_when_done():
 def test_closing_the_stream_closes_the_loop_at_once():
     """Serve closes a cancelled stream at its yield: the loop behind it must run its cleanup
     (release caches, cancel pre-drafts) then, not whenever it is garbage-collected."""
-    from deployments.verifier import coalesced
+    from deployments.coalesce import coalesced
 
     closed = []
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+import uuid
 
 import httpx
 import jsonschema
@@ -76,9 +77,9 @@ def vllm_app(ray_cluster, vllm_pair):
     port = _get_global_client().http_config.port
     app = build_app_with({
         "model_name": "tiny",
-        "verifier": {"model": str(target_dir), "dtype": "float32", "backend": "vllm", "vllm_kv_cache_gib": 0.25,
-                     "vllm_max_num_seqs": 64, "max_model_len": 512,
-                     "vllm_speculate": "always"},  # drafts every step: what these tests check
+        "verifier": {"model": str(target_dir), "dtype": "float32", "backend": "vllm", "max_model_len": 512,
+                     "vllm": {"kv_cache_gib": 0.25, "max_num_seqs": 64,
+                              "speculate": "always"}},  # drafts every step: what these tests check
         "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 8,
                     "cache_budget_mb": 32, "num_threads": 1},
         "max_tokens_limit": 256,
@@ -220,6 +221,36 @@ def test_cache_miss_protocol(vllm_app):
     (bad,) = h.verify.remote([VerifyRequest("cm", len(held), "0" * 32, full.tokens[-1:], [], p, 0)]).result()
     assert bad.cache_miss
     assert h.release.remote(["cm"]).result() == 1
+
+
+@SERVED_VLLM
+def test_per_step_first_calls_report_the_prompt_tokens_read_from_vllms_cache(vllm_app):
+    """vllm_loop per_step: a sequence's first call reports the prompt tokens vLLM read from its prefix cache (the
+    usage's cached_tokens): none the first time, the full blocks before the last token once a request computed
+    them, under the same cache_salt only; with one engine request (greedy) or k + 1 (logprobs) alike; a later
+    call of the sequence reports none."""
+    base, tok, target, _ = vllm_app
+    h = verifier_handle()
+    ids = tok(TINY_TEXT * 3)["input_ids"][:90]  # 2 full blocks of 32, the last token in the third
+    salt, other = uuid.uuid4().hex, uuid.uuid4().hex  # nothing cached under them yet
+
+    def first(seq, salt, drafts, logprobs=None):
+        (res,) = h.verify.remote([VerifyRequest(seq, 0, None, ids, drafts, SamplingParams(temperature=0), 0, full=True,
+                                                logprobs=logprobs, cache_salt=salt)]).result()
+        assert not res.cache_miss and res.error is None, res
+        return res
+
+    assert first("pc-a", salt, [5, 6]).prefix_hit == 0
+    hit = first("pc-b", salt, [7])
+    assert hit.prefix_hit == 64
+    assert first("pc-c", other, [7]).prefix_hit == 0  # another tenant reads nothing
+    assert first("pc-d", salt, [7, 8, 9], logprobs=1).prefix_hit == 64  # k + 1 engine requests
+    held = ids + [7][: hit.num_accepted]
+    (nxt,) = h.verify.remote([VerifyRequest.for_tokens("pc-b", held + hit.tokens[-1:], len(held), draft_tokens=[3],
+                                                       sampling=SamplingParams(temperature=0), seed=0,
+                                                       cache_salt=salt)]).result()
+    assert not nxt.cache_miss and nxt.prefix_hit == 0
+    assert h.release.remote(["pc-a", "pc-b", "pc-c", "pc-d"]).result() == 4
 
 
 def expected(p, n):
@@ -370,17 +401,45 @@ def test_serve_vllm_config_and_bounds():
 
     cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "serve_vllm.yaml").read_text())
     app = AppConfig.model_validate(cfg["applications"][0]["args"])
-    assert app.verifier.backend == "vllm" and app.verifier.vllm_kv_cache_gib <= 1
-    assert app.verifier.vllm_loop == "engine"
-    assert app.drafter.num_speculative_tokens <= app.verifier.vllm_num_speculative_tokens
-    for bad in ({"backend": "sglang"}, {"vllm_kv_cache_gib": 0}, {"vllm_block_size": 24}, {"vllm_max_num_seqs": 0},
-                {"vllm_tracked_sequences": 0}, {"vllm_loop": "async"}, {"vllm_num_speculative_tokens": 0},
-                {"vllm_num_speculative_tokens": 33}, {"tensor_parallel_size": 0}):
+    opts = app.verifier.vllm
+    assert app.verifier.backend == "vllm" and opts.kv_cache_gib <= 1
+    assert opts.loop == "engine" and app.drafter.num_speculative_tokens <= opts.num_speculative_tokens
+    for bad in ({"kv_cache_gib": 0}, {"block_size": 24}, {"max_num_seqs": 0}, {"tracked_sequences": 0},
+                {"loop": "async"}, {"num_speculative_tokens": 0}, {"num_speculative_tokens": 33}, {"tp": 2}):
         with pytest.raises(ValidationError):
-            VerifierConfig(model="m", **bad)
+            VerifierConfig(model="m", backend="vllm", vllm=bad)
+    for bad in ({"backend": "sglang"}, {"tensor_parallel_size": 0}):
+        with pytest.raises(ValidationError):
+            VerifierConfig.model_validate({"model": "m", "backend": "vllm", **bad})
     args = cfg["applications"][0]["args"]
-    with pytest.raises(ValidationError, match="vllm_num_speculative_tokens"):  # vLLM's loop verifies at most that many
-        AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm_num_speculative_tokens": 2}})
+    with pytest.raises(ValidationError, match="vllm.num_speculative_tokens"):  # vLLM's loop verifies at most that many
+        AppConfig.model_validate({**args, "verifier": {**args["verifier"], "vllm": {"num_speculative_tokens": 2}}})
+
+
+def test_the_vllm_options_are_nested_and_their_old_flat_names_still_deploy():
+    """The vLLM options sit under verifier.vllm, filled in with their defaults; the flat vllm_* fields of earlier
+    configs are read into it with a DeprecationWarning naming the new place, and ignored with another backend, as
+    they were; a config the project cannot run is one error naming the field."""
+    from pydantic import ValidationError
+
+    from configs import VerifierConfig
+    from core.backends import capabilities
+
+    v = VerifierConfig(model="m", backend="vllm")
+    assert v.vllm.loop == "engine" and v.vllm.num_speculative_tokens == 8 and capabilities(v).engine_loop
+    with pytest.warns(DeprecationWarning, match="verifier.vllm.loop"):
+        old = VerifierConfig.model_validate({"model": "m", "backend": "vllm", "vllm_loop": "per_step",
+                                             "vllm_kv_cache_gib": 0.5})
+    assert old == VerifierConfig(model="m", backend="vllm", vllm={"loop": "per_step", "kv_cache_gib": 0.5})
+    assert not capabilities(old).engine_loop and not capabilities(old).structured_outputs
+    with pytest.warns(DeprecationWarning):
+        assert VerifierConfig.model_validate({"model": "m", "vllm_loop": "per_step"}).vllm is None
+    for bad, field in (({"vllm": {"loop": "engine"}}, "verifier.vllm"),
+                       ({"backend": "vllm", "vllm_loop": "engine", "vllm": {"loop": "engine"}}, "verifier.vllm.loop"),
+                       ({"tensor_parallel_size": 2}, "verifier.tensor_parallel_size"),
+                       ({"backend": "vllm", "capture": {"dir": "d", "max_bytes": 2**30}}, "capture")):
+        with pytest.raises(ValidationError, match=field):
+            VerifierConfig.model_validate({"model": "m", **bad})
 
 
 @SERVED_VLLM
@@ -429,6 +488,7 @@ def test_constraints_go_to_vllms_structured_outputs_and_the_drafter_pool():
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from configs import AppConfig
+    from core.backends import capabilities
     from core.grammar import Constraint, choice_constraint, json_schema_constraint
     from deployments.openai_api import CompletionRequest, OpenAIError
     from deployments.router import Router
@@ -451,9 +511,9 @@ def test_constraints_go_to_vllms_structured_outputs_and_the_drafter_pool():
     by_hash, whole = prop._request(t), prop._request(t, full=True)
     assert by_hash.grammar == c.ref() and whole.grammar == c  # by hash, then whole
     assert prop._request((0, "s", [5, 6, 7], 2, {**ex, "grammar": None})).grammar is None
-    app = AppConfig.model_validate({"verifier": {"model": "m", "backend": "vllm", "vllm_loop": "per_step"},
+    app = AppConfig.model_validate({"verifier": {"model": "m", "backend": "vllm", "vllm": {"loop": "per_step"}},
                                     "drafter": {"method": "ngram"}})
-    router = SimpleNamespace(config=app, chat=None)
+    router = SimpleNamespace(config=app, chat=None, capabilities=capabilities(app.verifier))
     with pytest.raises(OpenAIError) as e:
         asyncio.run(Router._constraint(router, CompletionRequest(prompt="x", structured_outputs={"regex": "a+"})))
     assert e.value.status == 400 and e.value.param == "structured_outputs" and "per_step" in str(e.value)
@@ -513,15 +573,18 @@ def test_a_drafter_replica_killed_mid_stream_fails_no_request(vllm_app):
 
 
 def test_the_vllm_internals_the_proposer_relies_on():
-    """verifier/vllm_proposer.py relies on vLLM 0.32 internals beyond its documented hook; an upgrade
-    that changes one of them fails here, by name, before any engine starts."""
+    """verifier/vllm_proposer.py relies on vLLM internals beyond its documented hook, all reached through
+    verifier/vllm_compat.py; an upgrade that changes one of them fails here, by name, before any engine starts
+    (and the installed release is one that module declares supported)."""
     import inspect
 
     import vllm
     from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert vllm.__version__.startswith("0.32"), vllm.__version__
+    from verifier import vllm_compat
+
+    assert vllm_compat.check(vllm.__version__) == vllm.__version__
     assert list(inspect.signature(create_custom_proposer).parameters) == ["vllm_config"]
     src = inspect.getsource(GPUModelRunner.propose_draft_token_ids)
     # the runner clears the draft probabilities, then calls the custom proposer: q set inside propose survives

@@ -31,9 +31,10 @@ pytest.importorskip("vllm")
 CODE = ["def parse_header(line):\n    ", "class Stack:\n    def __init__(self):\n        ",
         "import os\n\ndef walk(root):\n    for ", "for i in range(10):\n    if i % 2"]
 K, N = 4, 48
-VERIFIER = {"model": str(TARGET), "dtype": "float32", "backend": "vllm", "vllm_kv_cache_gib": 0.25,
-            "max_model_len": 512, "vllm_num_speculative_tokens": K,
-            "vllm_speculate": "always"}  # drafts every step: what these tests compare
+VERIFIER = {"model": str(TARGET), "dtype": "float32", "backend": "vllm", "max_model_len": 512,
+            "vllm": {"kv_cache_gib": 0.25, "num_speculative_tokens": K,
+                     "speculate": "always"}}  # drafts every step: what these tests compare
+PER_STEP = {**VERIFIER, "vllm": {**VERIFIER["vllm"], "loop": "per_step"}}
 HEAD_CFG = {"method": "eagle3", "model": str(HEAD), "dtype": "float32", "num_speculative_tokens": K,
             "cache_budget_mb": 16, "num_threads": 1}
 
@@ -50,15 +51,14 @@ def test_modes_and_refusals():
     base = {"verifier": VERIFIER, "drafter": HEAD_CFG}
     assert check_eagle3(AppConfig.model_validate(base)).aux_layer_ids == [2, 4, 5]
     AppConfig.model_validate({**base, "drafter_placement": "verifier"})
-    with pytest.raises(ValueError, match="vllm_loop engine"):
-        check_eagle3(AppConfig.model_validate({**base, "verifier": {**VERIFIER, "vllm_loop": "per_step"}}))
+    with pytest.raises(ValueError, match="vllm.loop engine"):
+        check_eagle3(AppConfig.model_validate({**base, "verifier": PER_STEP}))
     with pytest.raises(ValidationError, match="drafter.method eagle3"):
         AppConfig.model_validate({**base, "drafter_placement": "verifier",
                                   "drafter": {"method": "ngram", "num_speculative_tokens": K}})
-    with pytest.raises(ValidationError, match="vllm_loop engine"):
-        AppConfig.model_validate({**base, "drafter_placement": "verifier",
-                                  "verifier": {**VERIFIER, "vllm_loop": "per_step"}})
-    with pytest.raises(ValidationError, match="vllm_num_speculative_tokens"):  # vLLM verifies at most that many
+    with pytest.raises(ValidationError, match="vllm.loop engine"):
+        AppConfig.model_validate({**base, "drafter_placement": "verifier", "verifier": PER_STEP})
+    with pytest.raises(ValidationError, match="vllm.num_speculative_tokens"):  # vLLM verifies at most that many
         AppConfig.model_validate({**base, "drafter_placement": "verifier",
                                   "drafter": {**HEAD_CFG, "num_speculative_tokens": 6}})
 
@@ -67,8 +67,9 @@ def _proposer(rows: int):
     from verifier.vllm_proposer import SplitspecProposer
 
     prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
-    prop.states = {}
-    prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)))
+    prop.states, prop.prefix = {}, None
+    prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)),
+                                  input_batch=SimpleNamespace(num_computed_tokens_cpu=np.zeros(rows, dtype=np.int32)))
     return prop
 
 
@@ -76,6 +77,7 @@ def _step(prop, fed: list[list[int]], drafts: list[int]):
     """One engine step: row i fed the tokens at positions fed[i] (its aux row t holds t); -> (aux, metadata)."""
     qsl = np.cumsum([0] + [len(f) for f in fed])
     prop.runner.query_start_loc.np[: len(qsl)] = qsl
+    prop.runner.input_batch.num_computed_tokens_cpu[: len(fed)] = [f[0] for f in fed]  # (vLLM's, before the step)
     aux = torch.tensor([float(t) for f in fed for t in f]).unsqueeze(1).repeat(1, 3)  # [T, 3]: three layers
     return aux, SimpleNamespace(num_draft_tokens=drafts)
 

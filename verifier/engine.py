@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.backends import backend
 from core.grammar import Grammars, SequenceMasks, apply_bitmask
 from core.kv_cache import CacheFull, batched_forward
 from core.llama import EngineModel, capture_states
@@ -28,7 +29,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def build(config: VerifierConfig, *, drafting: bool = False, aux_layers: tuple[int, ...] = (),
+          head: tuple[str, int] | None = None) -> VerifierEngine:
+    """The transformers backend's engine (``core.backends``). It verifies what the replica's loop sends and
+    captures the states each request asks for, so it needs none of the loop's settings."""
+    return VerifierEngine(config)
+
+
 class VerifierEngine:
+    """This package's engine (``backend: transformers``); its verify runs on the replica's batcher thread."""
+
     def __init__(self, config: VerifierConfig, model=None, tokenizer=None):
         from transformers import AutoTokenizer
 
@@ -36,6 +46,7 @@ class VerifierEngine:
             torch.set_num_threads(config.num_threads)
         pin_process(config.cpu_affinity)
         self.config = config
+        self.capabilities = backend("transformers").capabilities
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if tokenizer is None else tokenizer
         em = EngineModel(config, model)
         self.model, self.runner, self.cache, self.dtype, self.device, self.max_len = (
@@ -105,7 +116,8 @@ class VerifierEngine:
         for r in requests:
             room = self.max_len - (0 if r.full else r.start) - len(r.new_tokens)
             if room < 0:  # the router never sends this; fail this sequence only, not the batch
-                results[r.seq_id] = VerifyResult(r.seq_id, error=f"{self.max_len - room} tokens exceed the context limit {self.max_len}")
+                error = f"{self.max_len - room} tokens exceed the context limit {self.max_len}"
+                results[r.seq_id] = VerifyResult(r.seq_id, error=error)
                 continue
             if r.grammar is not None and not self.masks.has(r.grammar):  # resent with the constraint's spec
                 results[r.seq_id] = VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)

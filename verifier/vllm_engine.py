@@ -42,13 +42,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.backends import capabilities
 from core.grammar import Constraint
 from core.models import eos_token_ids, pin_process, resolve_dtype
 from core.protocol import VerifyRequest, VerifyResult, prefix_hash
 from core.rejection import decide
+from verifier import vllm_compat as compat
 
 # the cache_salt of the verify call a task serves (each call of a batch runs in a task of its own)
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cache_salt", default=None)
+# the prompt tokens each engine request of the verify call a task serves read from vLLM's prefix cache
+_READ: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("cached_reads", default=None)
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import VerifierConfig
@@ -57,9 +61,7 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
 def _stat_logger_class():
     """A vLLM stat logger that records the most requests vLLM finished in one engine step:
     evidence that concurrent verify calls were batched by vLLM itself."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class MaxRunning(StatLoggerBase):
+    class MaxRunning(compat.stat_logger_base()):
         seen = {"max_running": 0, "steps": 0, "max_scheduled": 0}
 
         def __init__(self, vllm_config, engine_index: int = 0):
@@ -111,14 +113,14 @@ def _engine_args(config: VerifierConfig, max_len: int, enable_prefix_caching: bo
 
     return AsyncEngineArgs(
         model=config.model, tokenizer=config.model, dtype=resolve_dtype(config.dtype, config.device), seed=0,
-        max_model_len=max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm_block_size,
-        kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30), max_num_seqs=config.vllm_max_num_seqs,
+        max_model_len=max_len, enable_prefix_caching=enable_prefix_caching, block_size=config.vllm.block_size,
+        kv_cache_memory_bytes=int(config.vllm.kv_cache_gib * 2**30), max_num_seqs=config.vllm.max_num_seqs,
         max_num_batched_tokens=max(config.max_batch_tokens, max_len),
         max_logprobs=-1,  # full-vocabulary log-probabilities: p itself, not its top 20
         # token ids in and out, nothing detokenised (detokenize=False); the tokenizer is for structured outputs,
         # whose grammars vLLM compiles as core.grammar does: xgrammar, compact JSON
         structured_outputs_config=_structured_outputs_config(),
-        enforce_eager=config.vllm_enforce_eager if config.vllm_enforce_eager is not None else config.device == "cpu",
+        enforce_eager=config.vllm.enforce_eager if config.vllm.enforce_eager is not None else config.device == "cpu",
         tensor_parallel_size=config.tensor_parallel_size,
         # one worker per GPU as Ray actors, in the replica's placement group (Serve's bundles)
         distributed_executor_backend="ray" if config.tensor_parallel_size > 1 else None, disable_log_stats=True,
@@ -152,13 +154,19 @@ def _speculate(args, config: VerifierConfig, speculative: bool, aux_layers: tupl
         args.speculative_config = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
     elif speculative:
         args.speculative_config = {"method": "custom_class", "model": "verifier.vllm_proposer.SplitspecProposer",
-                                   "num_speculative_tokens": config.vllm_num_speculative_tokens}
+                                   "num_speculative_tokens": config.vllm.num_speculative_tokens}
         args.worker_extension_cls = "verifier.vllm_proposer.ProposerWorker"
-        if aux_layers:
+        if aux_layers:  # (the states of a prefix vLLM reads from its cache: kept by the proposer, by prefix)
             args.additional_config = {"splitspec": {"aux_layers": sorted(set(aux_layers))}}
-            # a prompt's blocks read from the prefix cache are never computed, so their states would never
-            # exist: the head on the drafter pool needs the states of every position of a sequence
-            args.enable_prefix_caching = False
+
+
+def build(config: VerifierConfig, *, drafting: bool = False, aux_layers: tuple[int, ...] = (),
+          head: tuple[str, int] | None = None) -> VllmVerifierEngine:
+    """The vllm backend's engine (``core.backends``). ``drafting``: the replica has a drafter pool, which vLLM's
+    loop (``vllm.loop: engine``) drafts from, reading the states entering ``aux_layers`` for a head there;
+    ``head``: (directory, k) of an EAGLE-3 head vLLM runs in its own engine instead."""
+    return VllmVerifierEngine(config, speculative=drafting and config.vllm.loop == "engine",
+                              aux_layers=aux_layers if drafting else (), eagle3=head)
 
 
 class VllmVerifierEngine:
@@ -178,12 +186,16 @@ class VllmVerifierEngine:
         the head itself, in the engine (its ``eagle3`` speculative method), and no drafter pool is used.
         ``per_step_metrics``: vLLM's per-request speculation counts list each step's accepted drafts."""
         from transformers import AutoConfig, AutoTokenizer
-        from vllm.v1.engine.async_llm import AsyncLLM
 
+        compat.check()  # a vLLM whose internals this backend was not written against fails here, naming it
         if config.device == "cpu":
             _share_cpus()
         pin_process(config.cpu_affinity)  # vLLM's engine processes, started below, inherit it
         self.config = config
+        self.capabilities = capabilities(config)
+        # the most drafts vLLM's loop verifies per step (its own EAGLE-3's k, with the head in the engine)
+        k_max = config.vllm.num_speculative_tokens
+        self.max_k = min(eagle3[1], k_max) if eagle3 else k_max
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         text = AutoConfig.from_pretrained(config.model).get_text_config()
         self.vocab_size = text.vocab_size
@@ -195,7 +207,7 @@ class VllmVerifierEngine:
         metrics = ("detailed" if per_step_metrics else "summary") if self.speculative else "none"
         args = _engine_args(config, self.max_len, enable_prefix_caching, metrics)
         _speculate(args, config, speculative, aux_layers, eagle3)
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats_cls])
+        self.llm = compat.async_llm().from_engine_args(args, stat_loggers=[self._stats_cls])
         self.seqs: OrderedDict[str, list[int]] = OrderedDict()  # token ids whose K/V vLLM may hold
         # computed_tokens: prompt tokens vLLM computed (not read from its prefix cache), the work measure
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "engine_requests": 0,
@@ -226,7 +238,7 @@ class VllmVerifierEngine:
             self.stats["hits"] += 1
         self.seqs[r.seq_id] = tokens
         self.seqs.move_to_end(r.seq_id)
-        while len(self.seqs) > self.config.vllm_tracked_sequences:
+        while len(self.seqs) > self.config.vllm.tracked_sequences:
             self.seqs.popitem(last=False)
             self.stats["evictions"] += 1
         return tokens
@@ -257,6 +269,8 @@ class VllmVerifierEngine:
         if tokens is None:
             return VerifyResult(r.seq_id, cache_miss=True, num_drafts=r.k)
         t0 = time.perf_counter()
+        reads: list[int] = []
+        _READ.set(reads)  # (the call's engine requests run in tasks of their own: they share the list)
         try:
             if r.sampling.greedy and r.logprobs is None and not r.sampling.processed:
                 logprobs = await self._argmax_rows(r.seq_id, tokens, r.draft_tokens)
@@ -274,6 +288,10 @@ class VllmVerifierEngine:
         if r.seq_id in self.seqs:  # not released meanwhile
             self.seqs[r.seq_id] = kept
         res.cached = len(kept)
+        if r.full and reads:  # a sequence's first call (or a resend): its prompt's tokens read from the cache;
+            # the least of its requests': a rerun without reads read none, and of k + 1 requests sent at once the
+            # later ones may read the blocks the first wrote in the same engine step
+            res.prefix_hit = min(min(reads), len(tokens))
         res.engine_s = time.perf_counter() - t_call  # the sequence's whole call: claim, vLLM's pass, decision
         return res
 
@@ -293,6 +311,9 @@ class VllmVerifierEngine:
         self.stats["engine_requests"] += 1
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["computed_tokens"] += len(prompt) - (out.num_cached_tokens or 0)
+        reads = _READ.get()
+        if reads is not None:
+            reads.append(out.num_cached_tokens or 0)
         return out
 
     async def _argmax_rows(self, seq_id: str, tokens: list[int], drafts: list[int]) -> torch.Tensor:
@@ -326,10 +347,12 @@ class VllmVerifierEngine:
             _row(out.outputs[0].logprobs, 0, rows[j])
         return rows
 
-    # --- vLLM's own loop (vllm_loop: engine) ----------------------------------------------
+    # --- vLLM's own loop (vllm.loop: engine) ----------------------------------------------
 
     async def bind(self, config: dict) -> list[dict]:
-        """Push the drafter endpoints (and the proposer's settings) to every worker's proposer."""
+        """Push the drafter endpoints (and the proposer's settings, with ``vllm.speculate``) to every worker's
+        proposer."""
+        config = {"speculate": self.config.vllm.speculate, **config}
         return await self.llm.collective_rpc("splitspec_bind", args=(config,))
 
     async def proposer_status(self, consume: bool = False) -> list[dict]:
@@ -353,11 +376,12 @@ class VllmVerifierEngine:
 
         if params.verification != "rejection":
             raise ValueError(f"verification={params.verification!r} is not supported by the vllm backend's engine "
-                             "loop (vLLM's rejection sampler); use rejection or vllm_loop: per_step")
+                             "loop (vLLM's rejection sampler); use rejection or vllm.loop: per_step")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         extra = {"splitspec": {"seq": seq_id, "k": int(k), "seed": int(seed), "num_prompt": int(num_prompt),
                                "sampling": pickle.dumps(params.model_copy(update={"stop": ()})),
-                               "grammar": None if constraint is None else [constraint.kind, constraint.spec]}} if k > 0 else None
+                               "grammar": None if constraint is None else [constraint.kind, constraint.spec]}}
+        extra = extra if k > 0 else None
         return VllmParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, min_p=params.min_p, seed=params.seed,
@@ -378,6 +402,8 @@ class VllmVerifierEngine:
         self.inflight += 1
         self.max_seen = max(self.max_seen, self.inflight)
         prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": cache_salt} if cache_salt else {}))
+        if cache_salt and (params.extra_args or {}).get("splitspec"):  # the proposer names kept prefix states by it
+            params.extra_args["splitspec"]["salt"] = cache_salt
         try:
             async for out in self.llm.generate(prompt, params, request_id):
                 if cached is not None and out.num_cached_tokens is not None:
@@ -394,9 +420,19 @@ class VllmVerifierEngine:
         finally:
             self.inflight -= 1
 
+    def check_health(self):
+        if self.llm.errored:
+            raise RuntimeError("vLLM engine is dead")
+
+    def report(self) -> dict:
+        """The replica's ``stats()``: the engine's counters and vLLM's."""
+        return {"backend": "vllm", "vllm_loop": self.config.vllm.loop, "queued": self.inflight, "busy_s": self.busy_s,
+                "max_batch": self.max_seen, "cached_sequences": self.num_cached(), "cache": self.engine_stats()}
+
     def engine_stats(self) -> dict:
         return {**self.stats, "vllm_max_running": self._stats_cls.seen["max_running"],
-                "vllm_steps": self._stats_cls.seen["steps"], "vllm_max_scheduled": self._stats_cls.seen["max_scheduled"]}
+                "vllm_steps": self._stats_cls.seen["steps"],
+                "vllm_max_scheduled": self._stats_cls.seen["max_scheduled"]}
 
     def shutdown(self):
         self.llm.shutdown()

