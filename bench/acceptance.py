@@ -1,16 +1,6 @@
-"""Acceptance on a workload: for a verifier (the target) and each drafter, per workload and temperature,
-how many drafts the target accepts (docs/benchmarks.md, Acceptance on a workload).
-
-Your models with ``--verifier`` and ``--drafter`` (directories or Hub ids; a drafter is told apart by its
-config.json, or ``ngram``) or ``--config`` (a serve config's sections), else the shipped pair. In process, each
-(workload, drafter, temperature) generates the prompts together through ``core.loop``'s step at k = ``--k-max``
-and records every step's (drafts, accepted): per-position and conditional acceptance, the accepted-length
-distribution, and the mean acceptance length for every k up to k-max, derived from that run (each drafter drafts
-a chain, so its first k drafts are the ones it drafts at k; ``--measure-ks`` runs those k too, beside the derived
-length, which came out the conservative one). ``--url``: a running server's drafter, from the responses'
-``speculation`` blocks (the distribution then assumes every step drafted k-max, true under ``k_policy: fixed``).
-"""
-
+"""Acceptance on a workload: per drafter, workload and temperature, how many drafts the target accepts
+(docs/benchmarks.md, Acceptance on a workload). In process through ``core.loop``'s step at k = ``--k-max`` (every
+smaller k derived from the same steps, ``--measure-ks`` also run), or a running server's drafter (``--url``)."""
 
 from __future__ import annotations
 
@@ -18,58 +8,42 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import workloads
-from bench.client import floats, ints
-from bench.common import (
-    BENCH_DTYPE,
-    DEFAULT_OUT,
-    DRAFTER,
-    EAGLE3,
-    MAX_MODEL_LEN,
-    TARGET,
-    environment,
-    log,
-    per_token_acceptance,
-    rnd,
-    set_threads,
-    write_json,
-)
+import httpx
+import yaml
+
+from bench import common, workloads
+from bench.common import BENCH_DTYPE, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, floats, ints, log, rnd
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description="Acceptance per position, mean acceptance length by k and the "
-                                             "accepted-length distribution, per workload, drafter and temperature.")
+    ap = argparse.ArgumentParser(prog="python -m bench.acceptance", description="Acceptance per position, mean "
+                                 "acceptance length by k and the accepted-length distribution, per workload, drafter "
+                                 "and temperature.")
     workloads.add_arguments(ap, prompts=8)
-    ap.add_argument("--verifier", default=None, help=(
-        "the verifier (target) to measure: a model directory or a Hub id org/name[@revision] (default: the shipped target)"))
-    ap.add_argument("--drafter", action="append", default=None, metavar="MODEL", help=(
-        "a drafter to measure with it, repeatable: a draft model, a Speculators EAGLE-3, DFlash or DSpark head (a directory "
-        "or a Hub id), or 'ngram'; replaces --drafters"))
-    ap.add_argument("--config", default=None, help=(
-        "a serve config (the YAML `serve run` takes, or its app's args): measure its verifier and drafter sections"))
-    ap.add_argument("--drafters", default=",".join(DRAFTERS),
-                    help=f"the shipped pair's drafters, a comma list of {', '.join(DRAFTERS)} (in process)")
+    ap.add_argument("--verifier", help="the target: a model directory or a Hub id org/name[@revision] (default: the "
+                                       "shipped target)")
+    ap.add_argument("--drafter", action="append", metavar="MODEL", help="a drafter to measure with it, repeatable: a "
+                    "draft model, an EAGLE-3, DFlash or DSpark head (a directory or a Hub id), or 'ngram'")
+    ap.add_argument("--config", help="a serve config (its YAML or its app's args): its verifier and drafter sections")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS), help="the shipped pair's drafters, a comma list")
     ap.add_argument("--k-max", type=int, default=8, help="drafts per step measured; every k up to it is derived")
-    ap.add_argument("--measure-ks", type=ints, default=[4],
-                    help="also run these k and report their measured mean acceptance length beside the derived one")
+    ap.add_argument("--measure-ks", type=ints, default=[4], help="also run these k: their measured mean acceptance "
+                                                                 "length beside the derived one")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=floats, default=[0.0, 0.8])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"])
-    ap.add_argument("--url", default=None, help=(
-        "a running server's base URL: measure its drafter over HTTP (--verifier: its model, for the prompts' tokens)"))
-    ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--url", help="a running server's base URL: its drafter over HTTP (--verifier: its model)")
+    ap.add_argument("--out", default=str(common.DEFAULT_OUT))
     args = ap.parse_args(argv)
     args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    bad = [d for d in args.drafters if d not in DRAFTERS]
-    if bad:
+    if bad := [d for d in args.drafters if d not in DRAFTERS]:
         ap.error(f"--drafters: unknown {bad}; choose from {list(DRAFTERS)}")
     if args.url and (args.drafter or args.config):
-        ap.error("--url measures the server's own drafter: no --drafter or --config with it (--verifier: its tokenizer)")
+        ap.error("--url measures the server's own drafter: no --drafter or --config with it")
     if args.config and (args.verifier or args.drafter):
         ap.error("--config names the verifier and the drafter: no --verifier or --drafter with it")
     if not 1 <= args.k_max <= 16:
@@ -87,81 +61,82 @@ def summarise(records: list[tuple[int, int]], k_max: int) -> dict:
         counts[min(a, k_max)] += 1
     at_least = [sum(1 for _, a in drafting if a >= i) for i in range(1, k_max + 1)]
     tested = [sum(1 for d, a in drafting if d >= i and a >= i - 1) for i in range(1, k_max + 1)]
-    accepted = sum(a for _, a in drafting)
+    accepted, drafted = sum(a for _, a in drafting), sum(d for d, _ in drafting)
     full = sum(1 for d, a in drafting if a == d)
-    by_k = [1 + sum(min(a, k) for _, a in drafting) / n if n else 1.0 for k in range(1, k_max + 1)]
-    per_step = [1 + sum(min(a, k) for _, a in drafting) / n_all if n_all else 1.0 for k in range(1, k_max + 1)]
-    return {"steps": n_all, "num_drafts": n, "num_draft_tokens": sum(d for d, _ in drafting),
-            "num_accepted_tokens": accepted,
-            "acceptance_rate": rnd(accepted / sum(d for d, _ in drafting)) if n else None,
-            "per_position_acceptance_rate": [rnd(x / n) if n else None for x in at_least],
-            "conditional_acceptance": [rnd(x / t) if t else None for x, t in zip(at_least, tested)],
+
+    def share(x, of):
+        return rnd(x / of) if of else None
+
+    def length(k, of):
+        return rnd(1 + sum(min(a, k) for _, a in drafting) / of if of else 1.0)
+
+    return {"steps": n_all, "num_drafts": n, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": share(accepted, drafted if n else 0),
+            "per_position_acceptance_rate": [share(x, n) for x in at_least],
+            "conditional_acceptance": [share(x, t) for x, t in zip(at_least, tested)],
             "conditional_tested": tested,  # the steps each conditional rate rests on
-            "accepted_length_counts": counts,
-            "accepted_length_distribution": [rnd(c / n) if n else None for c in counts],
-            "mean_acceptance_length_by_k": [rnd(x) for x in by_k],
-            "tokens_per_step_by_k": [rnd(x) for x in per_step],
-            "per_token_acceptance": rnd(per_token_acceptance(n, accepted, full)) if n else None}
+            "accepted_length_counts": counts, "accepted_length_distribution": [share(c, n) for c in counts],
+            "mean_acceptance_length_by_k": [length(k, n) for k in range(1, k_max + 1)],
+            "tokens_per_step_by_k": [length(k, n_all) for k in range(1, k_max + 1)],
+            "per_token_acceptance": rnd(common.per_token_acceptance(n, accepted, full)) if n else None}
 
 
 def records_from_counts(spec: dict, k: int) -> list[tuple[int, int]]:
-    """Step records rebuilt from a response's counts (``num_drafts``, ``accepted_per_pos``, ``steps``),
-    every drafting step taken to have drafted ``k``: steps that accepted exactly j drafts are those that
-    accepted position j less those that accepted position j + 1."""
-    pos = list(spec.get("accepted_per_pos") or []) + [0] * k
+    """Step records rebuilt from a response's counts (``num_drafts``, ``accepted_per_pos``, ``steps``), every
+    drafting step taken to have drafted ``k``: exactly j accepted = position j accepted less position j + 1."""
     n = spec.get("num_drafts", 0)
-    at_least = [n] + pos[:k] + [0]
+    at_least = [n] + (list(spec.get("accepted_per_pos") or []) + [0] * k)[:k] + [0]
     recs = [(k, j) for j in range(k + 1) for _ in range(max(0, at_least[j] - at_least[j + 1]))]
     return recs + [(0, 0)] * max(0, spec.get("steps", n) - n)
 
 
 # ------------------------------------------------------------------ in process
-def _shipped(name: str, k: int):
+def _shipped(name: str, k: int, engine: dict):
+    """The config of a shipped drafter (``draft_model``, ``eagle3`` or ``ngram``) at k, with ``engine``'s fields."""
     from configs import DraftModelConfig, Eagle3Config, NgramConfig
 
-    if name == "draft_model":
-        return DraftModelConfig(model=DRAFTER, num_speculative_tokens=k, cache_budget_mb=64, max_model_len=MAX_MODEL_LEN)
-    if name == "eagle3":
-        return Eagle3Config(model=EAGLE3, num_speculative_tokens=k, cache_budget_mb=64, max_model_len=MAX_MODEL_LEN,
-                            verifier_model=TARGET)
-    return NgramConfig(num_speculative_tokens=k)
+    if name == "ngram":
+        return NgramConfig(num_speculative_tokens=k)
+    kw = {"num_speculative_tokens": k, "cache_budget_mb": 64, "max_model_len": MAX_MODEL_LEN, **engine}
+    return DraftModelConfig(model=DRAFTER, **kw) if name == "draft_model" else \
+        Eagle3Config(model=EAGLE3, verifier_model=TARGET, **kw)
 
 
-def serve_sections(path: str) -> tuple[dict, dict]:
-    """(verifier, drafter) sections of a serve config: the Serve YAML's first application's args, or the args."""
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text()) or {}
-    app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
-    if "verifier" not in app or "drafter" not in app:
-        raise SystemExit(f"--config {path}: no verifier and drafter sections (a serve config's application args)")
-    return dict(app["verifier"]), dict(app["drafter"])
-
-
-def models(args) -> tuple[dict, list[tuple[str, object]]]:
-    """(the verifier's config fields, [(row name, drafter config)]) that ``args`` name: ``--config``'s sections,
-    ``--verifier`` and ``--drafter``, or the shipped pair."""
+def _from_config(args) -> tuple[dict, list[tuple[str, object]]]:
+    """A serve config's verifier and drafter sections (the Serve YAML's first application's args, or the args)."""
     from pydantic import TypeAdapter
 
     from configs.models import DrafterConfig
-    from core.hub import local_dir, localize
+    from core.hub import localize
+
+    doc = yaml.safe_load(Path(args.config).read_text()) or {}
+    app = doc["applications"][0].get("args", {}) if "applications" in doc else doc
+    if "verifier" not in app or "drafter" not in app:
+        raise SystemExit(f"--config {args.config}: no verifier and drafter sections (a serve config's app args)")
+    v, d = dict(app["verifier"]), dict(app["drafter"])
+    v = {**localize(v), "num_threads": args.threads}
+    d = localize({k: x for k, x in d.items() if k != "num_speculative_tokens"}) | {"num_speculative_tokens": args.k_max}
+    if d.get("method") in ("eagle3", "dflash", "dspark"):
+        d["verifier_model"] = v["model"]
+    if d.get("method") != "ngram":
+        d["num_threads"] = args.threads
+    config = TypeAdapter(DrafterConfig).validate_python(d)
+    name = config.method if config.method == "ngram" else f"{config.method}: {Path(config.model).name}"
+    return {k: x for k, x in v.items() if k in ("model", "dtype", "max_model_len", "num_threads")}, [(name, config)]
+
+
+def models(args) -> tuple[dict, list[tuple[str, object]]]:
+    """(the verifier's config fields, [(row name, drafter config)]): ``--config``'s sections, ``--verifier`` and
+    ``--drafter``, or the shipped pair."""
+    from core.hub import local_dir
     from offline.generate import drafter_config
 
     engine = {"num_threads": args.threads, "dtype": args.dtype}
     if args.config:
-        v, d = serve_sections(args.config)
-        v = {**localize(v), "num_threads": args.threads}
-        d = {**localize({k: x for k, x in d.items() if k != "num_speculative_tokens"}), "num_speculative_tokens": args.k_max}
-        if d.get("method") in ("eagle3", "dflash", "dspark"):
-            d["verifier_model"] = v["model"]
-        if d.get("method") != "ngram":
-            d["num_threads"] = args.threads
-        config = TypeAdapter(DrafterConfig).validate_python(d)
-        name = config.method if config.method == "ngram" else f"{config.method}: {Path(config.model).name}"
-        return {k: x for k, x in v.items() if k in ("model", "dtype", "max_model_len", "num_threads")}, [(name, config)]
+        return _from_config(args)
     if not args.verifier and not args.drafter:
         return ({"model": TARGET, "max_model_len": MAX_MODEL_LEN, **engine},
-                [(n, _shipped(n, args.k_max).model_copy(update={} if n == "ngram" else engine)) for n in args.drafters])
+                [(n, _shipped(n, args.k_max, engine)) for n in args.drafters])
     target = local_dir(args.verifier or TARGET, field="--verifier")
     refs = args.drafter or [DRAFTER]
     drafters = [drafter_config(r, target, args.k_max, **({} if r == "ngram" else engine)) for r in refs]
@@ -187,8 +162,7 @@ def run_steps(prompts: list[list[int]], temperature: float, seed: int, max_token
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
         s = Sequence(list(ids), params, k, verifier.tokenizer, verifier.eos_ids, max_len)
-        s.stats = Recorded()
-        s.capture = getattr(drafter, "aux_layers", ())
+        s.stats, s.capture = Recorded(), getattr(drafter, "aux_layers", ())
         seqs.append(s)
     while any(not s.done for s in seqs):
         step(seqs, drafter, verifier)
@@ -208,139 +182,82 @@ def measure_in_process(args, wls, verifier_fields: dict, drafters: list[tuple[st
     out = []
     for name, config in drafters:
         drafter = build_drafter(config)
-        for wl in wls:
-            ids = [p for _, p in wl.prompts]
-            for t in args.temperatures:
-                t0 = time.perf_counter()
-                rec = run_steps(ids, t, args.seed, args.max_tokens, args.k_max, drafter, verifier)
-                row = {"workload": wl.name, "prompts": len(ids), "drafter": name, "temperature": t, "k_max": args.k_max,
-                       **summarise(rec, args.k_max)}
-                measured = {}
-                for k in args.measure_ks:
-                    measured[str(k)] = summarise(run_steps(ids, t, args.seed, args.max_tokens, k, drafter, verifier),
-                                                 k)["mean_acceptance_length_by_k"][-1]
-                if measured:
-                    row["measured_mean_acceptance_length"] = measured
-                row["seconds"] = rnd(time.perf_counter() - t0, 2)
-                log(f"{wl.name} {name} T={t:g}: acceptance {row['acceptance_rate']}, E(k) "
-                    f"{row['mean_acceptance_length_by_k']} ({row['seconds']} s)")
-                out.append(row)
+        for wl, t in ((wl, t) for wl in wls for t in args.temperatures):
+            t0, ids = time.perf_counter(), [p for _, p in wl.prompts]
+            rec = run_steps(ids, t, args.seed, args.max_tokens, args.k_max, drafter, verifier)
+            row = {"workload": wl.name, "prompts": len(ids), "drafter": name, "temperature": t, "k_max": args.k_max,
+                   **summarise(rec, args.k_max)}
+            if measured := {str(k): summarise(run_steps(ids, t, args.seed, args.max_tokens, k, drafter, verifier),
+                                              k)["mean_acceptance_length_by_k"][-1] for k in args.measure_ks}:
+                row["measured_mean_acceptance_length"] = measured
+            row["seconds"] = rnd(time.perf_counter() - t0, 2)
+            log(f"{wl.name} {name} T={t:g}: acceptance {row['acceptance_rate']}, E(k) "
+                f"{row['mean_acceptance_length_by_k']} ({row['seconds']} s)")
+            out.append(row)
     return out
 
 
-# ------------------------------------------------------------------ through a server
 def measure_server(args, wls) -> list[dict]:
-    import httpx
-
     from bench.client import complete, completion_body
 
     out = []
     with httpx.Client(timeout=600) as client:
-        for wl in wls:
-            for t in args.temperatures:
-                recs, steps_by_k = [], {}
-                for i, (_, ids) in enumerate(wl.prompts):
-                    body = completion_body(ids, args.max_tokens, t, args.seed + i, args.k_max)
-                    spec = complete(client, args.url, body)["speculation"] or {}
-                    recs += records_from_counts(spec, args.k_max)
-                    for k, n in (spec.get("steps_by_k") or {}).items():
-                        steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n
-                row = {"workload": wl.name, "prompts": len(wl.prompts), "drafter": "server", "temperature": t,
-                       "k_max": args.k_max,
-                       **summarise(recs, args.k_max), "steps_by_k": steps_by_k}
-                log(f"{wl.name} server T={t:g}: acceptance {row['acceptance_rate']}, E(k) {row['mean_acceptance_length_by_k']}")
-                out.append(row)
+        for wl, t in ((wl, t) for wl in wls for t in args.temperatures):
+            recs, steps_by_k = [], {}
+            for i, (_, ids) in enumerate(wl.prompts):
+                spec = complete(client, args.url, completion_body(ids, args.max_tokens, t, args.seed + i,
+                                                                  args.k_max))["speculation"] or {}
+                recs += records_from_counts(spec, args.k_max)
+                for k, n in (spec.get("steps_by_k") or {}).items():
+                    steps_by_k[str(k)] = steps_by_k.get(str(k), 0) + n
+            row = {"workload": wl.name, "prompts": len(wl.prompts), "drafter": "server", "temperature": t,
+                   "k_max": args.k_max, **summarise(recs, args.k_max), "steps_by_k": steps_by_k}
+            log(f"{wl.name} server T={t:g}: acceptance {row['acceptance_rate']}, "
+                f"E(k) {row['mean_acceptance_length_by_k']}")
+            out.append(row)
     return out
-
-
-# ------------------------------------------------------------------ plot
-def plot(data: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = data["results"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
-    pairs = list(dict.fromkeys((r["drafter"], r["workload"]) for r in rows))
-    colour = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(pairs)}  # one per (drafter, workload)
-    for r in rows:  # every curve says how much it rests on: prompts, and drafting steps
-        label = f"{r['drafter']}, {r['workload']}, T={r['temperature']:g} ({r.get('prompts', '?')} prompts, {r['num_drafts']} steps)"
-        ks = list(range(1, r["k_max"] + 1))
-        style = "-" if r["temperature"] == 0 else "--"  # greedy solid, sampled dashed
-        c = colour[(r["drafter"], r["workload"])]
-        axes[0].plot(ks, r["mean_acceptance_length_by_k"], style, color=c, marker="o", ms=3, label=label)
-        axes[1].plot(ks, r["conditional_acceptance"], style, color=c, marker="o", ms=3)
-        for k, y, n in zip(ks, r["conditional_acceptance"], r.get("conditional_tested") or []):
-            if y is not None:  # the steps that reached the position: a rate from a few steps is a rough one
-                axes[1].annotate(f"{n}", (k, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
-    greedy = [r for r in rows if r["temperature"] == 0] or rows
-    width = 0.8 / max(1, len(greedy))
-    for j, r in enumerate(greedy):
-        xs = [x + (j - (len(greedy) - 1) / 2) * width for x in range(r["k_max"] + 1)]
-        axes[2].bar(xs, r["accepted_length_distribution"], width=width, color=colour[(r["drafter"], r["workload"])])
-    k_max = max(r["k_max"] for r in rows)
-    axes[0].set(xlabel="k (drafts per step)", ylabel="tokens per drafting step",
-                title="mean acceptance length E(k)\n(1 + accepted drafts; k = 0 would be 1)")
-    axes[1].set(xlabel="draft position", ylabel="accepted, given every earlier one was", ylim=(0, 1.08),
-                title="acceptance per position\n(numbers: steps that reached the position)")
-    axes[2].set(xlabel="drafts accepted in a step", ylabel="share of drafting steps",
-                title=f"accepted drafts per step at k = {k_max}\n(greedy rows)")
-    for ax in axes:
-        ax.set_xticks(range(0 if ax is axes[2] else 1, k_max + 1))
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), fontsize=8, frameon=False,
-               title="drafter, workload, temperature (solid: greedy, dashed: sampled)", title_fontsize=8)
-    fig.tight_layout(rect=(0, 0.08 + 0.045 * ((len(labels) + 1) // 2), 1, 1))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
+    from core.hub import local_dir
     from core.models import context_limit
 
-    set_threads(args.threads)
+    common.set_threads(args.threads)
     t0 = time.perf_counter()
-    verifier, drafters = (None, []) if args.url else models(args)
+    verifier, drafters = ({}, []) if args.url else models(args)
     if args.url:  # the prompts in the served model's tokens: --verifier names it
-        from core.hub import local_dir
-
         target = local_dir(args.verifier, weights=False, field="--verifier") if args.verifier else TARGET
     else:
         target = verifier["model"]
-    limit = context_limit(target, verifier.get("max_model_len") if verifier else (None if args.verifier else MAX_MODEL_LEN))
-    wls = workloads.load_all(workloads.workload_names(args.workload), args.prompts, AutoTokenizer.from_pretrained(target),
-                             args.workload_seed, limit - args.max_tokens - args.k_max - 1)
-    for wl in wls:
-        of = wl.info.get("of")
-        log(f"{wl.name}: {len(wl.prompts)}{f' of {of}' if of else ''} prompts"
-            + (f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
-               if of and len(wl.prompts) < of else ""))
+    own = verifier.get("max_model_len") if verifier else (None if args.verifier else MAX_MODEL_LEN)
+    limit = context_limit(target, own)
+    tok = AutoTokenizer.from_pretrained(target)
+    wls = [workloads.load(w, args.prompts, tok, args.workload_seed, limit - args.max_tokens - args.k_max - 1)
+           for w in workloads.workload_names(args.workload)]
+    for wl, of in ((wl, wl.info.get("of")) for wl in wls):
+        log(f"{wl.name}: {len(wl.prompts)}{f' of {of}' if of else ''} prompts" + (
+            f" (a subset drawn with --workload-seed {args.workload_seed}; --prompts all for every one)"
+            if of and len(wl.prompts) < of else ""))
     rows = measure_server(args, wls) if args.url else measure_in_process(args, wls, verifier, drafters)
     return {"scenario": "acceptance", "source": "server" if args.url else "in_process",
-            "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts, "workload_seed": args.workload_seed,
+            "config": {"workloads": [wl.name for wl in wls], "prompts": args.prompts,
+                       "workload_seed": args.workload_seed,
                        "drafters": ["server"] if args.url else [n for n, _ in drafters], "k_max": args.k_max,
                        "measure_ks": args.measure_ks, "max_tokens": args.max_tokens, "temperatures": args.temperatures,
                        "seed": args.seed, "threads": args.threads, "url": args.url,
                        "dtype": None if args.url else verifier.get("dtype", args.dtype),  # a server's is its own
                        "target": target, "serve_config": args.config},
             "workloads": {wl.name: wl.describe() for wl in wls},
-            "environment": environment(args.threads), "results": rows,
+            "environment": common.environment(args.threads), "results": rows,
             "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):
     args = parse(argv)
     data = run(args)
-    path = write_json(args.out, "acceptance", data)
-    png = None if args.no_plot else plot(data, Path(args.out) / "acceptance.png")
-    log(f"wrote {path}{' and ' + str(png) if png else ''} ({data['duration_s']} s)")
+    log(f"wrote {common.write_json(args.out, 'acceptance', data)} ({data['duration_s']} s)")
 
 
 if __name__ == "__main__":

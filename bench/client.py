@@ -1,6 +1,6 @@
-"""What the served scenarios share (``bench.latency``, its ``breakdown``, ``bench.load``, ``bench.ab``): one
-scenario description (the workloads' prompts, tokens per request, dtype, threads, the policy's k), the app
-they serve, and one HTTP client for the completions endpoint."""
+"""What the served tools share (``bench.latency`` and its ``breakdown``, ``bench.load``, ``bench.ab``): one scenario
+description (the workloads' prompts, tokens per request, dtype, threads, the policy's k), the app they serve, and
+one HTTP client for the completions endpoint."""
 
 from __future__ import annotations
 
@@ -14,48 +14,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import workloads
-from bench.common import (
-    BENCH_DTYPE,
-    DEFAULT_K,
-    DEFAULT_OUT,
-    DRAFTER,
-    EAGLE3,
-    MAX_MODEL_LEN,
-    TARGET,
-    environment,
-    free_port,
-    log,
-    set_threads,
-)
-
-
-def ints(text: str) -> list[int]:
-    """``1-8`` or ``1,2,4`` (or both: ``1,3-5``)."""
-    out = []
-    for part in (p.strip() for p in text.split(",")):
-        if "-" in part:
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
-
-
-def floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+from bench import common, workloads
+from bench.common import BENCH_DTYPE, DEFAULT_K, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log
 
 
 # ------------------------------------------------------------------ the scenario
 def add_arguments(ap: argparse.ArgumentParser, prompts: int | None, max_tokens: int = 256):
-    """The flags every served scenario takes: the workloads and their prompts, tokens per request, the
-    policy's ceiling k, threads per engine, the dtype and the output folder."""
+    """The flags every served scenario takes: the workloads and their prompts, tokens per request, the policy's
+    ceiling k, threads per engine, the dtype and the output folder."""
     workloads.add_arguments(ap, prompts=prompts)
     ap.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per request (ignore_eos)")
     ap.add_argument("--default-k", type=int, default=DEFAULT_K, help="the default policy's ceiling")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine, every system")
     ap.add_argument("--dtype", default=BENCH_DTYPE, choices=["bfloat16", "float32"], help="every system's dtype")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=str(common.DEFAULT_OUT))
 
 
 @dataclass(frozen=True)
@@ -72,7 +44,7 @@ class Scenario:
 
     @classmethod
     def from_args(cls, args) -> Scenario:
-        set_threads(args.threads)
+        common.set_threads(args.threads)
         return cls(tuple(workloads.workload_names(args.workload)), args.prompts, args.workload_seed, args.max_tokens,
                    args.default_k, args.threads, args.dtype)
 
@@ -83,7 +55,7 @@ class Scenario:
 
             tokenizer = AutoTokenizer.from_pretrained(TARGET)
         longest = MAX_MODEL_LEN - self.max_tokens - max(k_max or 0, self.default_k) - 1
-        return workloads.load_all(list(self.workloads), self.prompts, tokenizer, self.seed, longest)
+        return [workloads.load(w, self.prompts, tokenizer, self.seed, longest) for w in self.workloads]
 
     def app(self, k_policy: str = "adaptive", k: int | None = None, streams: int = 1, **kw) -> dict:
         return app_args(self.threads, k_policy, self.default_k if k is None else k, streams, self.dtype, **kw)
@@ -99,20 +71,18 @@ class Scenario:
 
 # ------------------------------------------------------------------ the app served
 def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, streams: int = 1,
-             dtype: str = BENCH_DTYPE, drafter: str = "draft_model", pin: bool = True) -> dict:
-    """The shipped app's args (serve_config.yaml) with explicit threads and dtype, a fixed context and
-    KV caches sized for ``streams`` concurrent sequences (512 float32 tokens each). ``pin``: on a
-    machine with cores enough, the verifier's replica on the first ``threads`` cores and the
-    drafter's on the next (``cpu_affinity``), as vLLM's threads are bound to cores in its runs.
-    ``drafter``: ``draft_model``, ``eagle3`` (the shipped head) or a ``(method, directory)`` head."""
-    cores = os.cpu_count() or 1
+             dtype: str = BENCH_DTYPE, drafter: str | tuple = "draft_model") -> dict:
+    """The shipped app's args (serve_config.yaml) with explicit threads and dtype, a fixed context and KV caches
+    sized for ``streams`` concurrent sequences (512 float32 tokens each). On a machine with cores enough the
+    verifier's replica runs on the first ``threads`` cores and the drafter's on the next (``cpu_affinity``), as
+    vLLM's threads are bound to cores in its runs. ``drafter``: ``draft_model``, ``eagle3`` (the shipped head) or
+    a ``(method, directory)`` head."""
     pins = ({"cpu_affinity": list(range(threads))}, {"cpu_affinity": list(range(threads, 2 * threads))}) \
-        if pin and cores >= 2 * threads else ({}, {})
+        if (os.cpu_count() or 1) >= 2 * threads else ({}, {})
     slot_mb_target = 2 * 8 * 512 * 512 * 4 / 2**20  # layers x (K,V) x positions x hidden x fp32
     slot_mb_drafter = 2 * 1 * 512 * 128 * 4 / 2**20
     engine = {"num_threads": threads, "dtype": dtype, "max_model_len": MAX_MODEL_LEN}
-    method, model = ("eagle3", EAGLE3) if drafter == "eagle3" else \
-        ("draft_model", DRAFTER) if drafter == "draft_model" else drafter
+    method, model = {"eagle3": ("eagle3", EAGLE3), "draft_model": ("draft_model", DRAFTER)}.get(drafter, drafter)
     budget = slot_mb_drafter * (2 * streams + 4) if method == "draft_model" else 8
     return {"model_name": "tiny-code",
             "verifier": {"model": TARGET, "cache_budget_mb": slot_mb_target * (streams + 2), **engine, **pins[0]},
@@ -127,7 +97,7 @@ BENCH_OVERRIDES = {"Router": {"ray_actor_options": {"num_cpus": 0.05}},
                    "Verifier": {"ray_actor_options": {"num_cpus": 0.25}},
                    "Drafter": {"ray_actor_options": {"num_cpus": 0.2}}}
 
-# deploys apps with the app builder of the checkout it runs in (``serving``'s ``builders``): [name, args, overrides] on stdin
+# deploys apps with the app builder of the checkout it runs in: [name, args, overrides] on stdin
 _DEPLOY_SCRIPT = """import json, sys
 import ray
 from ray import serve
@@ -139,9 +109,8 @@ serve.run_many([serve.RunTarget(build_app_with(a, overrides=o), name=n, route_pr
 
 
 def _deploy_with(tree: Path, targets: list) -> subprocess.Popen:
-    """Start deploying ``targets`` ([name, args, overrides]) with ``tree``'s own app builder, in a process of
-    its own joined to this Ray cluster: how a version's config becomes its deployments is its code's (a
-    constructor argument added since would break a replica of the older code)."""
+    """Start deploying ``targets`` ([name, args, overrides]) with ``tree``'s own app builder in a process joined to
+    this Ray cluster: how a version's config becomes its deployments is its code's."""
     import ray
 
     proc = subprocess.Popen([sys.executable, "-c", _DEPLOY_SCRIPT, ray.get_runtime_context().gcs_address],
@@ -160,7 +129,8 @@ def _deploy(apps: dict, options: dict, builders: dict) -> None:
     others = [_deploy_with(tree, [[f"bench-{n}", apps[n], options[n]] for n in apps if builders.get(n) == tree])
               for tree in sorted(set(builders.values()))]
     serve.run_many([serve.RunTarget(build_app_with(args, overrides=options[name]), name=f"bench-{name}",
-                                    route_prefix=f"/bench-{name}") for name, args in apps.items() if name not in builders])
+                                    route_prefix=f"/bench-{name}")
+                    for name, args in apps.items() if name not in builders])
     for proc in others:
         if proc.wait() != 0:
             raise RuntimeError(f"deploying with another checkout's app builder failed (exit {proc.returncode})")
@@ -169,22 +139,22 @@ def _deploy(apps: dict, options: dict, builders: dict) -> None:
 @contextlib.contextmanager
 def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | None = None,
             builders: dict[str, Path] | None = None):
-    """Deploy each ``{name: args}`` app at route ``/bench-name`` on Ray Serve, in process, and yield
-    ``{name: base_url}``. Starts Ray and Serve (on a free port) unless they already run (the
-    test suite's cluster); deletes the apps afterwards and stops what it started. ``overrides``:
-    an app's deployment options instead of ``BENCH_OVERRIDES``; ``builders``: an app built by another
-    checkout's app builder (``{name: its root}``), in a process of its own."""
+    """Deploy each ``{name: args}`` app at route ``/bench-name`` on Ray Serve and yield ``{name: base_url}``. Starts
+    Ray and Serve (on a free port) unless they already run (the test suite's cluster); deletes the apps afterwards
+    and stops what it started. ``overrides``: an app's deployment options instead of ``BENCH_OVERRIDES``;
+    ``builders``: an app built by another checkout's app builder (``{name: its root}``)."""
     import ray
     from ray import serve
+    from ray.serve.context import _get_global_client
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
+    if started_ray := not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}})
-    port, started_serve = _serve_port(), False
+    client = _get_global_client(raise_if_no_controller_running=False)  # a Serve instance running here, if any
+    port, started_serve = client.http_config.port if client else None, False
     try:
         if port is None:
-            port, started_serve = free_port(), True
+            port, started_serve = common.free_port(), True
             serve.start(http_options={"host": "127.0.0.1", "port": port})
         log(f"deploying apps {list(apps)}")
         _deploy(apps, {name: (overrides or {}).get(name, BENCH_OVERRIDES) for name in apps}, builders or {})
@@ -201,17 +171,6 @@ def serving(apps: dict[str, dict], threads: int, overrides: dict[str, dict] | No
             ray.shutdown()
 
 
-def _serve_port() -> int | None:
-    """The HTTP port of a Serve instance already running in this Ray cluster, if any."""
-    from ray.serve.context import _get_global_client
-
-    try:
-        client = _get_global_client(raise_if_no_controller_running=False)
-    except Exception:  # noqa: BLE001 - no controller
-        return None
-    return None if client is None else client.http_config.port
-
-
 # ------------------------------------------------------------------ the HTTP client
 def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None,
                     k: int | None, stream: bool = False) -> dict:
@@ -226,19 +185,20 @@ def completion_body(prompt_ids: list[int], max_tokens: int, temperature: float, 
     return body
 
 
-# asks the served app for the per-step time breakdown in each response's speculation block
-# (docs/serving.md); a header, not a body field: an older checkout's app (bench.ab) ignores it
+# asks the app for the per-step time breakdown in each response's speculation block (docs/serving.md); a header,
+# not a body field: an older checkout's app (bench.ab) ignores it
 TIMING_HEADERS = {"x-splitspec-timing": "1"}
 
 
 def speculation(data: dict) -> dict | None:
-    """A response's or stream chunk's ``speculation`` block: its first choice's (docs/serving.md); an
-    older checkout's app (``bench.ab``) wrote it beside the choices."""
-    choices = data.get("choices") or [{}]
-    return choices[0].get("speculation") or data.get("speculation")
+    """A response's or stream chunk's ``speculation`` block: its first choice's (docs/serving.md); an older
+    checkout's app (``bench.ab``) wrote it beside the choices."""
+    return (data.get("choices") or [{}])[0].get("speculation") or data.get("speculation")
 
 
-def _result(t0: float, data: dict) -> dict:
+def _result(t0: float, r) -> dict:
+    r.raise_for_status()
+    data = r.json()
     return {"latency_s": time.perf_counter() - t0, "tokens": data["usage"]["completion_tokens"],
             "speculation": speculation(data), "token_ids": data["choices"][0].get("token_ids"), "chunks": None}
 
@@ -246,25 +206,20 @@ def _result(t0: float, data: dict) -> dict:
 def complete(client, url: str, body: dict) -> dict:
     """One non-streaming completion (an ``httpx.Client``): latency, tokens, speculation block, token ids."""
     t0 = time.perf_counter()
-    r = client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
-    r.raise_for_status()
-    return _result(t0, r.json())
+    return _result(t0, client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS))
 
 
 async def complete_async(client, url: str, body: dict) -> dict:
     """``complete`` on an ``httpx.AsyncClient``."""
     t0 = time.perf_counter()
-    r = await client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS)
-    r.raise_for_status()
-    return _result(t0, r.json())
+    return _result(t0, await client.post(f"{url}/v1/completions", json=body, headers=TIMING_HEADERS))
 
 
 async def stream_completion(client, url: str, body: dict) -> dict:
-    """One streaming completion over SSE: ``complete``'s fields, and the arrival time (seconds since the
-    send) and token count of every chunk."""
-    t0 = time.perf_counter()
-    chunks: list[tuple[float, int]] = []
-    spec, n_usage, ids, cached = None, None, [], None
+    """One streaming completion over SSE: ``complete``'s fields, and the arrival time (seconds since the send) and
+    token count of every chunk."""
+    t0, chunks, ids = time.perf_counter(), [], []
+    spec = n_usage = cached = None
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=TIMING_HEADERS) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():

@@ -1,11 +1,12 @@
-"""What every tool shares: the model pair, thread settings, statistics, the machine and code a figure
-came from, JSON output. The served scenarios' app and HTTP client are ``bench.client``'s."""
+"""What every tool shares: the model pair, threads, statistics, the machine and code a figure came from, output."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import random
+import re
 import socket
 import statistics
 import subprocess
@@ -17,36 +18,40 @@ from core.models import resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = str(ROOT / "models" / "tiny-code-target")
-# Every system runs in this dtype: the one `dtype: auto` picks on this machine (bf16 on CPUs with AVX-512 BF16
-# or AMX, float32 elsewhere: bf16 without the instructions is emulated, and no user would serve it);
-# --dtype for the other table
-BENCH_DTYPE = resolve_dtype("auto")
 DRAFTER = str(ROOT / "models" / "tiny-code-drafter")
 EAGLE3 = str(ROOT / "models" / "tiny-code-eagle3")  # the EAGLE-3 head for the same target
-# where every scenario writes unless told: ignored by git. ``make bench PUBLISH=1`` writes to
-# PUBLISHED / machine_slug() instead, the one current report per machine kind that the repository keeps.
+# every system runs in the dtype `dtype: auto` picks here (bf16 on CPUs with AVX-512 BF16 or AMX, else float32:
+# emulated bf16 is what no user would serve); --dtype for the other table
+BENCH_DTYPE = resolve_dtype("auto")
+# where every tool writes unless told (ignored by git); ``make bench PUBLISH=1``: PUBLISHED / machine_slug()
 DEFAULT_OUT = ROOT / "build" / "bench"
 PUBLISHED = ROOT / "bench" / "results"
 DEFAULT_K = 8  # the shipped drafter config's num_speculative_tokens (serve_config.yaml): the policy's ceiling
-PEER_K = 4  # k of the peers' fixed speculation (transformers assisted generation, vLLM in-engine)
+PEER_K = 4  # k of vLLM's in-engine speculation, the peer's fixed k
 MAX_MODEL_LEN = 512  # prompts (~100-200 tokens) + 256 new tokens fit; halves the KV slot size
+# the CPU flags that decide which kernels the engines run (AMX tiles, the bf16 GEMV, the FMA float32 kernel)
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
 def set_threads(n: int):
     """The same intra-op thread count for every system measured in this process."""
     import torch
 
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    os.environ["MKL_NUM_THREADS"] = str(n)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 
 
-def load_prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
-    """``n`` code prompts cut from held-out standard-library modules, with their token ids."""
-    from offline.training.corpus import held_out_prompts
+def ints(text: str) -> list[int]:
+    """``1-8`` or ``1,2,4`` (or both: ``1,3-5``)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
 
-    texts = held_out_prompts(n)
-    return [(t, tokenizer(t)["input_ids"]) for t in texts]
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def median(xs):
@@ -55,9 +60,8 @@ def median(xs):
 
 
 def paired_ratio(rows: list[dict], base: list[dict], field: str = "ms_per_token"):
-    """The median over runs of rows[i][field] / base[i][field], the runs paired by position (the same
-    (repeat, prompt) in an interleaved benchmark), rounded. A speed-up over ``base`` is
-    ``paired_ratio(base, rows)``."""
+    """The median over runs of rows[i][field] / base[i][field], the runs paired by position (the same (repeat,
+    prompt) in an interleaved benchmark). A speed-up over ``base`` is ``paired_ratio(base, rows)``."""
     return rnd(median([r[field] / b[field] for r, b in zip(rows, base)]))
 
 
@@ -68,8 +72,7 @@ def percentile(xs, q: float):
         return None
     pos = (len(xs) - 1) * q / 100
     lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
 def rnd(x, nd=4):
@@ -80,39 +83,26 @@ def expected_tokens(a: float, k: int) -> float:
     """Leviathan et al.: expected tokens per step for per-token acceptance a and k drafts."""
     if k == 0:
         return 1.0
-    if a >= 1.0:
-        return float(k + 1)
-    return (1 - a ** (k + 1)) / (1 - a)
+    return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def per_token_acceptance(num_drafts: int, num_accepted: int, all_accepted: int) -> float | None:
-    """Per-token acceptance a from step counts: accepted / tested draft positions, where a
-    position is tested when every draft before it was accepted (the maximum-likelihood a of
-    the geometric model behind ``expected_tokens``)."""
-    rejections = num_drafts - all_accepted
-    tested = num_accepted + rejections
+    """Per-token acceptance a (the geometric model's maximum likelihood): accepted / tested draft positions, a
+    position tested when every draft before it was accepted."""
+    tested = num_accepted + num_drafts - all_accepted
     return num_accepted / tested if tested else None
 
 
-# the CPU flags that decide which kernels the engines run (AMX tiles, the bf16 GEMV, the FMA float32 kernel)
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-
-
 def cpu_info(text: str | None = None) -> dict:
-    """The first CPU of ``/proc/cpuinfo`` (or ``text``, its contents): vendor, model name and the
-    ``KERNEL_FLAGS`` it has. Without /proc/cpuinfo, what ``platform`` knows, flags unknown (None)."""
+    """The first CPU of ``/proc/cpuinfo`` (or ``text``): vendor, model name and its ``KERNEL_FLAGS``; without
+    /proc/cpuinfo what ``platform`` knows, flags unknown (None)."""
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text()
         except OSError:
             return {"vendor": None, "model": platform.processor() or platform.machine() or None, "flags": None}
     fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first CPU's block only
-            continue
-        key, _, value = line.partition(":")
+    for key, _, value in (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines()):  # the first CPU
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     return {"vendor": fields.get("vendor_id"), "model": fields.get("model name"),
@@ -120,12 +110,8 @@ def cpu_info(text: str | None = None) -> dict:
 
 
 def machine_slug(info: dict | None = None) -> str:
-    """A folder name for the kind of machine, from its CPU: the model name's first two words (vendor
-    and line: ``intel-xeon``, ``amd-epyc``) and the widest of the instruction sets the engines pick
-    kernels by (``amx``, ``avx512bf16``, ``avx512``, ``avx2``). Two machines with one slug run the
-    same kernels; the figures between them still differ with clock, memory and neighbours."""
-    import re
-
+    """A folder name for the kind of machine: the CPU model name's first two words (``intel-xeon``, ``amd-epyc``)
+    and the widest instruction set the engines pick kernels by (``amx``, ``avx512bf16``, ``avx512``, ``avx2``)."""
     info = info if info is not None else cpu_info()
     model = re.sub(r"\((r|tm|c)\)", " ", (info.get("model") or "").lower())
     model = re.sub(r"@.*|\b(processor|cpu|\d+-core)\b", " ", model)
@@ -136,13 +122,12 @@ def machine_slug(info: dict | None = None) -> str:
     return "-".join(words + ([isa] if isa else []))
 
 
-def git_commit(short: bool = True) -> str | None:
-    """This checkout's commit (None outside git), with ``-dirty`` when tracked files differ from it."""
+def git_commit() -> str | None:
+    """This checkout's short commit (None outside git), with ``-dirty`` when tracked files differ from it."""
     try:
-        commit = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        commit, dirty = (subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+                         .stdout.strip() for a in (("rev-parse", "--short", "HEAD"),
+                                                   ("status", "--porcelain", "--untracked-files=no")))
     except Exception:  # noqa: BLE001
         return None
     return (commit + ("-dirty" if dirty else "")) if commit else None
@@ -153,27 +138,19 @@ def environment(threads: int) -> dict:
     import transformers
 
     cpu = cpu_info()
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    command = " ".join(["python", "-m", f"bench.{script.stem}"] + sys.argv[1:]) if script and \
+        script.parent.name == "bench" and script.suffix == ".py" else " ".join(sys.argv)  # as one would type it
     return {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "host_cpus": os.cpu_count(),
             "cpu": cpu["model"] or platform.machine(), "cpu_flags": cpu["flags"], "machine": machine_slug(cpu),
-            "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads_per_engine": threads,
-            "load_average_at_start": list(os.getloadavg()), "git_commit": git_commit(),
-            "command": _command()}
-
-
-def _command() -> str:
-    """How this process was started, as one would type it (``python -m bench.latency ...``)."""
-    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if script is not None and script.parent.name == "bench" and script.suffix == ".py":
-        return " ".join(["python", "-m", f"bench.{script.stem}"] + sys.argv[1:])
-    return " ".join(sys.argv)
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads_per_engine": threads, "load_average_at_start": list(os.getloadavg()), "git_commit": git_commit(),
+            "command": command}
 
 
 def write_json(out: Path, name: str, data: dict) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
+    (path := out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     return path
 
 
@@ -182,22 +159,18 @@ def log(msg: str):
 
 
 def free_port() -> int:
-    """A TCP port free now, chosen at random below the kernel's ephemeral range and above Ray's
-    worker ports (10002-19999). A port from ``bind(0)`` comes from the ephemeral range, where any
-    process starting before the server binds it may be handed the same one: Ray's workers bind
-    theirs that way, and a Serve proxy then fails to bind its port."""
-    import random
-
+    """A TCP port free now, at random below the kernel's ephemeral range and above Ray's worker ports
+    (10002-19999): a port from ``bind(0)`` may be handed to a process starting before the server binds it (Ray's
+    workers bind theirs that way, and a Serve proxy then fails to bind its port)."""
     lo, hi = 20000, 32767
     try:
         hi = min(hi, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) - 1)
     except (OSError, ValueError, IndexError):
         pass
     for _ in range(100):
-        port = random.randint(lo, hi) if hi > lo else 0
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", random.randint(lo, hi) if hi > lo else 0))
             except OSError:
                 continue
             return s.getsockname()[1]
@@ -206,14 +179,11 @@ def free_port() -> int:
 
 def vllm_python() -> str | None:
     """An interpreter that can import vllm: this one, else the one ``SPLITSPEC_VLLM_PYTHON`` names, else None."""
-    candidates = [sys.executable, os.environ.get("SPLITSPEC_VLLM_PYTHON", "")]
-    for py in candidates:
-        if not py or not Path(py).exists():
-            continue
+    for py in (sys.executable, os.environ.get("SPLITSPEC_VLLM_PYTHON", "")):
         try:
-            r = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120, cwd=ROOT)
-        except Exception:  # noqa: BLE001
+            if py and subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=120,
+                                     cwd=ROOT).returncode == 0:
+                return py
+        except (OSError, subprocess.SubprocessError):
             continue
-        if r.returncode == 0:
-            return py
     return None

