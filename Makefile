@@ -7,7 +7,8 @@ TORCH_CPU := torch==2.13.0
 TRANSFORMERS := transformers>=5.19,<5.20
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit test-ray test-all soak test-cluster test-long serve models models-eagle3 models-eagle3-warm clean
+.PHONY: install test test-unit test-ray test-all soak test-cluster test-long serve models models-eagle3 models-eagle3-warm \
+	models-peagle clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +101,19 @@ models-eagle3-warm: $(STAMP)
 		after, before = a['eagle3']['mean_acceptance_length'], a['eagle3_before']['mean_acceptance_length']; \
 		print('mean acceptance length', before, '->', after); \
 		sys.exit(0) if after < before else shutil.copytree('build/eagle3-warm/tiny-code-eagle3', 'models/tiny-code-eagle3', dirs_exist_ok=True)"
+
+# A P-EAGLE head for the shipped target, trained from the shipped EAGLE-3 head as a Ray Train job (seeded; blocks of 4;
+# docs/training.md, P-EAGLE heads), and the untrained head the same trainer starts a new head from (steps 0), into
+# build/peagle: neither is shipped. `python -m bench.breakdown --head build/peagle/tiny-code-peagle=peagle` serves one.
+# (add --workers N for the same run as a Ray Train job)
+PEAGLE_STEPS ?= 30
+models-peagle: $(STAMP)
+	$(PY) -m offline.training.peagle --target models/tiny-code-target --init models/tiny-code-eagle3 \
+		--out build/peagle/tiny-code-peagle --work build/peagle/work --steps $(PEAGLE_STEPS) --batch 4 --seq-len 128 \
+		--anchors 8 --eval-every 15 --ckpt-every 5 --eval-windows 8 --acceptance-prompts 8 --acceptance-max-tokens 64
+	$(PY) -m offline.training.peagle --target models/tiny-code-target --out build/peagle/tiny-code-peagle-untrained \
+		--work build/peagle/work-untrained --steps 0 --seq-len 128 --eval-windows 8 --acceptance-prompts 8 \
+		--acceptance-max-tokens 64
 
 clean:
 	rm -rf $(VENV) build

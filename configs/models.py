@@ -245,8 +245,8 @@ class MtpConfig(_HeadConfig):
 
     method: Literal["mtp"] = Field("mtp", description="Selects this drafter type.")
     model: str = Field(..., min_length=1, description=(
-        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe or deepseek_v3): normally "
-        "verifier.model itself."))
+        "The target checkpoint with MTP layers (num_nextn_predict_layers; glm4_moe, glm4_moe_lite or deepseek_v3): "
+        "normally verifier.model itself."))
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, description=(
         "k: the MTP layer is applied k times, each draft fed back (0 turns speculation off). Default 4."))
     cache_budget_mb: float = Field(64, gt=0, le=1_000_000, description=(

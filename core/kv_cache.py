@@ -4,7 +4,8 @@ Memory is a pool of fixed-size blocks (``block_size`` tokens of K and V for ever
 one [rows, kv_heads, head_dim] buffer per layer and per K/V, where rows = blocks x block_size.
 Each layer has its own shape (``kv_layout``): a model whose global layers have another head size
 and KV head count than its sliding ones (Gemma 4) gets both, and a layer that reads another
-layer's K/V (KV sharing) holds none.
+layer's K/V (KV sharing) holds none. Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) caches its
+compressed latents, keys and values of other widths (``v_layout``).
 A sequence holds a list of blocks (its block table); position p lives in row
 ``blocks[p // block_size] * block_size + p % block_size``. So the number of sequences held
 at once is bounded by the tokens they actually hold, not by ``max_model_len`` per sequence,
@@ -69,8 +70,22 @@ def kv_layout(text_config) -> list[tuple[int, int] | None]:
         shape = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                  getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
         shapes = [shape] * n
+    if getattr(text_config, "model_type", None) in LATENT_CACHES:
+        shapes = [(1, text_config.kv_lora_rank)] * n
     shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
     return [None if i >= n - shared else s for i, s in enumerate(shapes)]
+
+
+# model types whose transformers attention caches multi-head latent attention's compressed latents, one "head" each:
+# the normed kv latent [kv_lora_rank] as its keys and the rotated shared key [qk_rope_head_dim] as its values
+LATENT_CACHES = {"deepseek_v3", "glm4_moe_lite"}
+
+
+def v_layout(text_config) -> list[tuple[int, int] | None]:
+    """Per layer, the shape of the values it caches: the keys' (``kv_layout``), but for a latent cache."""
+    if getattr(text_config, "model_type", None) in LATENT_CACHES:
+        return [None if s is None else (1, text_config.qk_rope_head_dim) for s in kv_layout(text_config)]
+    return kv_layout(text_config)
 
 
 class CacheFull(RuntimeError):
@@ -154,7 +169,8 @@ class PagedKVCache:
         self.max_len = max_len
         self.block_size = block_size
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.token_bytes = 2 * sum(h * d for h, d in filter(None, self.layout)) * itemsize
+        self.v_layout = v_layout(text_config)
+        self.token_bytes = sum(h * d for h, d in filter(None, self.layout + self.v_layout)) * itemsize
         self.block_bytes = self.token_bytes * block_size
         self.num_blocks = budget_bytes // self.block_bytes
         per_sequence = -(-max_len // block_size)
@@ -166,7 +182,7 @@ class PagedKVCache:
         # zeros, not empty: masked positions still enter the attention matmul, and NaN * 0 is NaN;
         # a layer without K/V of its own (KV sharing) gets an empty tensor, never read
         self.k = [torch.zeros((rows, *s) if s else (0,), dtype=dtype, device=device) for s in self.layout]
-        self.v = [torch.zeros((rows, *s) if s else (0,), dtype=dtype, device=device) for s in self.layout]
+        self.v = [torch.zeros((rows, *s) if s else (0,), dtype=dtype, device=device) for s in self.v_layout]
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # least recently used first
         self._free = set(range(1, self.num_blocks))
         self._heap = list(range(1, self.num_blocks))  # smallest free block first (lazy deletion)
@@ -432,8 +448,9 @@ class KVAccess:
             return K[a:b].unsqueeze(0), V[a:b].unsqueeze(0)
         K.index_copy_(0, self.write_rows, k.flatten(0, 1).to(K.dtype))
         V.index_copy_(0, self.write_rows, v.flatten(0, 1).to(V.dtype))
-        flat, shape = self.read_rows.flatten(), (*self.read_rows.shape, *K.shape[1:])
-        return K.index_select(0, flat).view(shape), V.index_select(0, flat).view(shape)  # (row copies, not per element)
+        flat, rows = self.read_rows.flatten(), self.read_rows.shape
+        # (row copies, not per element)
+        return K.index_select(0, flat).view(*rows, *K.shape[1:]), V.index_select(0, flat).view(*rows, *V.shape[1:])
 
 
 @torch.inference_mode()

@@ -21,10 +21,12 @@ run (by vLLM 0.32 either). What is fed back follows vLLM's model class: DeepSeek
 ``shared_head.norm`` of it) and the proposer feeds back the normed one; GLM-4.5's returns the output alone and
 the proposer feeds that back. q_i is conditioned on the drafts before i (a chain, like a draft model's).
 
-Families: those transformers builds here and vLLM drafts with: ``glm4_moe`` (GLM-4.5, 4.6, 4.7) and
-``deepseek_v3`` (DeepSeek-V3, R1). Refused at build time, naming the field: other ``model_type`` values (Qwen3-Next's
-and Qwen3.5's MTP layers sit among linear-attention layers; MiMo has no transformers class), a config without
-``num_nextn_predict_layers``, quantized checkpoints (``quantization_config``), DeepSeek-V3.2's sparse
+Families: those transformers builds here and vLLM drafts with: ``glm4_moe`` (GLM-4.5, 4.6, 4.7), ``glm4_moe_lite``
+(GLM-4.7-Flash: DeepSeek-V3's latent attention in GLM's mixture of experts; its MTP layer, at index N, has the
+experts, as the published checkpoint stores it and ``first_k_dense_replace`` gives for that index) and
+``deepseek_v3`` (DeepSeek-V3, R1). Refused at build time, naming the field: other ``model_type`` values
+(Qwen3-Next's and Qwen3.5's MTP layers sit among linear-attention layers; MiMo has no transformers class), a config
+without ``num_nextn_predict_layers``, quantized checkpoints (``quantization_config``), DeepSeek-V3.2's sparse
 attention (``index_topk``), Speculators' FastMTP heads (``speculators_model_type``: a format of their own, which
 vLLM 0.32 does not load).
 """
@@ -43,7 +45,8 @@ from torch import nn
 from core.layers import RMSNorm
 
 # model_type -> (transformers' class prefix, whether vLLM feeds back the normed output: its MTP model returns a tuple)
-FAMILIES = {"glm4_moe": ("Glm4Moe", False), "deepseek_v3": ("DeepseekV3", True)}
+FAMILIES = {"glm4_moe": ("Glm4Moe", False), "glm4_moe_lite": ("Glm4MoeLite", False),
+            "deepseek_v3": ("DeepseekV3", True)}
 
 
 class UnsupportedMtp(ValueError):
@@ -110,6 +113,11 @@ class MtpSpec:
         c = AutoConfig.for_model(**{k: v for k, v in self.config.items() if k not in ("architectures", "auto_map")})
         c._attn_implementation = "sdpa"
         c._experts_implementation = "eager"  # the experts as modules of their own (no dispatch through a model)
+        kinds = getattr(c, "mlp_layer_types", None)  # GLM-4.7-Flash names each of the N layers' MLP: add layer N's
+        if kinds is not None and len(kinds) <= self.num_hidden_layers:
+            # the layer at index N: mixture of experts past first_k_dense_replace, as the published checkpoint has it
+            moe = c.n_routed_experts and self.num_hidden_layers >= getattr(c, "first_k_dense_replace", 1)
+            c.mlp_layer_types = list(kinds) + ["sparse" if moe else "dense"] * (self.num_hidden_layers + 1 - len(kinds))
         return c
 
 

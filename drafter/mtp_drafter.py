@@ -41,10 +41,6 @@ if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from core.mtp import MtpSpec
 
 
-# families whose MTP layer runs here but whose target this package's verifier does not run yet
-VERIFIER_CANNOT_RUN = {"deepseek_v3": "its multi-head latent attention caches compressed latents, which the verifier's "
-                                      "paged cache does not hold (docs/mtp.md)"}
-
 
 class _Seq:
     """One sequence: its tokens (prefix hashes in ``chain``) and the MTP layer's rows."""
@@ -307,12 +303,9 @@ def check(config: AppConfig) -> MtpSpec:
     caps = capabilities(config.verifier)
     if not caps.step_states:
         raise ValueError(f"an mtp drafter needs the verifier's last hidden states on every step, which {caps.label} "
-                         "does not return: use verifier.backend transformers (vLLM's GLM-4.5 and DeepSeek models "
+                         "does not return: use verifier.backend transformers (vLLM's GLM and DeepSeek models "
                          "capture no states for a drafter outside the engine; vLLM runs their MTP layers itself as "
                          "speculative method mtp)")
-    if spec.family in VERIFIER_CANNOT_RUN:
-        raise ValueError(f"verifier.model {config.verifier.model!r}: model_type {spec.family!r}: "
-                         f"{VERIFIER_CANNOT_RUN[spec.family]}")
     target = AutoConfig.from_pretrained(config.verifier.model).get_text_config()
     mine = (spec.family, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
     theirs = (target.model_type, target.hidden_size, target.num_hidden_layers, target.vocab_size)

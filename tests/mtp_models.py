@@ -21,6 +21,9 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 
+CLASSES = {"glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
+
 
 def family_config(family: str, layers: int):
     if family == "glm4_moe":
@@ -30,6 +33,11 @@ def family_config(family: str, layers: int):
         return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers,
                                   q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                   v_head_dim=16)
+    if family == "glm4_moe_lite":
+        # GLM-4.7-Flash: latent attention with interleaved rotary halves, qk_nope + qk_rope = v_head_dim as published
+        return T.Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, **MOE, num_hidden_layers=layers,
+                                   q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24,
+                                   v_head_dim=32)
     raise ValueError(family)
 
 
@@ -43,8 +51,7 @@ def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked
     torch.manual_seed(seed)
     config = family_config(family, layers + 1)
     config.vocab_size = vocab
-    cls = getattr(T, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family])
-    model = cls(config).float().eval()
+    model = getattr(T, CLASSES[family])(config).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(peaked)  # greedy picks far from ties
         for n, b in model.named_buffers():
@@ -66,6 +73,7 @@ def write_target(family: str, path: Path, layers: int = 4, seed: int = 0, peaked
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    cfg.pop("mlp_layer_types", None)  # the published GLM-4.7-Flash config names first_k_dense_replace only
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path, model, extra
 
@@ -84,9 +92,12 @@ def _copying(model, extra: dict, base: str) -> None:
         extra[base + "shared_head.norm.weight"] = model.model.norm.weight.detach().clone()
 
 
-def contract_world(tok, path: Path | None = None):
-    """(tokenizer, target, verifier, drafter, texts, pre-drafts taken) for the drafter contract: a copying GLM-4.5
-    target and its MTP layer (``write_target(copying=True)``), whose pre-drafts continue its chains and are taken."""
+CONTRACT_FAMILY = "glm4_moe_lite"  # the contract's: the family of the model that fits one GPU (GLM-4.7-Flash)
+
+
+def contract_world(tok, path: Path | None = None, family: str = CONTRACT_FAMILY):
+    """(tokenizer, target, verifier, drafter, texts, pre-drafts taken) for the drafter contract: a copying target
+    and its MTP layer (``write_target(copying=True)``), whose pre-drafts continue its chains and are taken."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -97,19 +108,19 @@ def contract_world(tok, path: Path | None = None):
     from verifier.engine import VerifierEngine
 
     path = path or Path(tempfile.mkdtemp(prefix="mtp-world-"))
-    write_target("glm4_moe", path, vocab=len(tok), copying=True)
+    write_target(family, path, vocab=len(tok), copying=True)
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
     ver = VerifierEngine(VerifierConfig(model="glm", dtype="float32", cache_budget_mb=64), model=target, tokenizer=tok)
     dr = MtpDrafter(MtpConfig(model=str(path), dtype="float32", cache_budget_mb=16), eos_ids=set())
     return tok, target, ver, dr, ["def add(a, b):", "class Point:", "for i in range(10):"], True
 
 
-def served_args(tok, tmp_path: Path, engine: dict) -> tuple[dict, dict, object, object]:
-    """(verifier args, drafter args, tokenizer, reference target) for an app serving a copying GLM-4.5 target with its
-    own MTP layer on the drafter pool (the drafter's model is the verifier's checkpoint)."""
+def served_args(tok, tmp_path: Path, engine: dict, family: str = CONTRACT_FAMILY) -> tuple[dict, dict, object, object]:
+    """(verifier args, drafter args, tokenizer, reference target) for an app serving a copying target with its own
+    MTP layer on the drafter pool (the drafter's model is the verifier's checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    path, _, _ = write_target("glm4_moe", tmp_path / "glm-mtp", vocab=len(tok), copying=True)
+    path, _, _ = write_target(family, tmp_path / f"{family}-mtp", vocab=len(tok), copying=True)
     tok.save_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
     return ({"model": str(path), **engine},

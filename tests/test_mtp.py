@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from core.mtp import MtpSpec, UnsupportedMtp, check_model, load_head, mtp_weight_names
-from tests.mtp_models import VOCAB, write_target
+from tests.mtp_models import CONTRACT_FAMILY, VOCAB, write_target
 
-FAMILIES = ["glm4_moe", "deepseek_v3"]
+FAMILIES = ["glm4_moe", "glm4_moe_lite", "deepseek_v3"]
 PROMPT = [3, 17, 101, 44, 250, 9, 77, 77, 12, 198, 5, 63, 140]
 K = 4
 
@@ -241,10 +241,12 @@ def test_a_pre_draft_continues_the_chain(target):
     assert p.tokens == load_head(path).draft(T[:22], g[:21], 4)
 
 
-def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
-    """A GLM-4.5 target whose next token is a function of the current one, and its MTP layer computing the same
-    function (``tests.mtp_models``): through the loop with pre-drafting, greedy equals the target's generate and
-    every draft of the k-step chain is accepted."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path, family):
+    """A target whose next token is a function of the current one, and its MTP layer computing the same function
+    (``tests.mtp_models``): through the loop with pre-drafting, greedy equals the target's generate and every draft
+    of the k-step chain is accepted. The verifier runs each family over its paged cache (GLM-4.7-Flash's and
+    DeepSeek-V3's latent attention: the compressed latents)."""
     import asyncio
 
     from transformers import AutoModelForCausalLM
@@ -259,7 +261,7 @@ def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
     from verifier.engine import VerifierEngine
 
     tok = tiny_tokenizer()
-    path, _, _ = write_target("glm4_moe", tmp_path / "glm", vocab=len(tok), copying=True)
+    path, _, _ = write_target(family, tmp_path / family, vocab=len(tok), copying=True)
     tgt = AutoModelForCausalLM.from_pretrained(path).float().eval()
     ver = VerifierEngine(VerifierConfig(model="glm", dtype="float32", cache_budget_mb=64), model=tgt, tokenizer=tok)
     dr = drafter(path, cache_budget_mb=16)
@@ -277,8 +279,8 @@ def test_greedy_with_a_copying_mtp_layer_equals_the_target(tmp_path):
 
 
 # ------------------------------------------------------------ the distribution
-def sampling_world(tmp_path=None):
-    """(a GLM-4.5 target of 8 tokens, its verifier, the drafter of its random MTP layer)."""
+def sampling_world(tmp_path=None, family: str = CONTRACT_FAMILY):
+    """(a target of 8 tokens, its verifier, the drafter of its random MTP layer)."""
     import tempfile
     from pathlib import Path
 
@@ -291,7 +293,7 @@ def sampling_world(tmp_path=None):
     from verifier.engine import VerifierEngine
 
     tmp_path = tmp_path or Path(tempfile.mkdtemp(prefix="mtp-sampling-"))
-    path, _, _ = write_target("glm4_moe", tmp_path / "glm8", vocab=V, peaked=3.0, seed=3)
+    path, _, _ = write_target(family, tmp_path / f"{family}8", vocab=V, peaked=3.0, seed=3)
     target = AutoModelForCausalLM.from_pretrained(path).float().eval()
     ver = VerifierEngine(VerifierConfig(model="tiny", dtype="float32", cache_budget_mb=64), model=target,
                          tokenizer=tiny_tokenizer())
@@ -306,7 +308,7 @@ def test_sampled_output_at_t08_is_the_targets_distribution(control, tmp_path):
     from tests.test_dflash import _WrongQ
     from tests.test_drafter_contract import sampled_p_value
 
-    target, ver, dr = sampling_world(tmp_path)
+    target, ver, dr = sampling_world(tmp_path, "glm4_moe")  # (the contract's run holds GLM-4.7-Flash's)
     n = 2000
     p, drafted = sampled_p_value(target, ver, _WrongQ(dr) if control else dr, [0, 3], n)
     assert drafted > n
@@ -314,8 +316,8 @@ def test_sampled_output_at_t08_is_the_targets_distribution(control, tmp_path):
 
 
 def test_the_app_builder_reads_and_checks_the_layer(tmp_path):
-    """The app builder captures layer N for the MTP layer; a checkpoint that is not the verifier's, a DeepSeek-V3
-    verifier (its latent attention the verifier's cache does not hold) and the vllm backend are refused by name."""
+    """The app builder captures layer N for the MTP layer (DeepSeek-V3's too: the verifier's cache holds its latents);
+    a checkpoint that is not the verifier's and the vllm backend are refused by name."""
     from configs import AppConfig
     from deployments.app import check_models, local_view, resolve_model_paths
     from tests.helpers import tiny_tokenizer
@@ -335,8 +337,7 @@ def test_the_app_builder_reads_and_checks_the_layer(tmp_path):
     assert check_models(built(glm, glm)) == (4,)
     with pytest.raises(ValueError, match="is not for verifier.model"):
         check_models(built(glm, other))
-    with pytest.raises(ValueError, match="model_type 'deepseek_v3'"):
-        check_models(built(ds, ds))
+    assert check_models(built(ds, ds)) == (4,)
     with pytest.raises(ValueError, match="verifier.backend transformers"):
         check_models(built(glm, glm, backend="vllm"))
     cfg = json.loads((glm / "config.json").read_text())
@@ -368,3 +369,36 @@ def test_served_greedy_with_the_layer_in_the_verifier_replica_equals_the_target(
             choice = r.json()["choices"][0]
             assert choice["token_ids"] == hf_greedy(target, tok(text)["input_ids"], 24), text
             assert choice["speculation"]["mean_acceptance_length"] > 3, choice["speculation"]
+
+
+def test_the_glm47_flash_config_builds_with_a_stand_in_under_its_id(tmp_path, monkeypatch):
+    """configs/serve_gpu_glm47_flash_mtp.yaml validates as a Serve config and an ``AppConfig``; with a tiny
+    GLM-4.7-Flash stand-in (its MTP layer as the published checkpoint lays it out) under the config's id in an offline
+    hub cache, its ids resolve and the app builder's checks pass, reading layer N; only the engine's CPU settings
+    differ from the file."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from configs import AppConfig
+    from deployments.app import check_models, local_view, resolve_model_paths
+    from tests.helpers import tiny_tokenizer
+    from tests.hub_cache import lay_out, model_files, offline_home
+
+    root = Path(__file__).resolve().parent.parent
+    config = yaml.safe_load((root / "configs" / "serve_gpu_glm47_flash_mtp.yaml").read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    args = json.loads(json.dumps(app["args"]))
+    assert args["verifier"]["model"] == args["drafter"]["model"] == "zai-org/GLM-4.7-Flash"
+    assert args["drafter"]["method"] == "mtp" and args["drafter_placement"] == "verifier"
+    tok = tiny_tokenizer()
+    path, _, _ = write_target("glm4_moe_lite", tmp_path / "stand-in", vocab=len(tok))
+    tok.save_pretrained(path)
+    lay_out(offline_home(tmp_path, monkeypatch), args["verifier"]["model"], model_files(path))
+    for role in ("verifier", "drafter"):
+        args[role].update(device="cpu", dtype="float32", cache_budget_mb=32, max_model_len=128)
+    cfg = resolve_model_paths(AppConfig.model_validate(args))
+    assert cfg.verifier.model == cfg.drafter.model and cfg.verifier.model.startswith("zai-org/GLM-4.7-Flash@")
+    assert check_models(local_view(cfg)) == (4,)
