@@ -13,6 +13,7 @@ import yaml
 
 from bench import common, workloads
 from bench.common import BENCH_DTYPE, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, floats, ints, log, rnd
+from drafter import registry
 
 DRAFTERS = ("draft_model", "eagle3", "ngram")
 
@@ -121,7 +122,7 @@ def _from_config(args) -> tuple[dict, list[tuple[str, object]]]:
     if d.get("method") != "ngram":
         d["num_threads"] = args.threads
     config = TypeAdapter(DrafterConfig).validate_python(d)
-    name = config.method if config.method == "ngram" else f"{config.method}: {Path(config.model).name}"
+    name = f"{config.method}: {Path(config.model).name}" if registry.method(config.method).model else config.method
     return {k: x for k, x in v.items() if k in ("model", "dtype", "max_model_len", "num_threads")}, [(name, config)]
 
 

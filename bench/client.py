@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench import common, workloads
 from bench.common import BENCH_DTYPE, DEFAULT_K, DRAFTER, EAGLE3, MAX_MODEL_LEN, TARGET, environment, log
+from drafter import registry
 
 
 # ------------------------------------------------------------------ the scenario
@@ -83,7 +84,7 @@ def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, strea
     slot_mb_drafter = 2 * 1 * 512 * 128 * 4 / 2**20
     engine = {"num_threads": threads, "dtype": dtype, "max_model_len": MAX_MODEL_LEN}
     method, model = {"eagle3": ("eagle3", EAGLE3), "draft_model": ("draft_model", DRAFTER)}.get(drafter, drafter)
-    budget = slot_mb_drafter * (2 * streams + 4) if method == "draft_model" else 8
+    budget = slot_mb_drafter * (2 * streams + 4) if registry.method(method).lm else 8  # a draft model's K/V
     return {"model_name": "tiny-code",
             "verifier": {"model": TARGET, "cache_budget_mb": slot_mb_target * (streams + 2), **engine, **pins[0]},
             "drafter": {"method": method, "model": model, "num_speculative_tokens": k, "cache_budget_mb": budget,
@@ -95,7 +96,8 @@ def app_args(threads: int, k_policy: str = "adaptive", k: int = DEFAULT_K, strea
 # bench apps also fit beside the test suite's app on its 4-CPU test cluster.
 BENCH_OVERRIDES = {"Router": {"ray_actor_options": {"num_cpus": 0.05}},
                    "Verifier": {"ray_actor_options": {"num_cpus": 0.25}},
-                   "Drafter": {"ray_actor_options": {"num_cpus": 0.2}}}
+                   "Drafter": {"ray_actor_options": {"num_cpus": 0.2}},
+                   "Metrics": {"ray_actor_options": {"num_cpus": 0}}}  # (each version's replicas import its own code)
 
 # deploys apps with the app builder of the checkout it runs in: [name, args, overrides] on stdin
 _DEPLOY_SCRIPT = """import json, sys

@@ -132,18 +132,19 @@ def summarise(args, systems, runs, temperature: float) -> dict:
             "bound": bound(res)}
 
 
+VLLM_SYSTEMS = ("vllm",)  # the families whose runs carry vLLM's own counters
+
+
 def _acceptance_counts(s, rs) -> dict:
     """Pooled acceptance of a speculating system (per-token a for a fixed k, known per step)."""
     nd = na = ndt = full = 0
+    # a run's counters under the names its system reports them by: vLLM's spec_decode metrics, else splitspec's
+    key, names = ("spec", ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                           "spec_decode_num_accepted_tokens_per_pos")) if s["family"] in VLLM_SYSTEMS else \
+        ("stats", ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"))
     for r in rs if s["k"] else []:
-        if s["family"] == "vllm":
-            sp = r.get("spec") or {}
-            counts = [sp.get(f"spec_decode_num_{x}", 0) for x in ("drafts", "draft_tokens", "accepted_tokens")]
-            pos = sp.get("spec_decode_num_accepted_tokens_per_pos") or []
-        else:
-            st = r.get("stats") or {}
-            counts = [st.get(x, 0) for x in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
-            pos = st.get("accepted_per_pos") or []
+        got = r.get(key) or {}
+        counts, pos = [got.get(x, 0) for x in names[:3]], got.get(names[3]) or []
         nd, ndt, na = nd + counts[0], ndt + counts[1], na + counts[2]
         full += pos[s["k"] - 1] if len(pos) >= s["k"] else 0
     if not nd:

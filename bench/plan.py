@@ -22,6 +22,7 @@ import yaml
 
 from bench.common import DEFAULT_OUT, TARGET, expected_tokens, log, median, rnd, write_json
 from bench.gpu import load_shape
+from drafter import registry
 
 HERE = Path(__file__).resolve().parent
 CATALOGUE = HERE / "gpus.yaml"
@@ -210,13 +211,13 @@ def serve_config(rec: dict, verifier_model: str, drafter_model: str | None, mach
     args = {"model_name": "served-model", "max_tokens_limit": min(traffic.output_tokens * 4, ctx),
             "verifier": {"model": verifier_model, "dtype": "bfloat16", "device": "cuda", "max_model_len": ctx,
                          "cache_budget_mb": free_mb if where != "colocated" else int(free_mb * 0.8)}}
-    if where == "plain" or drafter_method == "ngram":
+    if where == "plain" or not registry.method(drafter_method).model:
         args["drafter"] = {"method": "ngram", "num_speculative_tokens": 0 if where == "plain" else rec["k"]}
     else:
         args["drafter"] = {"method": drafter_method, "model": drafter_model, "num_speculative_tokens": rec["k"],
                            "dtype": "bfloat16", "device": "cuda",
                            "cache_budget_mb": 4000 if where == "split" else int(free_mb * 0.2)}
-        if drafter_method == "draft_model":
+        if registry.method(drafter_method).lm:
             args["drafter"]["max_model_len"] = min(ctx, context(d, traffic))
         args["k_policy"] = "adaptive"
     if where == "colocated":
