@@ -41,7 +41,7 @@ class DrafterServer(EngineServer):
     async def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """A call a verify step waits on (no pre-draft) runs on the event loop when the engine is idle, as a lone
         stream's verify does (``ContinuousBatcher.run_inline``): the hop to the engine's thread and back is
-        the largest part of a served draft's time outside its passes (docs/decisions/0056-cold-tries.md).
+        the largest part of a served draft's time outside its passes (docs/decisions/0057-served-step-time.md).
         Pre-drafts go through the engine's thread: their ``narrow`` must reach the engine while they run."""
         if not any(r.provisional or r.branches for r in requests):
             out = self.batcher.run_inline(requests)
