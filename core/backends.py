@@ -27,9 +27,10 @@ The engine interface (what the verifier replica, ``deployments.verifier.Verifier
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from core.registry import Registry, check_paths, load
 
 
 @dataclass(frozen=True)
@@ -112,28 +113,16 @@ class Backend:
     check: str | None = None
 
     def __post_init__(self):
-        for name in ("build", "check"):
-            path = getattr(self, name)
-            if path is not None and ":" not in path:
-                raise ValueError(f"Backend {self.name!r}: {name} {path!r} is not 'module:function'")
+        check_paths(self, ("build", "check"), "module:function")
 
 
-BACKENDS: dict[str, Backend] = {}
-
-
-def register(b: Backend) -> Backend:
-    if b.name in BACKENDS:
-        raise ValueError(f"verifier backend {b.name!r} is registered twice")
-    BACKENDS[b.name] = b
-    return b
+BACKENDS: Registry = Registry("verifier backend")
+register = BACKENDS.register
 
 
 def backend(name: str) -> Backend:
     """The record of a backend; ``ValueError`` naming the registered ones for an unknown name."""
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown verifier backend {name!r}: one of {', '.join(BACKENDS)}") from None
+    return BACKENDS.named(name)
 
 
 def capabilities(config) -> Capabilities:
@@ -145,21 +134,16 @@ def capabilities(config) -> Capabilities:
     return b.modes.get(loop, b.capabilities) if loop is not None else b.capabilities
 
 
-def _load(path: str):
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def build(config, **kwargs):
     """The engine of a verifier config's backend (its ``build`` function, imported now)."""
-    return _load(backend(config.backend).build)(config, **kwargs)
+    return load(backend(config.backend).build)(config, **kwargs)
 
 
 def check(config) -> None:
     """The build-time check of a verifier config's backend, where it has one."""
     b = backend(config.backend)
     if b.check is not None:
-        _load(b.check)(config)
+        load(b.check)(config)
 
 
 register(Backend("transformers", "verifier.engine:build", Capabilities(label="the transformers verifier backend")))

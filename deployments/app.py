@@ -10,7 +10,8 @@ from pathlib import Path
 
 from configs import AppConfig
 from core.backends import check as check_backend
-from drafter.registry import METHODS, load, method
+from core.registry import load
+from drafter.registry import METHODS, method
 
 
 def build_app(args: dict):

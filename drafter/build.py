@@ -4,7 +4,8 @@ method is asked for)."""
 
 from __future__ import annotations
 
-from drafter.registry import load, method
+from core.registry import load
+from drafter.registry import method
 
 
 def build_drafter(config):

@@ -40,9 +40,10 @@ Look-ups: ``method(name)``, ``METHODS`` (name -> Method, in registration order),
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Literal
+
+from core.registry import Registry, check_paths
 
 PreDraft = Literal["tree", "chain"]
 
@@ -64,43 +65,21 @@ class Method:
     def __post_init__(self):
         if self.pre_draft not in ("tree", "chain"):
             raise ValueError(f"Method {self.name!r}: pre_draft {self.pre_draft!r} is not 'tree' or 'chain'")
-        for field in ("config", "drafter", "check", "max_k"):
-            path = getattr(self, field)
-            if path is not None and ":" not in path:
-                raise ValueError(f"Method {self.name!r}: {field} {path!r} is not 'module:attribute'")
+        check_paths(self, ("config", "drafter", "check", "max_k"))
 
 
-METHODS: dict[str, Method] = {}
-
-
-def register(m: Method) -> Method:
-    """Add a method (a name is registered once)."""
-    if m.name in METHODS:
-        raise ValueError(f"drafter method {m.name!r} is registered twice")
-    METHODS[m.name] = m
-    return m
+METHODS: Registry = Registry("drafter method")
+register = METHODS.register
 
 
 def method(name: str) -> Method:
     """The record of a method; ``ValueError`` naming the registered ones for an unknown name."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"unknown drafter method {name!r}: one of {', '.join(METHODS)}") from None
+    return METHODS.named(name)
 
 
 def heads() -> tuple[str, ...]:
     """The methods that are heads on the target (``Method.head``)."""
     return tuple(name for name, m in METHODS.items() if m.head)
-
-
-def load(path: str):
-    """The attribute ``"module:attr"`` names (the module imported now, only when asked for)."""
-    module, _, attr = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 register(Method("draft_model", "configs.models:DraftModelConfig", "drafter.model_drafter:ModelDrafter", lm=True))

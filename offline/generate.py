@@ -17,9 +17,10 @@ from configs import DraftModelConfig, SamplingParams, VerifierConfig
 from core.hub import local_dir
 from core.loop import speculate_local
 from core.policy import AdaptiveK, FixedK
+from core.registry import load
 from core.sequence import Sequence
 from drafter.build import build_drafter
-from drafter.registry import METHODS, heads, load
+from drafter.registry import METHODS, heads
 from verifier.engine import VerifierEngine
 
 

@@ -24,9 +24,10 @@ import torch
 from configs import DraftModelConfig, Eagle3Config, NgramConfig, SamplingParams, VerifierConfig
 from core.loop import generate, speculate, speculate_local, step
 from core.policy import Breaker, FixedK
+from core.registry import load
 from core.sequence import Sequence
 from drafter.base import BatchedDrafter
-from drafter.registry import METHODS, load, method
+from drafter.registry import METHODS, method
 from tests.helpers import TINY_TEXT
 from tests.test_processors import hf_greedy
 
