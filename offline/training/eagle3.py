@@ -414,6 +414,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def optimising(head: nn.Module, objective: nn.Module, args, world: int, device: str):
+    """What a head's training steps run with: its objective (wrapped for data parallelism across ``world``
+    workers), the head's trainable weights and AdamW over them, the sampling generator, the target's autocast."""
+    if world > 1:
+        objective = nn.parallel.DistributedDataParallel(objective, device_ids=None if device == "cpu" else [device])
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed)
+    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16_target)
+    return objective, params, opt, gen, autocast
+
+
 def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict | None:
     """The whole pipeline in one process, or as worker ``rank`` of ``world`` (a torch.distributed process group
     already set up): every worker draws the same batches (one seeded generator) and computes rows rank::world."""
@@ -445,13 +457,8 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
         counts = torch.bincount(ids[mask].long(), minlength=tc.vocab_size)
         head = build_head(target, counts, args.draft_vocab, captured_layers or args.aux_layers).to(device)
     head.train()
-    objective: nn.Module = TTTObjective(head, args.ttt_steps, world)
-    if world > 1:
-        objective = nn.parallel.DistributedDataParallel(objective, device_ids=None if device == "cpu" else [device])
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
-    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16_target)
+    ttt = TTTObjective(head, args.ttt_steps, world)
+    objective, params, opt, gen, autocast = optimising(head, ttt, args, world, device)
     seq_len = min(args.seq_len, len(train_src.data) - 2)
     layers = head.spec.aux_layer_ids
 

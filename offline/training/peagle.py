@@ -150,13 +150,8 @@ def run(args, rank: int = 0, world: int = 1, device: str | None = None) -> dict 
     head.embed_tokens.weight.requires_grad_(False)
     head.mask_hidden.requires_grad_(True)
     head.train()
-    objective: nn.Module = BlockObjective(head, args.block, world)
-    if world > 1:
-        objective = nn.parallel.DistributedDataParallel(objective, device_ids=None if device == "cpu" else [device])
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
-    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16_target)
+    block = BlockObjective(head, args.block, world)
+    objective, params, opt, gen, autocast = base.optimising(head, block, args, world, device)
     layers, k = head.spec.aux_layer_ids, args.block
 
     def anchors_of(g: torch.Generator) -> list[int]:
