@@ -193,46 +193,43 @@ def test_a_stream_body_that_never_starts_releases_its_slot(ray_cluster):
     assert router.active == 0
 
 
-def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(strict_app, serve_app):
+def test_adaptive_policy_hands_unprofitable_speculation_to_plain_decoding(serve_app, tiny_model_dirs):
     """A slow drafter replica (injected: 50 ms more per batch, against a few ms for a plain step of
     the tiny target, and well inside drafter_timeout_s, so no step is degraded) makes speculating
     lose: the default (adaptive) policy measures that and hands the request to plain decoding. The
-    output is unchanged (greedy: the target's own)."""
+    output is unchanged (greedy: the target's own).
+
+    A fresh app of its own: a replica that has measured speculation losing (the tiny target's plain
+    step is far cheaper than any drafting) rightly starts its next requests plain, which says nothing
+    of whether the policy measures a request's own steps; nor may the overload tests' full drafter
+    queue have opened the verifier's breaker on that drafter."""
     from ray import serve
 
-    from deployments.replica_gate import GATE_HOLD_S
+    from deployments.server import FAULT_INJECTION_ENV
+    from tests.conftest import side_app
     from tests.test_serve import ref_greedy
 
     _, tok, target, _ = serve_app
-    # (the tiny drafter alone is no test: its cost is hidden by pre-drafting as often as not, so
-    # whether speculation pays depended on the machine)
-    drafter = serve.get_deployment_handle("Drafter", app_name="strict")
-    drafter.inject_fault.remote("slow", 0.05).result()
-    try:
-        # plain steps measured now: the replica's step costs (shared by its sequences) otherwise hold the
-        # plain steps of the overload tests before this one, queued behind full batches
-        r = post(strict_app, prompt="def add(a, b):", max_tokens=48, temperature=0, ignore_eos=True,
-                 num_speculative_tokens=0)
-        assert r.status_code == 200, r.text
-        # the overload tests ran many streams here: the replica's choice for that load holds for GATE_HOLD_S after
-        # them, and a tiny-model request can run its 64 tokens inside it, plain throughout
-        time.sleep(GATE_HOLD_S + 0.5)
-        for _ in range(3):
-            r = post(strict_app, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True,
-                     return_token_ids=True)
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
-            spec = body["choices"][0]["speculation"]
-            if spec["degraded_steps"] == 0 and spec["num_drafts"] > 0:
-                break
-            # the overload tests above filled the one-slot drafter queue: the verifier's breaker on that
-            # drafter replica keeps speculation off for its back-off (at most 10 s), then probes it
-            time.sleep(11)
-    finally:
-        drafter.inject_fault.remote("slow", 0).result()
+    target_dir, drafter_dir = tiny_model_dirs
+    faults = {"runtime_env": {"env_vars": {FAULT_INJECTION_ENV: "1"}}}
+    with side_app(serve_app, "slowdraft", {
+        "model_name": "tiny",
+        "verifier": {"model": str(target_dir), "dtype": "float32", "cache_budget_mb": 32, "num_threads": 1},
+        "drafter": {"method": "draft_model", "model": str(drafter_dir), "dtype": "float32", "num_speculative_tokens": 4,
+                    "cache_budget_mb": 16, "num_threads": 1},  # adaptive k: the default
+    }, overrides={"Verifier": {"ray_actor_options": {"num_cpus": 0.2, **faults}},
+                  "Drafter": {"ray_actor_options": {"num_cpus": 0.1, **faults}}}) as url:
+        # (the tiny drafter alone is no test: its cost is hidden by pre-drafting as often as not, so
+        # whether speculation pays depended on the machine)
+        serve.get_deployment_handle("Drafter", app_name="slowdraft").inject_fault.remote("slow", 0.05).result()
+        r = post(url, prompt="def add(a, b):", max_tokens=64, temperature=0, ignore_eos=True, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["token_ids"] == ref_greedy(target, tok, "def add(a, b):", 64)
+    spec = body["choices"][0]["speculation"]
     assert spec["num_drafts"] > 0 and spec["degraded_steps"] == 0, spec
-    assert spec["plain_from_token"] is not None and spec["plain_from_token"] < 64, spec
+    assert spec["plain_from_token"] is not None and 0 < spec["plain_from_token"] < 64, spec
+    assert spec["steps_by_k"].get("0", 0) > spec["steps"] // 2, spec  # handed over early, not at the end
 
 
 @pytest.mark.long  # waits out a health check and a replica restart
