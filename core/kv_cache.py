@@ -173,6 +173,7 @@ class PagedKVCache:
         self.token_bytes = sum(h * d for h, d in filter(None, self.layout + self.v_layout)) * itemsize
         self.block_bytes = self.token_bytes * block_size
         self.num_blocks = budget_bytes // self.block_bytes
+        self.budget_bytes = budget_bytes
         per_sequence = -(-max_len // block_size)
         if self.num_blocks < per_sequence + 1:  # one sequence at the context limit must fit (block 0 is reserved)
             raise ValueError(
@@ -219,6 +220,19 @@ class PagedKVCache:
 
     def held_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.slots.values())
+
+    def memory(self) -> dict:
+        """Where the budget's bytes are, and whether every block is in exactly one place: free, a sequence's own,
+        cached (shared or idle), or set aside for a head's states (``leaked``: in none; ``double``: in two or more).
+        For soaks and the stats endpoint: a leaked block is capacity lost for the replica's lifetime."""
+        own = [b for slot in self.slots.values() for b in slot.blocks if b not in self._hash_of]
+        places = [*self._free, *own, *self._hash_of, *self._ballast]
+        seen = set(places)
+        return {"budget_bytes": self.budget_bytes, "kv_bytes": sum(t.nbytes for t in self.k + self.v),
+                "state_bytes": self._state_bytes, "ballast_bytes": len(self._ballast) * self.block_bytes,
+                "blocks": self.num_blocks - 1, "free": len(self._free), "own": len(own),
+                "cached": len(self._hash_of), "idle": len(self._idle), "sequences": len(self.slots),
+                "leaked": len(set(range(1, self.num_blocks)) - seen), "double": len(places) - len(seen)}
 
     def cached_tokens(self, seq_id: str) -> list[int]:
         slot = self.slots.get(seq_id)
@@ -309,8 +323,9 @@ class PagedKVCache:
             b = slot.blocks[i]
             if b not in self._hash_of and state not in self._block_of:
                 self._block_of[state], self._hash_of[b], self._refs[b] = b, state, 1
-            if layers and self._states.get(self._block_of.get(state), ((),))[0] != layers:
-                self._keep_states(slot, i, self._block_of[state], layers)
+            c = self._block_of.get(state)  # (None: b is cached under another salt's chain, taken before a salt change)
+            if layers and c is not None and self._states.get(c, ((),))[0] != layers:
+                self._keep_states(slot, i, c, layers)
         if slot.kept is not None and slot.kept_from < full * bs:  # (rows of full blocks are no longer needed)
             slot.kept, slot.kept_from = slot.kept[full * bs - slot.kept_from:], max(slot.kept_from, full * bs)
 

@@ -5,6 +5,7 @@ Speculation counters mirror vLLM's ``spec_decode`` names.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -87,6 +88,15 @@ class Tally:
         for (name, tags), value in self._n.items():
             m[name].inc(value, tags=dict(tags) if tags else None)
         self._n.clear()
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (None where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def where() -> dict:

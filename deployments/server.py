@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from deployments.autoscaling import LoadWindow
 from deployments.batcher import ContinuousBatcher
-from deployments.metrics import metrics, where
+from deployments.metrics import metrics, rss_bytes, where
 
 log = logging.getLogger(__name__)
 FAULT_INJECTION_ENV = "SPLITSPEC_FAULT_INJECTION"  # "1" enables ``inject_fault`` (tests, chaos drills)
@@ -105,7 +105,8 @@ class EngineServer:
         cache = getattr(self.engine, "cache", None)
         return {"queued": self.batcher.queued, "busy_s": self.batcher.busy_s, "max_batch": self.batcher.max_seen,
                 "cached_sequences": self.engine.num_cached(), "regroups": dict(self.batcher.regroups), **where(),
-                **({"cache": dict(cache.stats)} if cache is not None else {})}
+                "rss_bytes": rss_bytes(),
+                **({"cache": dict(cache.stats), "cache_memory": cache.memory()} if cache is not None else {})}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: this replica's engine load since the last
