@@ -39,6 +39,9 @@ class MeasuredChoice:
     prefer: bool | None = None  # the safe arm (None: both alike, ``margin`` either way)
     back_margin: float = 1.0  # with ``prefer``: how much faster it must measure to be returned to
     max_explore_every: int = 0  # > explore_every: tries back off, doubling while they confirm the arm in use
+    # > 0, with ``prefer``: a try of the other arm costs at most this share of the steps to the next, by what it
+    # measured the other arm to lose (the wait at least that long, up to ``max_explore_every``)
+    budget: float = 0.0
     _best: bool | None = None
     _interval: int = 0  # steps from one try to the next (explore_every, doubled while tries confirm)
     _next_try: int = 0  # the step of the next try
@@ -79,13 +82,26 @@ class MeasuredChoice:
         A try that just ended confirming the choice doubles the wait for the next; a change of choice starts
         the tries again from ``explore_every``."""
         if self._interval and best == self._best and self._arms[1] == (not best):
-            self._interval = min(self.max_explore_every, 2 * self._interval)
+            self._interval = min(self.max_explore_every, max(2 * self._interval, self._paid_wait()))
             self._next_try = self.steps + self._interval
         if best != self._best:
             self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
-            self._next_try = self.steps + self.explore_every
+            if self._interval and best == self.prefer:
+                self._interval = min(self.max_explore_every, max(self._interval, self._paid_wait()))
+            self._next_try = self.steps + (self._interval or self.explore_every)
         self._best = best
         return (not best) if self._due() else best
+
+    def _paid_wait(self) -> int:
+        """Steps to wait for a try of the arm not preferred to cost ``budget`` of them: its ``run`` steps times
+        what it measured to lose a token against the preferred arm. Why: served on two cores, waves of 16 and
+        64 streams with a try's run of speculation in them ran 1.15-1.7x slower than plain ones, and tries
+        backing off from every 128 steps landed in wave after wave (docs/decisions/0016-replica-gate.md)."""
+        s = self.s_per_token
+        if self.budget <= 0 or self.prefer is None or len(s) < 2:
+            return 0
+        loss = s[not self.prefer] / s[self.prefer] - 1
+        return int(self.run * loss / self.budget) if loss > 0 else 0
 
     def _choose(self) -> bool:
         """The faster arm, both measured: the arm in use stays unless the other is faster by ``margin`` (noise
@@ -115,7 +131,9 @@ class MeasuredChoice:
         self.s_per_token = dict(other.s_per_token)
         self.n = {arm: max(self.first, 1) for arm in (True, False)}
         self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
-        self._next_try = self.steps + self.explore_every
+        if self._interval and self._best == self.prefer:  # (a try here loses at least what it lost there)
+            self._interval = min(self.max_explore_every, max(self._interval, self._paid_wait()))
+        self._next_try = self.steps + (self._interval or self.explore_every)
 
     @property
     def best(self) -> bool | None:
@@ -154,6 +172,7 @@ class BatchSpeculation:
     prefer: bool | None = None  # (``MeasuredChoice``)
     back_margin: float = 1.0
     max_explore_every: int = 0
+    budget: float = 0.0  # (``MeasuredChoice``)
     choices: dict[int, MeasuredChoice] = field(default_factory=dict)
     _last: tuple | None = None  # (choice, arm, time) of the previous step
 
@@ -181,7 +200,7 @@ class BatchSpeculation:
             self.choices[bucket] = c = MeasuredChoice(
                 explore_every=self.explore_every, run=self.run, first=self.window, window=self.window,
                 margin=self.margin, settle=self.settle, prefer=self.prefer, back_margin=self.back_margin,
-                max_explore_every=self.max_explore_every)
+                max_explore_every=self.max_explore_every, budget=self.budget)
             below = [self.choices[b] for b in sorted(self.choices) if b < bucket]
             if self.prefer is not None and below and below[-1].best == self.prefer:
                 c.inherit(below[-1])

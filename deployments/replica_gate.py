@@ -59,10 +59,11 @@ class ReplicaGate:
         # plain decoding is the safe arm: speculation is chosen where it measures 1.1x faster, and left where it
         # measures 1.05x slower; the arm not in use is re-measured for 16 engine steps (12 measured: a stretch of
         # text long enough that its luck does not decide) after 128, backing off to one try in 1,024 steps while
-        # tries confirm the choice (docs/decisions/0016-replica-gate.md)
+        # tries confirm the choice, and at once as far as a try costs 2% of the wait by what speculation lost
+        # (docs/decisions/0016-replica-gate.md)
         self.gate: BatchSpeculation | None = BatchSpeculation(
             explore_every=128, run=16, settle=4, window=12, margin=1.1, prefer=False, back_margin=1.05,
-            max_explore_every=1024)
+            max_explore_every=1024, budget=0.02)
         self.speculating = True
         self.clock = time.perf_counter
         self.streams = 0  # requests whose loop runs here now (the gate's load measure)

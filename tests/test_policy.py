@@ -123,6 +123,35 @@ def test_a_larger_load_starts_plain_where_a_smaller_one_chose_plain():
     gate, used = run(wins_below, [4, 16])
     assert sum(used[16][:64]) >= 12
 
+def test_the_gates_tries_wait_as_long_as_their_loss_asks():
+    """With a budget, a try of speculation that measured it losing waits until the try costs that share of
+    the wait: 16 steps at 1.43x a token, 2% of the wait, about 340 steps from the first choice on, where
+    doubling from 128 tried at 128 and 256; where speculation pays, the budget changes nothing."""
+    import itertools
+
+    from core.gate import BatchSpeculation
+
+    def run(cost, budget, steps=1500):
+        gate, now, tokens, arms = BatchSpeculation(explore_every=128, run=16, settle=4, window=12, margin=1.1,
+                                                   prefer=False, back_margin=1.05, max_explore_every=1024,
+                                                   budget=budget), 0.0, 0, []
+        for _ in range(steps):
+            arm = gate.use(16, tokens, now)
+            arms.append(arm)
+            tokens, dt = cost[arm]
+            now += dt
+        starts = [i for i in range(1, len(arms)) if arms[i] and not arms[i - 1]]
+        return arms, [b - a for a, b in itertools.pairwise(starts)]
+
+    loses = {True: (32, 0.040), False: (16, 0.014)}
+    arms, gaps = run(loses, 0.02)
+    assert gaps and min(gaps) >= 320, gaps
+    old_arms, old_gaps = run(loses, 0.0)
+    assert old_gaps[0] < 200 and sum(arms) <= sum(old_arms) - 16, (old_gaps, sum(arms), sum(old_arms))
+    pays = {True: (40, 0.020), False: (16, 0.014)}
+    assert sum(run(pays, 0.02)[0][200:]) == sum(run(pays, 0.0)[0][200:]) >= 1250
+
+
 def test_a_new_request_starts_from_what_the_replica_measured():
     """Step costs belong to the replica: a request arriving after others speculates by the costs
     and per-position acceptance they measured from its first step, where one on its own starts
