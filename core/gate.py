@@ -42,6 +42,8 @@ class MeasuredChoice:
     # > 0, with ``prefer``: a try of the other arm costs at most this share of the steps to the next, by what it
     # measured the other arm to lose (the wait at least that long, up to ``max_explore_every``)
     budget: float = 0.0
+    _try: list = field(default_factory=lambda: [0.0, 0])  # seconds and tokens of the other arm's run, every step
+    _plain_step_s: float = 0.0  # a steady step of the preferred arm (decayed mean)
     _best: bool | None = None
     _interval: int = 0  # steps from one try to the next (explore_every, doubled while tries confirm)
     _next_try: int = 0  # the step of the next try
@@ -74,6 +76,8 @@ class MeasuredChoice:
                 if arm != best:
                     self._left = self.run - 1
         self._streak = self._streak + 1 if arm == self._arms[1] else 1
+        if self._streak == 1 and arm != self.prefer:
+            self._try = [0.0, 0]  # (a run of the other arm begins)
         self._arms = [self._arms[1], arm]
         return arm
 
@@ -82,7 +86,8 @@ class MeasuredChoice:
         A try that just ended confirming the choice doubles the wait for the next; a change of choice starts
         the tries again from ``explore_every``."""
         if self._interval and best == self._best and self._arms[1] == (not best):
-            self._interval = min(self.max_explore_every, max(2 * self._interval, self._paid_wait()))
+            paid = self._paid_wait() if best == self.prefer else 0
+            self._interval = min(self.max_explore_every, max(2 * self._interval, paid))
             self._next_try = self.steps + self._interval
         if best != self._best:
             self._interval = self.explore_every if self.max_explore_every > self.explore_every else 0
@@ -101,7 +106,13 @@ class MeasuredChoice:
         if self.budget <= 0 or self.prefer is None or len(s) < 2:
             return 0
         loss = s[not self.prefer] / s[self.prefer] - 1
-        return int(self.run * loss / self.budget) if loss > 0 else 0
+        wait = self.run * loss / self.budget if loss > 0 else 0.0
+        # what the last run of it cost in all, its first steps too (not measured for the arms' speeds: cold, the
+        # drafter catching up on what plain steps decoded), over what plain steps take for its tokens
+        extra = self._try[0] - self._try[1] * s[self.prefer]
+        if extra > 0 and self._plain_step_s > 0:
+            wait = max(wait, extra / (self.budget * self._plain_step_s))
+        return int(wait)
 
     def _choose(self) -> bool:
         """The faster arm, both measured: the arm in use stays unless the other is faster by ``margin`` (noise
@@ -141,8 +152,13 @@ class MeasuredChoice:
         return self._best
 
     def observe(self, arm: bool, step_s: float, tokens: int):
+        if arm != self.prefer and self.prefer is not None and tokens > 0 and step_s > 0:
+            self._try[0] += step_s
+            self._try[1] += tokens
         if tokens <= 0 or step_s <= 0 or self._arms != [arm, arm] or self._streak <= self.settle:
             return  # not steady state: the previous step used the other arm (or the arm is not settled yet)
+        if arm == self.prefer:
+            self._plain_step_s += (step_s - self._plain_step_s) * (self.weight if self._plain_step_s else 1.0)
         x = step_s / tokens
         self.n[arm] += 1
         if self.window:  # seconds over tokens of the last `window` steps: long enough to span a stretch of
