@@ -101,7 +101,7 @@ class MeasuredChoice:
         """Steps to wait for a try of the arm not preferred to cost ``budget`` of them: its ``run`` steps times
         what it measured to lose a token against the preferred arm. Why: served on two cores, waves of 16 and
         64 streams with a try's run of speculation in them ran 1.15-1.7x slower than plain ones, and tries
-        backing off from every 128 steps landed in wave after wave (docs/decisions/0016-replica-gate.md)."""
+        backing off from every 128 steps landed in wave after wave (docs/decisions/0066-gate-try-budget.md)."""
         s = self.s_per_token
         if self.budget <= 0 or self.prefer is None or len(s) < 2:
             return 0

@@ -60,7 +60,7 @@ class ReplicaGate:
         # measures 1.05x slower; the arm not in use is re-measured for 16 engine steps (12 measured: a stretch of
         # text long enough that its luck does not decide) after 128, backing off to one try in 1,024 steps while
         # tries confirm the choice, and at once as far as a try costs 2% of the wait by what speculation lost
-        # (docs/decisions/0016-replica-gate.md)
+        # (docs/decisions/0016-replica-gate.md, 0066-gate-try-budget.md)
         self.gate: BatchSpeculation | None = BatchSpeculation(
             explore_every=128, run=16, settle=4, window=12, margin=1.1, prefer=False, back_margin=1.05,
             max_explore_every=1024, budget=0.02)
