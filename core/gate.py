@@ -84,7 +84,8 @@ class MeasuredChoice:
     def _settle(self, best: bool) -> bool:
         """Make ``best`` the choice (both arms measured) and pick this step's arm: it, or the other on a try.
         A try that just ended confirming the choice doubles the wait for the next; a change of choice starts
-        the tries again from ``explore_every``."""
+        the tries again from ``explore_every``; with a ``budget``, a choice of the preferred arm waits at least
+        ``_paid_wait``."""
         if self._interval and best == self._best and self._arms[1] == (not best):
             paid = self._paid_wait() if best == self.prefer else 0
             self._interval = min(self.max_explore_every, max(2 * self._interval, paid))
@@ -98,8 +99,9 @@ class MeasuredChoice:
         return (not best) if self._due() else best
 
     def _paid_wait(self) -> int:
-        """Steps to wait for a try of the arm not preferred to cost ``budget`` of them: its ``run`` steps times
-        what it measured to lose a token against the preferred arm. Why: served on two cores, waves of 16 and
+        """Steps to wait for a try of the arm not preferred to cost ``budget`` of them, the longer of: its ``run``
+        steps times what it measured to lose a token against the preferred arm; what its last run cost in all
+        beyond plain steps for its tokens, in plain steps. Why: served on two cores, waves of 16 and
         64 streams with a try's run of speculation in them ran 1.15-1.7x slower than plain ones, and tries
         backing off from every 128 steps landed in wave after wave (docs/decisions/0066-gate-try-budget.md)."""
         s = self.s_per_token
