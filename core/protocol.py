@@ -201,6 +201,16 @@ class VerifyRequest(CacheAddressed):
     def k(self) -> int:
         return len(self.draft_tokens)
 
+    def resumed(self, held: list[int] | None) -> list[int] | None:
+        """The sequence's tokens before its drafts, for a replica that keeps a sequence's token ids (``held``,
+        None: none kept): all of them when resent (``full``), else ``held``'s first ``start`` if they hash
+        to ``prefix``, then the new ones; None: a cache miss."""
+        if self.full:
+            return list(self.new_tokens)
+        if held is None or len(held) < self.start or prefix_hash(held[: self.start]) != self.prefix:
+            return None
+        return held[: self.start] + list(self.new_tokens)
+
 
 @dataclass
 class VerifyResult:

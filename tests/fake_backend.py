@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from core.backends import Capabilities
-from core.protocol import VerifyRequest, VerifyResult, prefix_hash
+from core.protocol import VerifyRequest, VerifyResult
 from core.rejection import decide
 from core.sampling import processed_probs
 
@@ -86,13 +86,9 @@ class FakeEngine:
 
     def _claim(self, r: VerifyRequest) -> list[int] | None:
         """The sequence's tokens before its drafts, None on a cache miss."""
-        if r.full:
-            tokens = list(r.new_tokens)
-        else:
-            held = self.seqs.get(r.seq_id)
-            if held is None or len(held) < r.start or prefix_hash(held[: r.start]) != r.prefix:
-                return None
-            tokens = held[: r.start] + list(r.new_tokens)
+        tokens = r.resumed(self.seqs.get(r.seq_id))
+        if tokens is None:
+            return None
         self.seqs.pop(r.seq_id, None)
         self.seqs[r.seq_id] = tokens
         while len(self.seqs) > self.tracked:

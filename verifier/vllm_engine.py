@@ -45,7 +45,7 @@ import torch
 from core.backends import capabilities
 from core.grammar import Constraint
 from core.models import eos_token_ids, pin_process, resolve_dtype
-from core.protocol import VerifyRequest, VerifyResult, prefix_hash
+from core.protocol import VerifyRequest, VerifyResult
 from core.rejection import decide
 from verifier import vllm_compat as compat
 
@@ -227,14 +227,11 @@ class VllmVerifierEngine:
 
     def _claim(self, r: VerifyRequest) -> list[int] | None:
         """The sequence's tokens before its drafts, or None on a cache miss."""
-        if r.full:
-            tokens = list(r.new_tokens)
-        else:
-            held = self.seqs.get(r.seq_id)
-            if held is None or len(held) < r.start or prefix_hash(held[: r.start]) != r.prefix:
-                self.stats["misses"] += 1
-                return None
-            tokens = held[: r.start] + list(r.new_tokens)
+        tokens = r.resumed(self.seqs.get(r.seq_id))
+        if tokens is None:
+            self.stats["misses"] += 1
+            return None
+        if not r.full:
             self.stats["hits"] += 1
         self.seqs[r.seq_id] = tokens
         self.seqs.move_to_end(r.seq_id)
