@@ -523,6 +523,13 @@ def _ray_worker(config: dict):
 
 def run_ray(args, argv: list[str]) -> None:
     """``run`` as a Ray Train job: ``args.workers`` workers, DDP over gloo (CPUs) or nccl (GPUs)."""
+    ray_train(_ray_worker, {"argv": argv}, args, "eagle3")
+
+
+def ray_train(worker, config: dict, args, name: str) -> None:
+    """``worker(config)`` as a Ray Train job (``TorchTrainer``) of ``args.workers`` workers, DDP over gloo on CPUs
+    (each with its share of ``args.threads``, passed as ``config["threads"]``) or nccl on GPUs; its storage under
+    ``args.work``/ray. Shared by the trainers of heads (EAGLE-3, P-EAGLE)."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -531,11 +538,11 @@ def run_ray(args, argv: list[str]) -> None:
         ray.init(address=args.ray_address)
     threads = max(1, args.threads // args.workers) if not args.use_gpu else args.threads
     trainer = TorchTrainer(
-        _ray_worker, train_loop_config={"argv": argv, "threads": threads},
+        worker, train_loop_config={**config, "threads": threads},
         torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
                                      resources_per_worker=None if args.use_gpu else {"CPU": 1}),
-        run_config=RunConfig(name="eagle3", storage_path=str((args.work / "ray").resolve())))
+        run_config=RunConfig(name=name, storage_path=str((args.work / "ray").resolve())))
     trainer.fit()
 
 

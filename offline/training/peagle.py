@@ -279,20 +279,7 @@ def absolute(args) -> argparse.Namespace:
 
 def run_ray(args) -> None:
     """``run`` as a Ray Train job (``TorchTrainer``: DDP over gloo on CPUs, nccl on GPUs)."""
-    import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    if not ray.is_initialized():
-        ray.init(address=args.ray_address)
-    threads = max(1, args.threads // args.workers) if not args.use_gpu else args.threads
-    trainer = TorchTrainer(
-        _ray_worker, train_loop_config={"args": absolute(args), "threads": threads},
-        torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
-                                     resources_per_worker=None if args.use_gpu else {"CPU": 1}),
-        run_config=RunConfig(name="peagle", storage_path=str((args.work / "ray").resolve())))
-    trainer.fit()
+    base.ray_train(_ray_worker, {"args": absolute(args)}, args, "peagle")
 
 
 def main(argv=None):
