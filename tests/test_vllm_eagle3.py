@@ -63,11 +63,12 @@ def test_modes_and_refusals():
                                   "drafter": {**HEAD_CFG, "num_speculative_tokens": 6}})
 
 
-def _proposer(rows: int):
+def _proposer(rows: int, prefix=None):
+    """A proposer's bookkeeping without an engine, for ``rows`` engine rows; ``prefix``: its ``PrefixStates``."""
     from verifier.vllm_proposer import SplitspecProposer
 
     prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
-    prop.states, prop.prefix = {}, None
+    prop.states, prop.prefix, prop._deferred = {}, prefix, []
     prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)),
                                   input_batch=SimpleNamespace(num_computed_tokens_cpu=np.zeros(rows, dtype=np.int32)))
     return prop

@@ -11,7 +11,6 @@ drafts as the miss that computed them.
 
 import asyncio
 import uuid
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +18,8 @@ import torch
 
 from configs import SamplingParams
 from tests.test_eagle3 import HEAD, TARGET
-from tests.test_vllm_eagle3 import CODE, HEAD_CFG, VERIFIER, K
+from tests.test_vllm_eagle3 import CODE, HEAD_CFG, VERIFIER, K, _step
+from tests.test_vllm_eagle3 import _proposer as eagle3_proposer
 from verifier.vllm_prefix_states import PrefixStates
 
 B = 4  # tokens per block in the bookkeeping tests
@@ -71,21 +71,7 @@ def test_least_recently_used_blocks_go_first_and_gaps_stop_the_keeping():
 
 
 def _proposer(rows: int, block: int = B):
-    from verifier.vllm_proposer import SplitspecProposer
-
-    prop = SplitspecProposer.__new__(SplitspecProposer)  # (no engine: the bookkeeping alone)
-    prop.states, prop.prefix, prop._deferred = {}, PrefixStates(block, 1 << 10), []
-    prop.runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.zeros(rows + 1, dtype=np.int32)),
-                                  input_batch=SimpleNamespace(num_computed_tokens_cpu=np.zeros(rows, dtype=np.int32)))
-    return prop
-
-
-def _step(prop, fed: list[list[int]], drafts: list[int]):
-    qsl = np.cumsum([0] + [len(f) for f in fed])
-    prop.runner.query_start_loc.np[: len(qsl)] = qsl
-    prop.runner.input_batch.num_computed_tokens_cpu[: len(fed)] = [f[0] for f in fed]
-    aux = torch.tensor([float(t) for f in fed for t in f]).unsqueeze(1).repeat(1, 3)
-    return aux, SimpleNamespace(num_draft_tokens=drafts)
+    return eagle3_proposer(rows, PrefixStates(block, 1 << 10))
 
 
 def test_a_hit_in_the_step_that_computes_its_blocks_gets_their_states():
