@@ -199,6 +199,18 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams, history: Histo
     return probs
 
 
+def inverse_cdf(probs: list[float], u: float) -> int:
+    """``sample_inverse_cdf`` of one short row in Python floats: the first index whose cumulative sum exceeds
+    u times the total (never an entry of probability 0)."""
+    target, acc, last = u * sum(probs), 0.0, 0
+    for i, x in enumerate(probs):
+        if x > 0:
+            acc, last = acc + x, i
+            if acc > target:
+                return i
+    return last
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draw one token per row of probs [n, V] (unnormalised is fine) using uniforms u [n].
 
@@ -207,4 +219,6 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(-1)  # [n, V]
     target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [n, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
-    return idx.clamp_max(probs.shape[-1] - 1)
+    if bool((idx >= probs.shape[-1]).any()):  # u * total rounded up to the total: the last entry of probability > 0
+        idx = torch.where(idx >= probs.shape[-1], (cdf < cdf[:, -1:]).sum(-1), idx)
+    return idx

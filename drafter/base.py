@@ -25,9 +25,9 @@ from core.sampling import (
     History,
     NoiseCache,
     Stream,
+    inverse_cdf,
     perturbed,
     processed_probs,
-    sample_inverse_cdf,
     target_logits,
     uniform,
 )
@@ -161,13 +161,17 @@ class BatchedDrafter(ABC):
         return apply_bitmask(logits, masks, uniform_fallback=True)
 
     def _next_draft(self, r: DraftRequest, logits: torch.Tensor, slot_tokens: list[int], out: dict,
-                    prop: Proposal | None = None, drawn: tuple[int, list[int] | None] | None = None) -> int | None:
-        """Draw r's next draft (``_draw``, or ``drawn``: (draft, alternatives) drawn already) and append it
-        to its proposal (default: r's); None when drawing failed (the sequence keeps the drafts it has)."""
+                    prop: Proposal | None = None, drawn: tuple | None = None) -> int | None:
+        """Draw r's next draft (``_draw``, or ``drawn``: (draft, alternatives[, (q's ids, probabilities)]) drawn
+        already) and append it to its proposal (default: r's); None when drawing failed (the sequence keeps the
+        drafts it has)."""
         prop = out[r.seq_id] if prop is None else prop
         if drawn is not None:
             if drawn[1] is not None:
                 prop.alts.append(drawn[1])
+            if len(drawn) > 2:
+                prop.probs.ids.append(drawn[2][0])
+                prop.probs.probs.append(drawn[2][1])
             prop.tokens.append(drawn[0])
             return drawn[0]
         try:
@@ -198,20 +202,34 @@ class BatchedDrafter(ABC):
             if r.alternatives:
                 prop.alts.append(scores.topk(min(r.alternatives, q.shape[0])).indices.tolist())
             return int(scores.argmax())
-        if r.alternatives:
-            prop.alts.append(q.topk(min(r.alternatives, q.shape[0])).indices.tolist())
-        K = min(self.config.draft_top_k, q.shape[0])
-        vals, ids = q.topk(K)  # [K]
-        keep = vals > 0
-        vals, ids = vals[keep], ids[keep]
-        vals = vals / vals.sum()
-        u = torch.tensor([uniform(r.seed, position, Stream.DRAFT)])
-        token = int(ids[sample_inverse_cdf(vals.unsqueeze(0), u)[0]])
+        token, alts, ids, probs = sparse_draw(q.unsqueeze(0), self.config.draft_top_k, r.alternatives,
+                                              [uniform(r.seed, position, Stream.DRAFT)])[0]
+        if alts is not None:
+            prop.alts.append(alts)
         if not self.q_masked and r.grammar is not None:
-            vals = processed_probs(raw, r.sampling, history)[0][ids]
-        prop.probs.ids.append(ids.tolist())
-        prop.probs.probs.append(vals.tolist())
+            probs = processed_probs(raw, r.sampling, history)[0][ids].tolist()
+        prop.probs.ids.append(ids)
+        prop.probs.probs.append(probs)
         return token
+
+
+def sparse_draw(q: torch.Tensor, top_k: int, alternatives: int, u: list[float]) -> list[tuple]:
+    """Rows of q [n, V] -> per row (draft, its ``alternatives`` most likely tokens or None, q's top ``top_k``
+    ids and their probabilities renormalised, zeros dropped): the draft drawn from that sparse q by inverse
+    CDF with the row's uniform. One topk and one copy to Python for the rows, the rest on a few dozen floats:
+    each torch op on so few entries costs microseconds of dispatch, and a sampled pre-draft tree draws
+    dozens of rows a step (docs/decisions/0067-sampled-draft-draws.md)."""
+    vals, top = q.topk(min(max(top_k, alternatives), q.shape[-1]), dim=-1)  # [n, K], likeliest first
+    out = []
+    for probs, ids, u_row in zip(vals.tolist(), top.tolist(), u):
+        alts = ids[:alternatives] if alternatives else None
+        n = min(top_k, len(probs))
+        while n > 1 and probs[n - 1] <= 0:  # (sorted: q's zeros are at the end; its first entry is positive)
+            n -= 1
+        total = sum(probs[:n])
+        probs, ids = [x / total for x in probs[:n]], ids[:n]
+        out.append((ids[inverse_cdf(probs, u_row)], alts, ids, probs))
+    return out
 
 
 class HeadDrafter(BatchedDrafter):

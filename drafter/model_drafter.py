@@ -16,8 +16,8 @@ from core.kv_cache import BranchSlot, CacheFull, Slot, batched_forward
 from core.llama import EngineModel
 from core.models import eos_token_ids
 from core.protocol import DraftRequest, Proposal
-from core.sampling import perturbed, processed_probs
-from drafter.base import BatchedDrafter
+from core.sampling import Stream, perturbed, processed_probs, uniform
+from drafter.base import BatchedDrafter, sparse_draw
 
 if TYPE_CHECKING:  # pydantic stays out of engine-level imports
     from configs import DraftModelConfig
@@ -159,28 +159,33 @@ class ModelDrafter(BatchedDrafter):
                 if self.narrowed.get(seq_id, (None,))[0] == context_len:
                     del self.narrowed[seq_id]
 
-    def _batched_draws(self, passed) -> dict[int, tuple[int, list[int] | None]]:
-        """{row: (draft, alternatives)} for the pass's rows that draw alike, one batched op per group
-        instead of one per row, since a pre-draft tree's passes have m (k + 1) rows: greedy rows without
-        processors (one argmax), and Gumbel-coupled sampled rows of one request's parameters without
-        history-dependent processors (one ``processed_probs``, one Gumbel argmax over their positions'
-        noise). Each row gets the draft and alternatives ``_draw`` computes for it alone (softmax, top-k,
-        top-p and argmax are row by row; argmax takes the first of tied maxima either way). See
-        docs/decisions/0012-batched-pass-bookkeeping.md."""
+    def _batched_draws(self, passed) -> dict[int, tuple]:
+        """{row: (draft, alternatives[, q's sparse ids and probabilities])} for the pass's rows that draw alike,
+        one batched op per group instead of one per row, since a pre-draft tree's passes have m (k + 1) rows:
+        greedy rows without processors (one argmax), and sampled rows of one request's parameters without
+        history-dependent processors (one ``processed_probs``, then one Gumbel argmax over their positions'
+        noise, or one ``sparse_draw`` for rejection sampling). Each row gets what ``_draw`` computes for it
+        alone (softmax, top-k, top-p and argmax are row by row; argmax takes the first of tied maxima either
+        way). See docs/decisions/0012-batched-pass-bookkeeping.md."""
         groups: dict[object, list[int]] = {}
         for i, ((r, _, _, k, _), _) in enumerate(passed):
             if not k or r.sampling.processed or r.grammar is not None:  # (a grammar's rows: masked one by one)
                 continue
-            if r.sampling.greedy:
-                groups.setdefault("greedy", []).append(i)
-            elif r.sampling.verification == "gumbel":
-                groups.setdefault(id(r), []).append(i)  # (a request's rows share its seed and parameters)
+            # (a request's sampled rows share its seed and parameters)
+            groups.setdefault("greedy" if r.sampling.greedy else id(r), []).append(i)
         out = {}
         for key, rows in groups.items():
             if len(rows) < 2:
                 continue
             reqs = [passed[i][0][0] for i in rows]
             x = torch.cat([passed[i][1] for i in rows]).float()  # [N, V]
+            if key != "greedy" and reqs[0].sampling.verification == "rejection":
+                q = processed_probs(x, reqs[0].sampling)
+                u = [uniform(r.seed, len(passed[i][0][1].tokens), Stream.DRAFT) for i, r in zip(rows, reqs)]
+                m = max(r.alternatives for r in reqs)
+                for i, r, (draft, alts, ids, probs) in zip(rows, reqs, sparse_draw(q, self.config.draft_top_k, m, u)):
+                    out[i] = (draft, alts[: r.alternatives] if alts and r.alternatives else None, (ids, probs))
+                continue
             if key == "greedy":
                 scores = x
                 drafts = x.argmax(-1).tolist()

@@ -162,7 +162,8 @@ def _draft_tree(tiny_engines, prompt: str, params, seq_id: str, m: int):
     (t,) = dr.propose([seq.draft_request(4, context=seq.tokens + p.tokens[:3], alternatives=m + 1,
                                          branches=[(len(seq.tokens) + j, c) for j, c in branches])])
     dr.release(seq_id)
-    return p.tokens, p.alts, [(b.tokens, b.alts) for b in t.branches]
+    q = [(b.probs.ids, b.probs.probs) if b.probs else None for b in [p, *t.branches]]
+    return p.tokens, p.alts, [(b.tokens, b.alts) for b in t.branches], q
 
 
 def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
@@ -185,17 +186,23 @@ def test_a_drafter_draws_a_trees_positions_once(tiny_engines, monkeypatch):
     assert _draft_tree(tiny_engines, "def add(a, b):", params, "b", 1) == cached and len(calls) > 20
 
 
+@pytest.mark.parametrize("verification", ["gumbel", "rejection"])
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.3, top_k=20),
                                     dict(temperature=1.0, top_p=0.9)])
-def test_a_trees_rows_drawn_together_are_drawn_as_alone(tiny_engines, monkeypatch, params):
-    """A pass's greedy and Gumbel-coupled rows are drawn in one batched op (``_batched_draws``): every
-    branch's drafts and alternatives are those each row draws alone (``_draw``)."""
+def test_a_trees_rows_drawn_together_are_drawn_as_alone(tiny_engines, monkeypatch, params, verification):
+    """A pass's greedy and sampled rows are drawn in one batched op (``_batched_draws``): every branch's
+    drafts, alternatives and, for rejection sampling, sparse q are those each row draws alone (``_draw``)."""
     from drafter.model_drafter import ModelDrafter
 
-    sp = SamplingParams(**params, seed=9, verification="gumbel", max_tokens=64, ignore_eos=True)
+    sp = SamplingParams(**params, seed=9, verification=verification, max_tokens=64, ignore_eos=True)
     prompt = "class Stack:\n    def push(self, x):"
+    batched, draws = [], ModelDrafter._batched_draws
+    monkeypatch.setattr(ModelDrafter, "_batched_draws", lambda self, passed: batched.append(draws(self, passed))
+                        or batched[-1])
     together = _draft_tree(tiny_engines, prompt, sp, "together", 2)
     assert len(together[2]) == 9 and all(len(toks) == 4 for toks, _ in together[2])
+    assert sum(len(d) for d in batched) >= 9 * 3  # (most rows drawn together)
+    assert (together[3][0] is None) == (sp.greedy or verification == "gumbel")
     monkeypatch.setattr(ModelDrafter, "_batched_draws", lambda self, passed: {})
     assert _draft_tree(tiny_engines, prompt, sp, "alone", 2) == together
 

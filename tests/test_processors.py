@@ -249,3 +249,20 @@ def test_processors_order_and_neutral_values():
     # bias first (token 0: 3.0), then repetition on prompt+output tokens {3, 1}: 3.0/2, -1.0*2,
     # then frequency (once each for 3 and 1 in the output) and presence
     assert torch.allclose(got, torch.tensor([3.0, -2.0 - 0.75, 0.5, 1.5 - 0.75]))
+
+
+def test_the_python_inverse_cdf_draws_what_the_tensor_one_draws():
+    """The drafter draws from its sparse q in Python floats (``inverse_cdf``): the index ``sample_inverse_cdf``
+    picks for the same row and uniform, zeros never chosen, the last positive entry at u near 1."""
+    from core.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 64):
+        for _ in range(50):
+            row = torch.rand(n, generator=gen, dtype=torch.float64)
+            row[torch.rand(n, generator=gen) < 0.3] = 0.0
+            if row.sum() == 0:
+                row[0] = 1.0
+            for u in (0.0, float(torch.rand(1, generator=gen)), 1 - 2.0**-53):
+                want = int(sample_inverse_cdf(row.unsqueeze(0), torch.tensor([u]))[0])
+                assert inverse_cdf(row.tolist(), u) == want and row[want] > 0
