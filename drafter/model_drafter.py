@@ -182,8 +182,11 @@ class ModelDrafter(BatchedDrafter):
             if key != "greedy" and reqs[0].sampling.verification == "rejection":
                 q = processed_probs(x, reqs[0].sampling)
                 u = [uniform(r.seed, len(passed[i][0][1].tokens), Stream.DRAFT) for i, r in zip(rows, reqs)]
-                m = max(r.alternatives for r in reqs)
-                for i, r, (draft, alts, ids, probs) in zip(rows, reqs, sparse_draw(q, self.config.draft_top_k, m, u)):
+                try:
+                    drawn = sparse_draw(q, self.config.draft_top_k, max(r.alternatives for r in reqs), u)
+                except (ArithmeticError, ValueError):  # (a row q cannot be drawn from: each draws alone, failing alone)
+                    continue
+                for i, r, (draft, alts, ids, probs) in zip(rows, reqs, drawn):
                     out[i] = (draft, alts[: r.alternatives] if alts and r.alternatives else None, (ids, probs))
                 continue
             if key == "greedy":
