@@ -200,15 +200,17 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams, history: Histo
 
 
 def inverse_cdf(probs: list[float], u: float) -> int:
-    """``sample_inverse_cdf`` of one short row in Python floats: the first index whose cumulative sum exceeds
-    u times the total (never an entry of probability 0)."""
-    target, acc, last = u * sum(probs), 0.0, 0
-    for i, x in enumerate(probs):
-        if x > 0:
-            acc, last = acc + x, i
-            if acc > target:
-                return i
-    return last
+    """``sample_inverse_cdf`` of one short row in Python floats: cumulative sums in float64, in order; the first
+    index whose sum exceeds u times the total (never an entry of probability 0)."""
+    cdf, acc = [], 0.0
+    for x in probs:
+        acc += x
+        cdf.append(acc)
+    target = u * acc
+    for i, c in enumerate(cdf):
+        if c > target:
+            return i
+    return max((i for i, x in enumerate(probs) if x > 0), default=0)  # (u * total rounded up to the total)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

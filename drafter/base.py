@@ -215,20 +215,23 @@ class BatchedDrafter(ABC):
 
 def sparse_draw(q: torch.Tensor, top_k: int, alternatives: int, u: list[float]) -> list[tuple]:
     """Rows of q [n, V] -> per row (draft, its ``alternatives`` most likely tokens or None, q's top ``top_k``
-    ids and their probabilities renormalised, zeros dropped): the draft drawn from that sparse q by inverse
-    CDF with the row's uniform. One topk and one copy to Python for the rows, the rest on a few dozen floats:
-    each torch op on so few entries costs microseconds of dispatch, and a sampled pre-draft tree draws
-    dozens of rows a step (docs/decisions/0067-sampled-draft-draws.md)."""
+    ids and their probabilities renormalised in float32, zeros dropped): the draft drawn from exactly that
+    sparse q, the float32 values the verifier reads, by inverse CDF with the row's uniform
+    (``core.sampling.inverse_cdf``). One topk, one division and one copy to Python for the rows, the rest on
+    a few dozen floats: each torch op on so few entries costs microseconds of dispatch, and a sampled
+    pre-draft tree draws dozens of rows a step (docs/decisions/0067-sampled-draft-draws.md). ValueError
+    for a row that is not a distribution (NaN logits): its sequence keeps the drafts it has."""
     vals, top = q.topk(min(max(top_k, alternatives), q.shape[-1]), dim=-1)  # [n, K], likeliest first
+    kept = vals[:, :top_k]
     out = []
-    for probs, ids, u_row in zip(vals.tolist(), top.tolist(), u):
-        alts = ids[:alternatives] if alternatives else None
-        n = min(top_k, len(probs))
-        while n > 1 and probs[n - 1] <= 0:  # (sorted: q's zeros are at the end; its first entry is positive)
+    for probs, ids, u_row in zip((kept / kept.sum(-1, keepdim=True)).tolist(), top.tolist(), u):
+        if not probs[0] > 0:  # (sorted: the first entry of a distribution is positive; NaN is not)
+            raise ValueError("the drafter's q is not a distribution")
+        n = len(probs)
+        while probs[n - 1] <= 0:  # q's zeros, at the end
             n -= 1
-        total = sum(probs[:n])
-        probs, ids = [x / total for x in probs[:n]], ids[:n]
-        out.append((ids[inverse_cdf(probs, u_row)], alts, ids, probs))
+        out.append((ids[inverse_cdf(probs[:n], u_row)], ids[:alternatives] if alternatives else None, ids[:n],
+                    probs[:n]))
     return out
 
 

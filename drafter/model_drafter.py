@@ -184,7 +184,7 @@ class ModelDrafter(BatchedDrafter):
                 u = [uniform(r.seed, len(passed[i][0][1].tokens), Stream.DRAFT) for i, r in zip(rows, reqs)]
                 try:
                     drawn = sparse_draw(q, self.config.draft_top_k, max(r.alternatives for r in reqs), u)
-                except (ArithmeticError, ValueError):  # (a row q cannot be drawn from: each draws alone, failing alone)
+                except ValueError:  # (a row q cannot be drawn from: each draws alone, failing alone)
                     continue
                 for i, r, (draft, alts, ids, probs) in zip(rows, reqs, drawn):
                     out[i] = (draft, alts[: r.alternatives] if alts and r.alternatives else None, (ids, probs))

@@ -264,5 +264,29 @@ def test_the_python_inverse_cdf_draws_what_the_tensor_one_draws():
             if row.sum() == 0:
                 row[0] = 1.0
             for u in (0.0, float(torch.rand(1, generator=gen)), 1 - 2.0**-53):
-                want = int(sample_inverse_cdf(row.unsqueeze(0), torch.tensor([u]))[0])
+                want = int(sample_inverse_cdf(row.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
                 assert inverse_cdf(row.tolist(), u) == want and row[want] > 0
+
+
+def test_a_sparse_draw_sends_the_q_its_draft_was_drawn_from():
+    """``sparse_draw``: q's top ``top_k`` entries renormalised in float32 (the values the verifier reads), its zeros
+    dropped where q has fewer positive entries, the alternatives from the wider top-k when they ask for more,
+    the draft drawn from exactly the q sent; a row that is not a distribution (NaN logits) raises, so its
+    sequence keeps the drafts it has instead of sending q it cannot be verified against."""
+    import numpy as np
+    import pytest
+
+    from core.sampling import inverse_cdf
+    from drafter.base import sparse_draw
+
+    q = torch.zeros(2, 100)
+    q[0, [5, 9, 40]] = torch.tensor([0.5, 0.3, 0.2])
+    q[1] = torch.softmax(torch.randn(100, generator=torch.Generator().manual_seed(1)), -1)
+    rows = sparse_draw(q, 8, 12, [0.9, 0.3])
+    (d0, alts0, ids0, p0), (d1, alts1, ids1, p1) = rows
+    assert ids0 == [5, 9, 40] and d0 == 40 and len(alts0) == 12 and alts0[:3] == [5, 9, 40]
+    assert len(ids1) == 8 and ids1 == q[1].topk(8).indices.tolist() and alts1[:8] == ids1
+    assert all(np.float32(x) == x for x in p0 + p1)  # (float32 values: what the verifier reads)
+    assert d1 == ids1[inverse_cdf(p1, 0.3)] and abs(sum(p1) - 1) < 1e-6
+    with pytest.raises(ValueError):
+        sparse_draw(torch.full((1, 100), float("nan")), 8, 0, [0.5])
