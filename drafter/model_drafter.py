@@ -178,30 +178,26 @@ class ModelDrafter(BatchedDrafter):
             if len(rows) < 2:
                 continue
             reqs = [passed[i][0][0] for i in rows]
+            positions = [len(passed[i][0][1].tokens) for i in rows]
             x = torch.cat([passed[i][1] for i in rows]).float()  # [N, V]
-            if key != "greedy" and reqs[0].sampling.verification == "rejection":
-                q = processed_probs(x, reqs[0].sampling)
-                u = [uniform(r.seed, len(passed[i][0][1].tokens), Stream.DRAFT) for i, r in zip(rows, reqs)]
+            m = max(r.alternatives for r in reqs)
+            q = None if key == "greedy" else processed_probs(x, reqs[0].sampling)  # [N, V] q of each row
+            sparse = [()] * len(rows)  # per row, for rejection sampling: ((q's ids, probabilities),)
+            if q is not None and reqs[0].sampling.verification == "rejection":
                 try:
-                    drawn = sparse_draw(q, self.config.draft_top_k, max(r.alternatives for r in reqs), u)
+                    drawn = sparse_draw(q, self.config.draft_top_k, m,
+                                        [uniform(r.seed, p, Stream.DRAFT) for r, p in zip(reqs, positions)])
                 except ValueError:  # (a row q cannot be drawn from: each draws alone, failing alone)
                     continue
-                for i, r, (draft, alts, ids, probs) in zip(rows, reqs, drawn):
-                    out[i] = (draft, alts[: r.alternatives] if alts and r.alternatives else None, (ids, probs))
-                continue
-            if key == "greedy":
-                scores = x
-                drafts = x.argmax(-1).tolist()
+                drafts, alts = [d[0] for d in drawn], [d[1] for d in drawn] if m else None
+                sparse = [((d[2], d[3]),) for d in drawn]
             else:
-                q = processed_probs(x, reqs[0].sampling)  # [N, V] q of each row
-                noise = torch.cat([self.noise.row(r.seed, len(passed[i][0][1].tokens), x.shape[-1])  # [N, V]
-                                   for i, r in zip(rows, reqs)])
-                scores = perturbed(q, noise)
+                scores = x if q is None else perturbed(q, torch.cat([self.noise.row(r.seed, p, x.shape[-1])  # [N, V]
+                                                                     for r, p in zip(reqs, positions)]))
                 drafts = scores.argmax(-1).tolist()
-            m = max(r.alternatives for r in reqs)
-            alts = scores.topk(min(m, x.shape[-1])).indices.tolist() if m else None  # [N, m], likeliest first
+                alts = scores.topk(min(m, x.shape[-1])).indices.tolist() if m else None  # [N, m], likeliest first
             for j, (i, r) in enumerate(zip(rows, reqs)):
-                out[i] = (drafts[j], alts[j][: r.alternatives] if alts and r.alternatives else None)
+                out[i] = (drafts[j], alts[j][: r.alternatives] if alts and r.alternatives else None, *sparse[j])
         return out
 
     def _forward(self, active: list[Feed], out: dict):
